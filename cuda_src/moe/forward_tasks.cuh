@@ -1,0 +1,258 @@
+// Forward tasks of the fused MoE layer (one GPU).  Phases, in task-index order:
+//   F0 dispatch      row block b:            x_routed[b] <- token rows (zeros for padding)
+//   F1 shared g|u    token block x I_s/64:   [x | ws_gate; ws_up] -> sgu, sact
+//   F2 routed g|u    row block x I/64:       [x_routed | W_gate[e]; W_up[e]] -> gu, act
+//   F3 shared down   token block x H/128:    sact * ws_down^T -> shared_y (fp32)
+//   F4 routed down   row block x H/128:      act * W_down[e]^T -> y_slot[route] (unweighted)
+//   F5 combine       token block:            out = shared_y + sum_j w[t,j] y_slot[t*k+j]
+// Each task waits only on lower-index tasks (see task_graph.cuh).
+#pragma once
+#include "moe/gemm_tile.cuh"
+#include "moe/task_graph.cuh"
+
+namespace mok {
+
+// ---- SwiGLU with the optional clamp (DESIGN.md §2) ---------------------------------------------
+struct SwiGLU {
+  bool limited;
+  float limit;
+
+  __device__ __forceinline__ static float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+
+  __device__ __forceinline__ float act(float g, float u) const {
+    if (limited) {
+      g = fminf(g, limit);
+      u = fminf(fmaxf(u, -limit), limit);
+    }
+    return g * sigmoid(g) * u;
+  }
+  // dg = da * u_c * silu'(g_c) * [g <= L],  du = da * silu(g_c) * [|u| <= L]
+  __device__ __forceinline__ void grad(float g, float u, float da, float& dg, float& du) const {
+    bool pass_g = true, pass_u = true;
+    if (limited) {
+      pass_g = g <= limit;
+      pass_u = fabsf(u) <= limit;
+      g = fminf(g, limit);
+      u = fminf(fmaxf(u, -limit), limit);
+    }
+    const float s = sigmoid(g);
+    dg = pass_g ? da * u * (s * (1.f + g * (1.f - s))) : 0.f;
+    du = pass_u ? da * (g * s) : 0.f;
+  }
+};
+
+__device__ __forceinline__ SwiGLU make_swiglu(const MoEDims& d) { return SwiGLU{d.has_limit != 0, d.swiglu_limit}; }
+
+// Fused gate|up epilogue: tile columns [0, 64) are gate, [64, 128) up, for intermediate columns
+// col0 .. col0+63.  Writes gu (bf16, ld 2*inter: gate at col0+c, up at inter+col0+c) and act
+// (bf16, ld inter), rows [0, rows) from row 0 of the given buffers.
+__device__ __forceinline__ void swiglu_epilogue(const unsigned char* smem, int rows, bf16* gu, bf16* act, int inter,
+                                                int col0, const SwiGLU& sw) {
+  gemm::for_each_chunk<kGateUpCols>(rows, kGateUpCols, [&](int r, int c) {
+    float g[8], u[8], a[8];
+    gemm::c_load8(smem, r, c, g);
+    gemm::c_load8(smem, r, kGateUpCols + c, u);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) a[i] = sw.act(g[i], u[i]);
+    bf16* gu_row = gu + (size_t)r * 2 * inter;
+    *reinterpret_cast<uint4*>(gu_row + col0 + c) = pack_bf16x8(g);
+    *reinterpret_cast<uint4*>(gu_row + inter + col0 + c) = pack_bf16x8(u);
+    *reinterpret_cast<uint4*>(act + (size_t)r * inter + col0 + c) = pack_bf16x8(a);
+  });
+}
+
+// Row block b of a routed buffer: row <- src[slot / k] (times weights[slot] when given), zeros
+// for padding rows.  Shared by the forward (x) and the backward (d_out) dispatch.
+__device__ __forceinline__ void gather_rows(const MoESchedule& s, const MoEDims& d, int b, const bf16* src,
+                                            const float* weights, bf16* dst, int* err) {
+  const int chunks = d.hidden / 8;
+  const int slots = d.tokens * d.top_k;
+  for (int idx = threadIdx.x; idx < kBlockM * chunks; idx += kThreads) {
+    const int r = idx / chunks, c = (idx - r * chunks) * 8;
+    const int row = b * kBlockM + r;
+    const int slot = s.row_slot[row];
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (slot >= 0 && slot < slots) {
+      v = *reinterpret_cast<const uint4*>(src + (size_t)(slot / d.top_k) * d.hidden + c);
+      if (weights != nullptr) {
+        const float w = weights[slot];
+        float f[8];
+        unpack_bf16x8(v, f);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) f[i] *= w;
+        v = pack_bf16x8(f);
+      }
+    } else if (slot >= slots) {
+      set_error(err, kErrInternal, __LINE__, row, slot);  // corrupt schedule: never read past x
+    }
+    *reinterpret_cast<uint4*>(dst + (size_t)row * d.hidden + c) = v;
+  }
+}
+
+// A block's expert id must index this rank's weights (uniform check: every thread reads it).
+__device__ __forceinline__ bool valid_expert(int e, int b, const MoEDims& d, int* err) {
+  if (e >= 0 && e < d.local_experts) return true;
+  if (threadIdx.x == 0) set_error(err, kErrInternal, __LINE__, b, e);
+  return false;
+}
+
+// Destination of a row block's output row r in a per-route [T*k, H] buffer (nullptr: padding).
+__device__ __forceinline__ bf16* route_row_ptr(const MoESchedule& s, const MoEDims& d, bf16* base, int row, int col0) {
+  const int slot = s.row_slot[row];
+  return (slot >= 0 && slot < d.tokens * d.top_k) ? base + (size_t)slot * d.hidden + col0 : nullptr;
+}
+
+// ---- task index space -------------------------------------------------------------------------
+struct ForwardPlan {
+  int token_blocks, gu_tiles, sgu_tiles, h_tiles;
+  PhaseRange dispatch, shared_gu, routed_gu, shared_down, routed_down, combine;
+  int total;
+
+  __device__ static ForwardPlan make(const MoEDims& d, bool context_only) {
+    ForwardPlan f;
+    f.token_blocks = ceil_div(d.tokens, kBlockM);
+    f.gu_tiles = d.inter / kGateUpCols;
+    f.sgu_tiles = d.shared_inter / kGateUpCols;
+    f.h_tiles = ceil_div(d.hidden, gemm::kBN);
+    const bool shared = d.shared_inter > 0;
+    int at = 0;
+    auto next = [&](int count) { PhaseRange r{at, count}; at += count; return r; };
+    f.dispatch = next(d.max_blocks);
+    f.shared_gu = next(f.token_blocks * f.sgu_tiles);
+    f.routed_gu = next(d.max_blocks * f.gu_tiles);
+    f.shared_down = next(shared && !context_only ? f.token_blocks * f.h_tiles : 0);
+    f.routed_down = next(d.max_blocks * f.h_tiles);
+    f.combine = next(context_only ? 0 : f.token_blocks);
+    f.total = at;
+    return f;
+  }
+};
+
+// ---- the tasks ----------------------------------------------------------------------------------
+struct ForwardTasks {
+  const MoEForwardParams& p;
+  const ForwardPlan& plan;
+  int num_blocks;        // row blocks in use (device count)
+  unsigned char* smem;
+
+  __device__ WaitCtx wait_ctx() const { return WaitCtx{p.err, p.dims.timeout_ns, p.dims.rank}; }
+
+  // F0: gather the token rows of row block b.
+  __device__ void dispatch(int b) const {
+    gather_rows(p.sched, p.dims, b, p.x, nullptr, p.ctx.x_routed, p.err);
+    signal_counter(p.cnt.block_ready + b);
+  }
+
+  // F1: shared gate|up for token block tb, intermediate columns n*64 ...
+  __device__ void shared_gate_up(int tb, int n) const {
+    const MoEDims& d = p.dims;
+    const int t0 = tb * kBlockM, rows = min_int(kBlockM, d.tokens - t0), col0 = n * kGateUpCols;
+    gemm::tile_gemm<gemm::kKMajor, gemm::kKMajor>(
+        gemm::operand(p.x + (size_t)t0 * d.hidden, d.hidden, rows),
+        gemm::operand2(p.w.ws_gate + (size_t)col0 * d.hidden, p.w.ws_up + (size_t)col0 * d.hidden, kGateUpCols,
+                       d.hidden, 2 * kGateUpCols),
+        d.hidden, smem);
+    swiglu_epilogue(smem, rows, p.ctx.sgu + (size_t)t0 * 2 * d.shared_inter, p.ctx.sact + (size_t)t0 * d.shared_inter,
+                    d.shared_inter, col0, make_swiglu(d));
+    signal_counter(p.cnt.token_sact_ready + tb);
+  }
+
+  // F2: routed gate|up for row block b, intermediate columns n*64 ...
+  __device__ void routed_gate_up(int b, int n, int task) const {
+    const MoEDims& d = p.dims;
+    const int e = p.sched.block_expert[b];
+    if (!valid_expert(e, b, d, p.err)) return;
+    if (!wait_counter(p.cnt.block_ready + b, 1, wait_ctx(), task)) return;
+    const size_t row0 = (size_t)b * kBlockM, w0 = ((size_t)e * d.inter + n * kGateUpCols) * d.hidden;
+    gemm::tile_gemm<gemm::kKMajor, gemm::kKMajor>(
+        gemm::operand(p.ctx.x_routed + row0 * d.hidden, d.hidden, kBlockM),
+        gemm::operand2(p.w.w_gate + w0, p.w.w_up + w0, kGateUpCols, d.hidden, 2 * kGateUpCols), d.hidden, smem);
+    swiglu_epilogue(smem, kBlockM, p.ctx.gu + row0 * 2 * d.inter, p.ctx.act + row0 * d.inter, d.inter,
+                    n * kGateUpCols, make_swiglu(d));
+    signal_counter(p.cnt.block_act_ready + b);
+  }
+
+  // F3: shared down for token block tb, hidden columns h*128 ...
+  __device__ void shared_down(int tb, int h, int task) const {
+    const MoEDims& d = p.dims;
+    if (!wait_counter(p.cnt.token_sact_ready + tb, plan.sgu_tiles, wait_ctx(), task)) return;
+    const int t0 = tb * kBlockM, rows = min_int(kBlockM, d.tokens - t0);
+    const int h0 = h * gemm::kBN, cols = min_int(gemm::kBN, d.hidden - h0);
+    gemm::tile_gemm<gemm::kKMajor, gemm::kKMajor>(
+        gemm::operand(p.ctx.sact + (size_t)t0 * d.shared_inter, d.shared_inter, rows),
+        gemm::operand(p.w.ws_down + (size_t)h0 * d.shared_inter, d.shared_inter, cols), d.shared_inter, smem);
+    gemm::store_tile_f32(smem, p.shared_y + (size_t)t0 * d.hidden + h0, d.hidden, rows, cols, false);
+    signal_counter(p.cnt.token_shared_done + tb);
+  }
+
+  // F4: routed down for row block b, hidden columns h*128 ...; rows go to their route's slot.
+  __device__ void routed_down(int b, int h, int task) const {
+    const MoEDims& d = p.dims;
+    const int e = p.sched.block_expert[b];
+    if (!valid_expert(e, b, d, p.err)) return;
+    if (!wait_counter(p.cnt.block_act_ready + b, plan.gu_tiles, wait_ctx(), task)) return;
+    const size_t row0 = (size_t)b * kBlockM;
+    const int h0 = h * gemm::kBN, cols = min_int(gemm::kBN, d.hidden - h0);
+    gemm::tile_gemm<gemm::kKMajor, gemm::kKMajor>(
+        gemm::operand(p.ctx.act + row0 * d.inter, d.inter, kBlockM),
+        gemm::operand(p.w.w_down + ((size_t)e * d.hidden + h0) * d.inter, d.inter, cols), d.inter, smem);
+    gemm::store_tile_bf16_rows(smem, kBlockM, cols, [&](int r) {
+      return route_row_ptr(p.sched, d, p.ctx.y_slot, (int)row0 + r, h0);
+    });
+    signal_counter(p.cnt.down_done);
+  }
+
+  // F5: out[t] = shared_y[t] + sum_j w[t,j] * y_slot[t*k+j], fp32, j in order.
+  __device__ void combine(int tb, int task) const {
+    const MoEDims& d = p.dims;
+    if (!wait_counter(p.cnt.down_done, num_blocks * plan.h_tiles, wait_ctx(), task)) return;
+    const bool shared = d.shared_inter > 0;
+    if (shared && !wait_counter(p.cnt.token_shared_done + tb, plan.h_tiles, wait_ctx(), task)) return;
+    const int t0 = tb * kBlockM, rows = min_int(kBlockM, d.tokens - t0), chunks = d.hidden / 8;
+    for (int idx = threadIdx.x; idx < rows * chunks; idx += kThreads) {
+      const int r = idx / chunks, c = (idx - r * chunks) * 8;
+      const size_t t = (size_t)(t0 + r);
+      float acc[8];
+      if (shared) {
+        const float4 lo = ld_cg_f4(p.shared_y + t * d.hidden + c), hi = ld_cg_f4(p.shared_y + t * d.hidden + c + 4);
+        acc[0] = lo.x; acc[1] = lo.y; acc[2] = lo.z; acc[3] = lo.w;
+        acc[4] = hi.x; acc[5] = hi.y; acc[6] = hi.z; acc[7] = hi.w;
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] = 0.f;
+      }
+      for (int j = 0; j < d.top_k; ++j) {
+        const size_t slot = t * d.top_k + j;
+        const float w = p.topk_weights[slot];
+        float y[8];
+        unpack_bf16x8(ld_cg_v4(p.ctx.y_slot + slot * d.hidden + c), y);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] = fmaf(w, y[i], acc[i]);
+      }
+      *reinterpret_cast<uint4*>(p.out + t * d.hidden + c) = pack_bf16x8(acc);
+    }
+  }
+
+  __device__ void run(int task) const {
+    if (plan.dispatch.has(task)) {
+      const int b = plan.dispatch.local(task);
+      if (b < num_blocks) dispatch(b);
+    } else if (plan.shared_gu.has(task)) {
+      const int q = plan.shared_gu.local(task);
+      shared_gate_up(q / plan.sgu_tiles, q % plan.sgu_tiles);
+    } else if (plan.routed_gu.has(task)) {
+      const int q = plan.routed_gu.local(task), b = q / plan.gu_tiles;
+      if (b < num_blocks) routed_gate_up(b, q % plan.gu_tiles, task);
+    } else if (plan.shared_down.has(task)) {
+      const int q = plan.shared_down.local(task);
+      shared_down(q / plan.h_tiles, q % plan.h_tiles, task);
+    } else if (plan.routed_down.has(task)) {
+      const int q = plan.routed_down.local(task), b = q / plan.h_tiles;
+      if (b < num_blocks) routed_down(b, q % plan.h_tiles, task);
+    } else if (plan.combine.has(task)) {
+      combine(plan.combine.local(task), task);
+    }
+  }
+};
+
+}  // namespace mok

@@ -1,0 +1,37 @@
+// The fused MoE layer kernels (one GPU): one persistent forward and one persistent backward.
+// Launched with kThreads threads per CTA, gemm::kSmemBytes of dynamic shared memory and a grid
+// of about (SMs x CTAs per SM); tasks are pulled from a counter zeroed by the host.
+#include "moe/backward_tasks.cuh"
+
+namespace mok {
+
+// Routing counts are device data: a schedule that overflows the buffers is reported, not used.
+__device__ __forceinline__ bool check_capacity(int num_blocks, const MoEDims& d, int* err) {
+  if (num_blocks >= 0 && num_blocks <= d.max_blocks) return true;
+  if (blockIdx.x == 0 && threadIdx.x == 0) set_error(err, kErrCapacity, d.rank, num_blocks * kBlockM, d.max_rows);
+  return false;
+}
+
+}  // namespace mok
+
+using namespace mok;
+
+extern "C" __global__ void __launch_bounds__(kThreads, 1) moe_forward(const __grid_constant__ MoEForwardParams p) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  if (error_set(p.err)) return;
+  const int num_blocks = p.sched.num_blocks[0];
+  if (!check_capacity(num_blocks, p.dims, p.err)) return;
+  const ForwardPlan plan = ForwardPlan::make(p.dims, p.context_only != 0);
+  const ForwardTasks tasks{p, plan, num_blocks, smem};
+  task_loop(p.cnt.task_next, plan.total, p.err, [&](int task) { tasks.run(task); });
+}
+
+extern "C" __global__ void __launch_bounds__(kThreads, 1) moe_backward(const __grid_constant__ MoEBackwardParams p) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  if (error_set(p.err)) return;
+  const int num_blocks = p.sched.num_blocks[0];
+  if (!check_capacity(num_blocks, p.dims, p.err)) return;
+  const BackwardPlan plan = BackwardPlan::make(p.dims);
+  const BackwardTasks tasks{p, plan, num_blocks, smem};
+  task_loop(p.cnt.task_next, plan.total, p.err, [&](int task) { tasks.run(task); });
+}

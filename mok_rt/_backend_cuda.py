@@ -1,0 +1,177 @@
+"""The CUDA backend: the schedule kernels and the fused forward/backward megakernels on one GPU.
+
+Every buffer a call writes is allocated per call from the device's stream-ordered memory pool
+(so a workspace can serve several layers, and a context lives exactly as long as the caller keeps
+it); nothing here waits for the GPU or reads a routing-dependent count.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from . import _moe_launch as L
+from . import _moe_params as P
+from . import dtypes
+from ._errorword import ErrorWord
+from .dlpack import check, from_dlpack
+from .device import activate
+from .errors import ArgumentError
+from .layer import Context, Gradients
+from .routing import build_schedule
+from .tensor import Tensor
+
+_WEIGHT_GRADS = ("dw_gate", "dw_up", "dw_down", "dws_gate", "dws_up", "dws_down")
+
+
+@dataclass
+class _ForwardState:
+    """The forward's context buffers (owned), and the inputs that must outlive the launch."""
+
+    dims: L.LayerDims
+    bufs: dict
+    keep: tuple = field(default=(), repr=False)
+
+
+class CudaBackend:
+    def __init__(self, ws):
+        self.ws = ws
+        cfg = ws.config
+        if cfg.block_m != P.BLOCK_M:
+            raise ArgumentError("block_m", f"the CUDA kernels use row blocks of {P.BLOCK_M}, got {cfg.block_m}")
+        self.device_id = ws.device_id
+        activate(self.device_id)
+        self.error = ErrorWord(self.device_id)
+        self.knobs = L.KernelKnobs(ctas_per_sm=cfg.ctas_per_sm, timeout_ns=int(cfg.timeout_s * 1e9))
+
+    # -- lifetime / errors ---------------------------------------------------------------------
+    def close(self) -> None:
+        try:
+            self.ws.stream.sync()
+        finally:
+            self.error.close()
+
+    def synchronize(self) -> None:
+        self.ws.stream.sync()
+        self.check()
+
+    def check(self) -> None:
+        code = self.error.read()[0]
+        if code:
+            try:
+                self.error.raise_if_set(f"mok_rt (device {self.device_id})")
+            finally:
+                self.error.clear()
+
+    # -- helpers -----------------------------------------------------------------------------------
+    def _empty(self, shape, dtype, stream, *, poison=True):
+        t = Tensor.empty(shape, dtype, device_id=self.device_id, stream=stream)
+        if poison and self.ws.poison_outputs and t.nbytes:
+            t.fill_bytes(0xFF, stream=stream)   # NaN for bf16/f32, -1 for ints
+        return t
+
+    def _bytes(self, nbytes, stream, *, poison=True):
+        return self._empty((nbytes,), dtypes.uint8, stream, poison=poison)
+
+    def _dims(self, tokens: int) -> L.LayerDims:
+        cfg, ws = self.ws.config, self.ws
+        return L.LayerDims(tokens=tokens, hidden=cfg.hidden, intermediate=cfg.intermediate, top_k=cfg.top_k,
+                           local_experts=ws.experts_per_rank, capacity_rows=ws.capacity_rows,
+                           shared_intermediate=cfg.shared_intermediate, swiglu_limit=cfg.swiglu_limit,
+                           rank=ws.rank)
+
+    @staticmethod
+    def _sched_bufs(s) -> L.ScheduleBuffers:
+        return L.ScheduleBuffers(expert_count=s.expert_count.ptr, expert_offset=s.expert_offset.ptr,
+                                 num_blocks=s.totals.ptr, block_expert=s.block_expert.ptr,
+                                 row_src_rank=s.row_src_rank.ptr, row_slot=s.row_slot.ptr,
+                                 route_row=s.route_row.ptr)
+
+    # -- the API -----------------------------------------------------------------------------------
+    def schedule(self, ids, *, stream):
+        cfg, ws = self.ws.config, self.ws
+        T = ids.shape[0]
+        s = build_schedule([ids.ptr], [T], ids_int64=ids.dtype == dtypes.int64, num_experts=cfg.num_experts,
+                           top_k=cfg.top_k, rank=ws.rank, block_m=cfg.block_m, max_rows=ws.capacity_rows,
+                           max_total_routes=max(T, 1) * cfg.top_k, device_id=self.device_id, stream=stream,
+                           err_ptr=self.error.device_ptr, poison=ws.poison_outputs)
+        s._keep = ids
+        return s
+
+    def _run_forward(self, sched, args, stream, *, context_only: bool):
+        T = sched.tokens
+        dims = self._dims(T)
+        sizes = L.forward_buffer_bytes(dims)
+        H = dims.hidden
+        ctx_names = ("x_routed", "gu", "act", "y_slot", "sgu", "sact")
+        bufs = {n: self._bytes(sizes[n], stream) for n in ctx_names}
+        out = None if context_only else self._empty((T, H), dtypes.bfloat16, stream)
+        shared_y = self._bytes(sizes["shared_y"], stream, poison=False)
+        counters = self._bytes(sizes["counters"], stream, poison=False)
+        ptr = lambda v: 0 if v is None else v.ptr  # noqa: E731
+        fb = L.ForwardBuffers(
+            # The context does not depend on topk_weights: a context-only launch never reads them.
+            x=args.x.ptr, topk_weights=ptr(args.topk_weights) or args.x.ptr, w_gate=args.w_gate.ptr, w_up=args.w_up.ptr,
+            w_down=args.w_down.ptr, out=ptr(out), counters=counters.ptr, shared_y=shared_y.ptr,
+            ws_gate=ptr(args.ws_gate), ws_up=ptr(args.ws_up), ws_down=ptr(args.ws_down),
+            **{n: bufs[n].ptr for n in ctx_names})
+        L.launch_forward(fb, self._sched_bufs(sched), dims, stream=stream, err_ptr=self.error.device_ptr,
+                         device_id=self.device_id, knobs=self.knobs, context_only=context_only)
+        state = _ForwardState(dims=dims, bufs=bufs, keep=(args, shared_y, counters))
+        return out, state
+
+    def forward(self, sched, args, *, stream):
+        out, state = self._run_forward(sched, args, stream, context_only=False)
+        return out, Context(schedule=sched, tokens=sched.tokens, data=state)
+
+    def recompute(self, sched, args, *, stream):
+        if args.w_down is None or (self.ws.config.has_shared and args.ws_down is None):
+            raise ArgumentError("w_down", "the CUDA backend rebuilds the whole context, expert outputs included: "
+                                          "pass w_down= (and ws_down= with a shared expert)")
+        _, state = self._run_forward(sched, args, stream, context_only=True)
+        return Context(schedule=sched, tokens=sched.tokens, data=state, recomputed=True)
+
+    def _grad_buffer(self, name, given, shape, stream, accumulate):
+        if given is None:
+            return self._empty(shape, dtypes.float32, stream), None
+        v = from_dlpack(given, name=name, stream=stream)
+        check(v, name=name, dtype=dtypes.float32, shape=shape, device=("cuda", self.device_id))
+        if v.readonly:
+            raise ArgumentError(name, "is read-only")
+        return v, given
+
+    def backward(self, sched, ctx, dout, args, *, out, accumulate, stream):
+        state: _ForwardState = ctx.data
+        dims = state.dims
+        cfg = self.ws.config
+        T, H, I, Is, El, k = dims.tokens, dims.hidden, dims.intermediate, dims.shared_intermediate, \
+            dims.local_experts, dims.top_k
+        sizes = L.backward_buffer_bytes(dims)
+        shapes = {"dw_gate": (El, I, H), "dw_up": (El, I, H), "dw_down": (El, H, I),
+                  "dws_gate": (Is, H), "dws_up": (Is, H), "dws_down": (H, Is)}
+        grads, returned = {}, {}
+        for n in _WEIGHT_GRADS:
+            if n.startswith("dws") and not cfg.has_shared:
+                grads[n], returned[n] = None, None
+                continue
+            buf, caller = self._grad_buffer(n, out.get(n), shapes[n], stream, accumulate)
+            grads[n] = buf
+            returned[n] = caller if caller is not None else buf
+        dx = self._empty((T, H), dtypes.bfloat16, stream)
+        dtw = self._empty((T, k), dtypes.float32, stream)
+        scratch = {n: self._bytes(sizes[n], stream, poison=False)
+                   for n in ("dy_routed", "dgu", "dx_slot", "dsgu", "dx_shared", "counters")}
+        ptr = lambda v: 0 if v is None else v.ptr  # noqa: E731
+        b = state.bufs
+        bb = L.BackwardBuffers(
+            d_out=dout.ptr, x=args.x.ptr, topk_weights=args.topk_weights.ptr, w_gate=args.w_gate.ptr,
+            w_up=args.w_up.ptr, w_down=args.w_down.ptr, x_routed=b["x_routed"].ptr, gu=b["gu"].ptr,
+            act=b["act"].ptr, y_slot=b["y_slot"].ptr, dx=dx.ptr, d_topk_weights=dtw.ptr,
+            dw_gate=grads["dw_gate"].ptr, dw_up=grads["dw_up"].ptr, dw_down=grads["dw_down"].ptr,
+            ws_gate=ptr(args.ws_gate), ws_up=ptr(args.ws_up), ws_down=ptr(args.ws_down), sgu=ptr(b.get("sgu")),
+            sact=ptr(b.get("sact")), dws_gate=ptr(grads["dws_gate"]), dws_up=ptr(grads["dws_up"]),
+            dws_down=ptr(grads["dws_down"]), **{n: scratch[n].ptr for n in scratch})
+        if not cfg.has_shared:
+            bb = L.BackwardBuffers(**{**bb.__dict__, "sgu": 0, "sact": 0})
+        L.launch_backward(bb, self._sched_bufs(sched), dims, stream=stream, err_ptr=self.error.device_ptr,
+                          device_id=self.device_id, knobs=self.knobs, accumulate=accumulate)
+        dx._owner = (dx._owner, scratch, args, dout)   # keep inputs and scratch alive with the result
+        return Gradients(dx=dx, d_topk_weights=dtw, **returned)

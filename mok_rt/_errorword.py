@@ -1,0 +1,141 @@
+"""The device error word: how a kernel reports what only the device can see.
+
+``int32[4]`` in host-mapped pinned memory (``cuMemHostAlloc`` with DEVICEMAP | PORTABLE), so any
+device can write it and the host reads it after a synchronisation without a copy.  Layout and
+codes: ``cuda_src/common/errors.cuh`` (``[0]`` code, first error wins; ``[1..3]`` details).
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+
+from . import _driver
+from .errors import (ArgumentError, CapacityError, DeviceError, ExpertIdError, MokError, PeerTimeoutError,
+                     TokenCountError)
+
+__all__ = ["ErrorWord", "PrimaryContext"]
+
+# Mirrors mok::ErrorCode in cuda_src/common/errors.cuh.
+ERR_NONE, ERR_EXPERT_ID, ERR_CAPACITY, ERR_TIMEOUT, ERR_TOKENS, ERR_INTERNAL = range(6)
+
+_WORDS = 4
+_NBYTES = 4 * _WORDS
+
+
+class PrimaryContext:
+    """A retained primary context of one device; ``with ctx.current():`` pushes it for a block.
+
+    Pushing (rather than setting) leaves whatever context the caller had current untouched.
+    """
+
+    def __init__(self, device_id: int, *, api=None):
+        self.api = api or _driver
+        self.api.init()
+        self.device_id = device_id
+        self.device = self.api.call("cuDeviceGet", device_id)
+        self.handle = self.api.call("cuDevicePrimaryCtxRetain", self.device)
+
+    @contextlib.contextmanager
+    def current(self):
+        self.api.call("cuCtxPushCurrent", self.handle)
+        try:
+            yield self
+        finally:
+            self.api.call("cuCtxPopCurrent")
+
+    def release(self) -> None:
+        if self.handle is not None:
+            self.handle = None
+            self.api.call("cuDevicePrimaryCtxRelease", self.device)
+
+
+class ErrorWord:
+    """``int32[4]`` in host-mapped pinned memory that kernels on any device may write.
+
+    ``device_ptr`` goes into a kernel's parameters; after synchronising, :meth:`read` returns
+    ``(code, a, b, c)`` and :meth:`raise_if_set` raises the matching :class:`DeviceError`.
+    :meth:`clear` resets it (only while no kernel that may write it is running).
+    """
+
+    def __init__(self, device_id: int, *, _api=None):
+        if isinstance(device_id, bool) or not isinstance(device_id, int) or device_id < 0:
+            raise ArgumentError("device_id", f"expected a device ordinal, got {device_id!r}")
+        self.device_id = device_id
+        self._api = _api or _driver
+        self._ctx = PrimaryContext(device_id, api=self._api)
+        self._host = 0
+        try:
+            drv = self._api.driver
+            flags = drv.CU_MEMHOSTALLOC_DEVICEMAP | drv.CU_MEMHOSTALLOC_PORTABLE
+            with self._ctx.current():
+                self._host = int(self._api.call("cuMemHostAlloc", _NBYTES, flags))
+                self.device_ptr = int(self._api.call("cuMemHostGetDevicePointer", self._host, 0))
+            self._words = (ctypes.c_int32 * _WORDS).from_address(self._host)
+            self.clear()
+        except BaseException:
+            self.close()
+            raise
+
+    def read(self) -> tuple[int, int, int, int]:
+        """``(code, a, b, c)``; code 0 means no error."""
+        self._check_open()
+        return tuple(int(v) for v in self._words)  # type: ignore[return-value]
+
+    def clear(self) -> None:
+        self._check_open()
+        ctypes.memset(self._host, 0, _NBYTES)
+
+    def raise_if_set(self, context: str = "kernel") -> None:
+        """Raise the :class:`DeviceError` subclass for the recorded code, if any."""
+        code, a, b, c = self.read()
+        if code == ERR_NONE:
+            return
+        info = (a, b, c)
+        if code == ERR_TIMEOUT:
+            who = "an unknown rank" if b < 0 else f"rank {b}"
+            raise PeerTimeoutError(f"{context}: rank {a} timed out waiting for {who} (epoch/stage {c}); "
+                                   f"did every rank launch it?", code=code, info=info, rank=b)
+        if code == ERR_EXPERT_ID:
+            raise ExpertIdError(f"{context}: rank {a}, token {b}: expert id {c} is out of range",
+                                code=code, info=info)
+        if code == ERR_CAPACITY:
+            raise CapacityError(f"{context}: rank {a} received {b} rows, more than its capacity of {c}",
+                                code=code, info=info)
+        if code == ERR_TOKENS:
+            raise TokenCountError(f"{context}: rank {a} has {b} tokens, more than the maximum {c}",
+                                  code=code, info=info)
+        if code == ERR_INTERNAL:
+            raise DeviceError(f"{context}: internal error at line {a} ({b}, {c})", code=code, info=info)
+        raise DeviceError(f"{context}: unknown device error code {code} {info}", code=code, info=info)
+
+    def _check_open(self) -> None:
+        if not self._host:
+            raise MokError("the error word is closed")
+
+    @property
+    def closed(self) -> bool:
+        return not self._host
+
+    def close(self) -> None:
+        """Free the pinned memory (idempotent)."""
+        ctx, self._ctx = getattr(self, "_ctx", None), None
+        host, self._host = getattr(self, "_host", 0), 0
+        if ctx is None:
+            return
+        try:
+            if host:
+                self._words = None
+                with ctx.current():
+                    self._api.call("cuMemFreeHost", host)
+        finally:
+            ctx.release()
+
+    def __enter__(self) -> "ErrorWord":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else str(self.read())
+        return f"ErrorWord(device_id={self.device_id}, {state})"

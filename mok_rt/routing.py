@@ -1,0 +1,138 @@
+"""The routing schedule, computed on the device (DESIGN.md §3, "Schedule").
+
+Given the top-k expert ids of every rank, lay out the rows that land on one rank: by local
+expert, each expert's rows padded to the GEMM tile height ``block_m`` (so a row block belongs to
+one expert), inside an expert by (source rank, token, slot j).  Three small launches (count,
+scan, place); nothing is read back by the host.  ``mok_rt.schedule_ref`` is the NumPy twin.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from . import dtypes
+from ._kernels import get_kernel
+from ._schedule_params import MAX_RANKS, SCHEDULE_CHUNK, SCHEDULE_THREADS, ScheduleParams
+from .errors import ArgumentError
+from ._driver import call, driver
+from .launch import launch, stream_handle
+from .tensor import Tensor
+
+__all__ = ["Schedule", "build_schedule"]
+
+_CUBIN = "schedule"
+
+
+@dataclass
+class Schedule:
+    """Device arrays describing one rank's routed rows (int32 :class:`Tensor` s).
+
+    expert_count [E_l], expert_offset [E_l+1], totals [2] (row blocks, padded rows),
+    block_expert [max_rows/block_m], row_src_rank/row_slot [max_rows] (-1 on padding rows),
+    route_row [T*k] (each of this rank's routes: its row in its destination rank).
+    """
+
+    num_ranks: int
+    rank: int
+    num_experts: int
+    top_k: int
+    block_m: int
+    max_rows: int
+    tokens: int
+    device_id: int
+    expert_count: Tensor
+    expert_offset: Tensor
+    totals: Tensor
+    block_expert: Tensor
+    row_src_rank: Tensor
+    row_slot: Tensor
+    route_row: Tensor
+    _scratch: tuple = field(default=(), repr=False)
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.num_experts // self.num_ranks
+
+    @property
+    def max_blocks(self) -> int:
+        return self.max_rows // self.block_m
+
+    def to_numpy(self) -> dict:
+        """Host copies of the valid parts (synchronising; for tests and debugging)."""
+        totals = self.totals.to_numpy()
+        rows = int(totals[1])
+        return {
+            "expert_count": self.expert_count.to_numpy(),
+            "expert_offset": self.expert_offset.to_numpy(),
+            "num_blocks": int(totals[0]),
+            "num_rows": rows,
+            "block_expert": self.block_expert.to_numpy()[: int(totals[0])],
+            "row_src_rank": self.row_src_rank.to_numpy()[:rows],
+            "row_slot": self.row_slot.to_numpy()[:rows],
+            "route_row": self.route_row.to_numpy(),
+        }
+
+
+def build_schedule(ids_ptrs: Sequence[int], tokens: Sequence[int], *, ids_int64: bool, num_experts: int,
+                   top_k: int, rank: int, block_m: int, max_rows: int, max_total_routes: int,
+                   device_id: int, stream, err_ptr: int, poison: bool = False) -> Schedule:
+    """Enqueue the schedule of rank ``rank`` on ``stream``.
+
+    ``ids_ptrs[s]`` is the device address of source rank s's ``topk_ids`` [tokens[s], top_k]
+    (validated by the caller); ``max_total_routes`` bounds sum(tokens) * top_k and sizes the
+    grids (the device reads the real counts).  ``poison`` fills every output with 0x7f7f7f7f first
+    (tests use it so that an element the kernels fail to write cannot pass).
+    """
+    num_ranks = len(ids_ptrs)
+    if not 1 <= num_ranks <= MAX_RANKS:
+        raise ArgumentError("topk_ids", f"between 1 and {MAX_RANKS} ranks are supported, got {num_ranks}")
+    if num_experts % num_ranks:
+        raise ArgumentError("num_experts", f"{num_experts} experts cannot be split over {num_ranks} ranks")
+    if max_rows % block_m:
+        raise ArgumentError("max_rows", f"must be a multiple of block_m={block_m}, got {max_rows}")
+    el = num_experts // num_ranks
+    max_chunks = max(1, -(-max_total_routes // SCHEDULE_CHUNK))
+    i32 = dtypes.int32
+
+    def alloc(*shape):
+        return Tensor.empty(shape, i32, device_id=device_id, stream=stream)
+
+    out = Schedule(
+        num_ranks=num_ranks, rank=rank, num_experts=num_experts, top_k=top_k, block_m=block_m,
+        max_rows=max_rows, tokens=int(tokens[rank]), device_id=device_id,
+        expert_count=alloc(el), expert_offset=alloc(el + 1), totals=alloc(2),
+        block_expert=alloc(max_rows // block_m), row_src_rank=alloc(max_rows), row_slot=alloc(max_rows),
+        route_row=alloc(int(tokens[rank]) * top_k),
+    )
+    chunk_count, expert_total, expert_row_base = alloc(max_chunks, num_experts), alloc(num_experts), \
+        alloc(num_experts)
+    out._scratch = (chunk_count, expert_total, expert_row_base)
+    if poison:
+        for t in (out.expert_count, out.expert_offset, out.totals, out.block_expert, out.row_src_rank,
+                  out.row_slot, out.route_row):
+            if t.nbytes:
+                call("cuMemsetD32Async", driver.CUdeviceptr(t.ptr), 0x7F7F7F7F, t.nbytes // 4,
+                     driver.CUstream(stream_handle(stream)))
+
+    p = ScheduleParams()
+    p.err = err_ptr
+    p.chunk_count, p.expert_total, p.expert_row_base = chunk_count.ptr, expert_total.ptr, expert_row_base.ptr
+    p.expert_count, p.expert_offset, p.totals = out.expert_count.ptr, out.expert_offset.ptr, out.totals.ptr
+    p.block_expert, p.row_src_rank, p.row_slot = out.block_expert.ptr, out.row_src_rank.ptr, out.row_slot.ptr
+    p.route_row = out.route_row.ptr
+    p.num_ranks, p.rank, p.num_experts, p.experts_per_rank = num_ranks, rank, num_experts, el
+    p.top_k, p.block_m, p.max_rows, p.max_chunks = top_k, block_m, max_rows, max_chunks
+    p.ids_int64 = int(bool(ids_int64))
+    for s in range(num_ranks):
+        p.src_ids[s] = int(ids_ptrs[s])
+        p.src_tokens[s] = int(tokens[s])
+
+    ints = 4
+    smem_count = (num_experts + MAX_RANKS + 1) * ints
+    smem_scan = (MAX_RANKS + 1) * ints
+    smem_place = (33 * num_experts + MAX_RANKS + 1) * ints
+    common = dict(block=SCHEDULE_THREADS, params=p, stream=stream, device_id=device_id)
+    launch(get_kernel(_CUBIN, "schedule_count", device_id), grid=max_chunks, shared_mem=smem_count, **common)
+    launch(get_kernel(_CUBIN, "schedule_scan", device_id), grid=1, shared_mem=smem_scan, **common)
+    launch(get_kernel(_CUBIN, "schedule_place", device_id), grid=max_chunks, shared_mem=smem_place, **common)
+    return out

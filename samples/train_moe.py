@@ -1,0 +1,105 @@
+"""Train a small MoE layer with mok_rt on a synthetic regression task and print the loss per step.
+
+A fixed "teacher" MoE layer produces the targets; a "student" layer with the same routing starts
+from other random weights and learns them with Adam through mok_rt's forward and backward.
+
+    python samples/train_moe.py                      # CUDA + CuPy when a GPU is present
+    python samples/train_moe.py --backend reference  # NumPy reference, any machine (default without a GPU)
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import ml_dtypes
+import numpy as np
+
+import mok_rt as mok
+
+BF16 = ml_dtypes.bfloat16
+
+
+def gpu_available() -> bool:
+    from mok_rt._driver import device_count
+    return device_count() > 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--backend", choices=("cuda", "reference"), default=None,
+                    help="default: cuda when a GPU is present, else reference")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    backend = args.backend or ("cuda" if gpu_available() else "reference")
+    if backend == "cuda":
+        import cupy as xp
+        H, I, E, k, Is, T = 1024, 512, 16, 4, 512, 4096
+    else:
+        xp = np
+        H, I, E, k, Is, T = 128, 64, 8, 2, 64, 512
+        if args.backend is None:
+            print("no GPU found: running on the NumPy reference backend (pass --backend cuda on a GPU machine)")
+    print(f"backend={backend}  H={H} I={I} experts={E} top_k={k} shared={Is} tokens={T}")
+
+    cfg = mok.MoEConfig(hidden=H, intermediate=I, num_experts=E, top_k=k, shared_intermediate=Is)
+    rng = np.random.default_rng(args.seed)
+
+    def param(*shape, scale):
+        return xp.asarray((rng.standard_normal(shape) * scale).astype(np.float32))
+
+    def layer_params():
+        return {"w_gate": param(E, I, H, scale=H ** -0.5), "w_up": param(E, I, H, scale=H ** -0.5),
+                "w_down": param(E, H, I, scale=I ** -0.5), "ws_gate": param(Is, H, scale=H ** -0.5),
+                "ws_up": param(Is, H, scale=H ** -0.5), "ws_down": param(H, Is, scale=Is ** -0.5)}
+
+    teacher, student = layer_params(), layer_params()
+    router = xp.asarray(rng.standard_normal((H, E)).astype(np.float32))
+    bf = {n: v.astype(BF16) for n, v in teacher.items()}
+
+    def batch(step):
+        r = np.random.default_rng(1000 + step % 8)            # a small fixed data set of 8 batches
+        x = xp.asarray(r.standard_normal((T, H)).astype(np.float32))
+        logits = x @ router
+        ids = xp.argsort(-logits, axis=1)[:, :k].astype(np.int32)
+        top = xp.take_along_axis(logits, ids, axis=1)
+        w = xp.exp(top - top.max(axis=1, keepdims=True))
+        return x.astype(BF16), ids, (w / w.sum(axis=1, keepdims=True)).astype(np.float32)
+
+    def as_array(t):  # mok_rt results export through DLPack without a copy
+        return xp.from_dlpack(t) if backend == "cuda" else t.to_numpy()
+
+    group = mok.SingleProcessGroup(devices=[0]) if backend == "cuda" else None
+    adam = {n: (xp.zeros_like(v), xp.zeros_like(v)) for n, v in student.items()}
+    with mok.Workspace(cfg, group, max_tokens=T, backend=backend) as ws:
+        for step in range(args.steps):
+            t0 = time.perf_counter()
+            x, ids, w = batch(step)
+            sched = mok.schedule(ws, ids)
+            target, _ = mok.forward(ws, sched, x, w, bf["w_gate"], bf["w_up"], bf["w_down"],
+                                    bf["ws_gate"], bf["ws_up"], bf["ws_down"])
+            sb = {n: v.astype(BF16) for n, v in student.items()}
+            out, ctx = mok.forward(ws, sched, x, w, sb["w_gate"], sb["w_up"], sb["w_down"],
+                                   sb["ws_gate"], sb["ws_up"], sb["ws_down"])
+            diff = as_array(out).astype(np.float32) - as_array(target).astype(np.float32)
+            loss = float((diff * diff).mean())
+            d_out = (2.0 / diff.size * diff).astype(BF16)
+            g = mok.backward(ws, sched, ctx, d_out, x, w, sb["w_gate"], sb["w_up"], sb["w_down"],
+                             sb["ws_gate"], sb["ws_up"], sb["ws_down"])
+            ws.synchronize()
+            b1, b2, eps = 0.9, 0.999, 1e-8
+            for n in student:
+                grad = as_array(getattr(g, "d" + n))
+                m, v = adam[n]
+                m *= b1; m += (1 - b1) * grad
+                v *= b2; v += (1 - b2) * grad * grad
+                mh, vh = m / (1 - b1 ** (step + 1)), v / (1 - b2 ** (step + 1))
+                student[n] -= args.lr * mh / (xp.sqrt(vh) + eps)
+            print(f"step {step:3d}  loss {loss:.6f}  ({(time.perf_counter() - t0) * 1e3:.1f} ms)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

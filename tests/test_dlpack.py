@@ -1,0 +1,504 @@
+"""DLPack import/export, dtypes and the host Tensor (CPU only)."""
+from __future__ import annotations
+
+import ctypes
+import gc
+import sys
+import weakref
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from mok_rt import dlpack, dtypes
+from mok_rt.dlpack import check, from_dlpack
+from mok_rt.errors import ArgumentError
+from mok_rt.tensor import Tensor
+
+ALL = dtypes.all_dtypes()
+NUMPY_EXPORTABLE = ("float32", "float64", "int32", "int64", "uint8")
+rng = np.random.default_rng()
+
+
+def _random(shape, dt: dtypes.DType) -> np.ndarray:
+    if dt.name == "bool":
+        return rng.integers(0, 2, size=shape).astype(np.bool_)
+    if dt.is_floating:
+        vals = rng.standard_normal(shape)
+        if dt.name == "float8_e8m0fnu":  # powers of two only
+            vals = np.exp2(rng.integers(-8, 8, size=shape).astype(np.float64))
+        return vals.astype(dt.numpy)
+    info = np.iinfo(dt.numpy)
+    return rng.integers(max(info.min, -1000), min(info.max, 1000), size=shape).astype(dt.numpy)
+
+
+def _capsule_name(capsule) -> str:
+    get = ctypes.PYFUNCTYPE(ctypes.c_char_p, ctypes.py_object)(
+        ("PyCapsule_GetName", ctypes.pythonapi))
+    return get(capsule).decode()
+
+
+class _Producer:
+    """Hands out a prepared capsule and records how __dlpack__ was called."""
+
+    def __init__(self, make, device=(1, 0), legacy_only=False):
+        self.make, self.device, self.legacy_only, self.calls = make, device, legacy_only, []
+
+    def __dlpack__(self, **kw):
+        if self.legacy_only and "max_version" in kw:
+            raise TypeError("unexpected keyword 'max_version'")
+        self.calls.append(kw)
+        return self.make(kw)
+
+    def __dlpack_device__(self):
+        return self.device
+
+
+# ----------------------------------------------------------------------------- dtypes
+def test_dtype_codes_match_dlpack_h():
+    assert dtypes.bfloat16.dlpack == (4, 16, 1)
+    assert dtypes.float8_e4m3fn.dlpack == (10, 8, 1)
+    assert dtypes.float8_e5m2.dlpack == (12, 8, 1)
+    assert dtypes.float8_e8m0fnu.dlpack == (14, 8, 1)
+    assert dtypes.float32.dlpack == (2, 32, 1)
+    assert dtypes.int64.dlpack == (0, 64, 1)
+    assert dtypes.uint8.dlpack == (1, 8, 1)
+    assert dtypes.bool_.dlpack == (6, 8, 1)
+
+
+@pytest.mark.parametrize("dt", ALL, ids=lambda d: d.name)
+def test_dtype_lookups(dt):
+    assert dtypes.as_dtype(dt.name) is dt
+    assert dtypes.as_dtype(dt.numpy) is dt
+    assert dtypes.as_dtype(dt) is dt
+    assert dtypes.from_dlpack_code(*dt.dlpack) is dt
+    assert dt.itemsize == dt.numpy.itemsize
+
+
+def test_dtype_lookup_errors():
+    with pytest.raises(ArgumentError, match="unsupported dtype"):
+        dtypes.as_dtype("complex64")
+    with pytest.raises(ArgumentError, match="unsupported dtype"):
+        dtypes.as_dtype(np.complex64)
+    with pytest.raises(ArgumentError, match="code=2, bits=32, lanes=4"):
+        dtypes.from_dlpack_code(2, 32, 4)
+
+
+# ----------------------------------------------------------------------------- numpy in
+@pytest.mark.parametrize("dt", ALL, ids=lambda d: d.name)
+def test_numpy_import_zero_copy(dt):
+    arr = _random((3, 5), dt)
+    view = from_dlpack(arr, name="x")
+    assert view.ptr == arr.ctypes.data
+    assert view.shape == (3, 5) and view.strides == (5, 1)
+    assert view.dtype is dt and view.device == "cpu" and not view.readonly
+    assert view.is_c_contiguous
+
+
+def test_numpy_import_keeps_array_alive():
+    arr = np.arange(8, dtype=np.float32)
+    ref = weakref.ref(arr)
+    view = from_dlpack(arr[2:], name="x")
+    del arr
+    gc.collect()
+    assert ref() is not None
+    del view
+    gc.collect()
+    assert ref() is None
+
+
+def test_numpy_import_readonly_and_strides():
+    arr = np.arange(12, dtype=np.int32).reshape(3, 4)
+    arr.flags.writeable = False
+    view = from_dlpack(arr.T, name="x")
+    assert view.readonly and view.strides == (1, 4) and not view.is_c_contiguous
+
+
+# ----------------------------------------------------------------------------- host export
+@pytest.mark.parametrize("name", NUMPY_EXPORTABLE)
+@pytest.mark.parametrize("versioned", [True, False])
+def test_host_tensor_to_numpy_zero_copy(name, versioned):
+    dt = dtypes.as_dtype(name)
+    arr = _random((4, 6), dt)
+    t = Tensor.from_numpy(arr)
+    if versioned:
+        out = np.from_dlpack(t)  # numpy asks for max_version (1, 0): versioned capsule
+    else:
+        out = np.from_dlpack(_Producer(lambda kw: t.__dlpack__()))
+    assert out.ctypes.data == arr.ctypes.data == t.ptr
+    assert out.dtype == arr.dtype and out.shape == arr.shape
+    np.testing.assert_array_equal(out, arr)
+    if versioned:
+        out[1, 2] = 7
+        assert arr[1, 2] == 7
+    else:  # numpy marks arrays from legacy (unversioned) capsules read-only
+        assert not out.flags.writeable
+    arr[3, 5] = 9
+    assert out[3, 5] == 9
+
+
+def test_capsule_names_and_version():
+    t = Tensor.from_numpy(np.zeros((2, 3), np.float32))
+    assert _capsule_name(t.__dlpack__()) == "dltensor"
+    assert _capsule_name(t.__dlpack__(max_version=(1, 0))) == "dltensor_versioned"
+    cap = t.__dlpack__(max_version=(1, 1))
+    assert _capsule_name(cap) == "dltensor_versioned"
+    view = dlpack._consume_capsule(cap, "x")
+    assert _capsule_name(cap) == "used_dltensor_versioned"
+    assert view.ptr == t.ptr and view.shape == (2, 3) and view.dtype is dtypes.float32
+
+
+@pytest.mark.parametrize("dt", ALL, ids=lambda d: d.name)
+@pytest.mark.parametrize("versioned", [True, False])
+def test_tensor_round_trip_through_own_consumer(dt, versioned):
+    arr = _random((2, 3, 4), dt)
+    t = Tensor.from_numpy(arr)
+    producer = _Producer(lambda kw: t.__dlpack__(**kw), legacy_only=not versioned)
+    view = from_dlpack(producer, name="x")
+    assert view.ptr == arr.ctypes.data
+    assert view.dtype is dt  # real DLPack codes, bf16/fp8 included
+    assert view.shape == (2, 3, 4) and view.strides == (12, 4, 1)
+    back = Tensor._from_view(view).to_numpy()
+    assert back.ctypes.data == arr.ctypes.data
+    np.testing.assert_array_equal(back.view(np.uint8), arr.view(np.uint8))
+
+
+def test_exported_dltensor_fields_bf16():
+    arr = _random((5, 2), dtypes.bfloat16)
+    cap = Tensor.from_numpy(arr).__dlpack__(max_version=(1, 1))
+    addr = dlpack._PyCapsule_GetPointer(cap, b"dltensor_versioned")
+    m = dlpack.DLManagedTensorVersioned.from_address(addr)
+    assert (m.version.major, m.version.minor) == (1, 1)
+    t = m.dl_tensor
+    assert (t.dtype.code, t.dtype.bits, t.dtype.lanes) == (4, 16, 1)
+    assert (t.device.device_type, t.device.device_id) == (1, 0)
+    assert t.ndim == 2 and [t.shape[i] for i in range(2)] == [5, 2]
+    assert [t.strides[i] for i in range(2)] == [2, 1]
+    assert t.data == arr.ctypes.data and t.byte_offset == 0
+
+
+def test_readonly_and_copy_flags():
+    arr = np.arange(6, dtype=np.float32)
+    arr.flags.writeable = False
+    t = Tensor.from_numpy(arr)
+    assert t.readonly
+    assert from_dlpack(_Producer(lambda kw: t.__dlpack__(**kw)), name="x").readonly
+    assert not np.from_dlpack(t).flags.writeable
+    cap = t.__dlpack__(max_version=(1, 1), copy=True)
+    m = dlpack.DLManagedTensorVersioned.from_address(
+        dlpack._PyCapsule_GetPointer(cap, b"dltensor_versioned"))
+    assert m.flags & dlpack.DLPACK_FLAG_BITMASK_IS_COPIED
+    assert m.dl_tensor.data != arr.ctypes.data
+    copied = np.from_dlpack(t, copy=True)
+    assert copied.ctypes.data != arr.ctypes.data
+    np.testing.assert_array_equal(copied, arr)
+
+
+def test_export_rejects_foreign_device_and_stream():
+    t = Tensor.from_numpy(np.zeros(3, np.float32))
+    assert t.__dlpack_device__() == (1, 0)
+    with pytest.raises(BufferError):
+        t.__dlpack__(dl_device=(2, 0))
+    with pytest.raises(BufferError):
+        t.__dlpack__(stream=5)
+    t.__dlpack__(dl_device=(1, 0), stream=-1)
+
+
+# ----------------------------------------------------------------------------- lifetime
+def test_unconsumed_capsule_keeps_tensor_alive_then_frees():
+    base = dlpack._live_exports()
+    t = Tensor.from_numpy(np.ones(4, np.float32))
+    ref = weakref.ref(t)
+    caps = [t.__dlpack__(), t.__dlpack__(max_version=(1, 1))]
+    del t
+    gc.collect()
+    assert ref() is not None and dlpack._live_exports() == base + 2
+    caps.pop()
+    assert ref() is not None
+    caps.pop()
+    gc.collect()
+    assert ref() is None and dlpack._live_exports() == base
+
+
+@pytest.mark.parametrize("versioned", [True, False])
+def test_consumed_capsule_lives_until_consumer_deleter(versioned):
+    base = dlpack._live_exports()
+    t = Tensor.from_numpy(np.ones(4, np.float64))
+    ref = weakref.ref(t)
+    producer = _Producer(lambda kw: t.__dlpack__(**kw), legacy_only=not versioned)
+    out = np.from_dlpack(producer)
+    del t, producer
+    gc.collect()
+    assert ref() is not None
+    del out
+    gc.collect()
+    assert ref() is None and dlpack._live_exports() == base
+    t = Tensor.from_numpy(np.ones(4, np.float64))
+    ref = weakref.ref(t)
+    view = from_dlpack(_Producer(lambda kw: t.__dlpack__(**kw), legacy_only=not versioned),
+                       name="x")
+    del t
+    gc.collect()
+    assert ref() is not None
+    view2 = view  # copies share one keep-alive
+    del view
+    gc.collect()
+    assert ref() is not None
+    del view2
+    gc.collect()
+    assert ref() is None and dlpack._live_exports() == base
+
+
+class _CountingCapsule:
+    """A foreign producer's versioned tensor whose deleter counts its calls."""
+
+    def __init__(self, arr, version=(1, 1)):
+        self.arr, self.calls = arr, []
+        self.shape = (ctypes.c_int64 * arr.ndim)(*arr.shape)
+        self.managed = dlpack.DLManagedTensorVersioned()
+        self.managed.version = dlpack.DLPackVersion(*version)
+        t = self.managed.dl_tensor
+        t.data = arr.ctypes.data
+        t.device = dlpack.DLDevice(1, 0)
+        t.ndim = arr.ndim
+        t.dtype = dlpack.DLDataType(2, 32, 1)
+        t.shape = ctypes.cast(self.shape, ctypes.POINTER(ctypes.c_int64))
+        t.strides = None  # NULL: compact row-major
+        t.byte_offset = 4
+        self.deleter = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(self.calls.append)
+        self.managed.deleter = ctypes.cast(self.deleter, ctypes.c_void_p).value
+        self.capsule = dlpack._PyCapsule_New(ctypes.addressof(self.managed),
+                                             b"dltensor_versioned", None)
+
+
+def test_foreign_deleter_called_exactly_once():
+    arr = np.arange(12, dtype=np.float32).reshape(3, 4)
+    fake = _CountingCapsule(arr)
+    view = from_dlpack(_Producer(lambda kw: fake.capsule), name="x")
+    assert _capsule_name(fake.capsule) == "used_dltensor_versioned"
+    assert view.ptr == arr.ctypes.data + 4 and view.strides == (4, 1)
+    assert fake.calls == []
+    del view
+    gc.collect()
+    assert fake.calls == [ctypes.addressof(fake.managed)]
+    gc.collect()
+    assert len(fake.calls) == 1
+
+
+def test_unsupported_major_version_not_consumed():
+    fake = _CountingCapsule(np.zeros((2, 2), np.float32), version=(2, 0))
+    with pytest.raises(ArgumentError, match="unsupported DLPack version 2.0"):
+        from_dlpack(_Producer(lambda kw: fake.capsule), name="x")
+    assert _capsule_name(fake.capsule) == "dltensor_versioned"  # left to its producer
+    assert fake.calls == []
+    used = Tensor.from_numpy(np.zeros(2, np.float32)).__dlpack__()
+    keep = dlpack._consume_capsule(used, "y")
+    with pytest.raises(ArgumentError, match="^x: __dlpack__ did not return an unconsumed"):
+        from_dlpack(_Producer(lambda kw: used), name="x")
+    with pytest.raises(ArgumentError, match="^x: __dlpack__ did not return an unconsumed"):
+        from_dlpack(_Producer(lambda kw: object()), name="x")
+    del keep
+
+
+def test_release_while_consumer_is_raising(monkeypatch):
+    # numpy refuses bfloat16 and drops our capsule with its error pending: still no leak.
+    reported = []
+    monkeypatch.setattr(sys, "unraisablehook", reported.append)
+    base = dlpack._live_exports()
+    t = Tensor.from_numpy(np.zeros(3, ml_dtypes.bfloat16))
+    ref = weakref.ref(t)
+    with pytest.raises(Exception):
+        np.from_dlpack(t)
+    del t
+    gc.collect()
+    assert ref() is None and dlpack._live_exports() == base
+    # CPython cannot carry the consumer's error through a ctypes callback; it is reported.
+    assert all("Unsupported dtype" in str(r.exc_value) or r.exc_type is SystemError
+               for r in reported)
+
+
+# ----------------------------------------------------------------------------- producer calls
+def test_stream_passed_only_to_cuda_producers():
+    arr = np.zeros((2, 2), np.float32)
+
+    def make(kw):
+        return dlpack._export_capsule(ptr=arr.ctypes.data, shape=arr.shape, strides=(2, 1),
+                                      dtype=dtypes.float32, device=(2, 0), owner=arr,
+                                      versioned=True)
+
+    cuda_prod = _Producer(make, device=(2, 0))
+    view = from_dlpack(cuda_prod, name="x", stream=1234)
+    assert cuda_prod.calls[-1] == {"max_version": (1, 1), "stream": 1234}
+    assert view.device == ("cuda", 0)
+    from_dlpack(cuda_prod, name="x")
+    assert cuda_prod.calls[-1] == {"max_version": (1, 1)}
+    from_dlpack(cuda_prod, name="x", stream=-1)
+    assert cuda_prod.calls[-1]["stream"] == -1
+    host_prod = _Producer(make, device=(1, 0))
+    from_dlpack(host_prod, name="x", stream=1234)
+    assert host_prod.calls[-1] == {"max_version": (1, 1)}
+    legacy = _Producer(make, device=(2, 0), legacy_only=True)
+    from_dlpack(legacy, name="x", stream=2)
+    assert legacy.calls[-1] == {"stream": 2}
+    with pytest.raises(ArgumentError, match="stream: invalid DLPack stream 0"):
+        from_dlpack(cuda_prod, name="x", stream=0)
+
+    class _S:  # cuda.core-style stream object
+        def __cuda_stream__(self):
+            return (0, 777)
+
+    from_dlpack(cuda_prod, name="x", stream=_S())
+    assert cuda_prod.calls[-1]["stream"] == 777
+
+
+def test_producer_error_names_argument():
+    class Bad:
+        def __dlpack__(self, **kw):
+            raise BufferError("nope")
+
+    with pytest.raises(ArgumentError, match=r"^w: __dlpack__ failed: BufferError: nope"):
+        from_dlpack(Bad(), name="w")
+
+
+# ----------------------------------------------------------------------------- check
+def _view(shape=(5, 1024), dtype=np.float32):
+    return from_dlpack(np.zeros(shape, dtype), name="x")
+
+
+def test_check_accepts_good_tensor():
+    v = _view((4, 8), ml_dtypes.bfloat16)
+    assert check(v, name="x", dtype=dtypes.bfloat16, shape=("T", 8), device="cpu") is v
+    check(v, name="x", dtype=("float32", "bfloat16"), ndim=2, shape=(None, 8))
+
+
+def test_check_dtype():
+    with pytest.raises(ArgumentError, match=r"^x: expected dtype bfloat16, got float32$"):
+        check(_view(), name="x", dtype=dtypes.bfloat16)
+    with pytest.raises(ArgumentError, match=r"^ids: expected dtype int32 or int64, got float32$"):
+        check(_view(), name="ids", dtype=(dtypes.int32, dtypes.int64))
+
+
+def test_check_shape_and_ndim():
+    with pytest.raises(ArgumentError, match=r"^x: expected shape \(T, 2048\), got \(5, 1024\)$"):
+        check(_view(), name="x", shape=("T", 2048))
+    with pytest.raises(ArgumentError, match=r"^x: expected shape \(5, 1024, 1\), got"):
+        check(_view(), name="x", shape=(5, 1024, 1))
+    with pytest.raises(ArgumentError, match=r"^x: expected 3 dimensions, got 2"):
+        check(_view(), name="x", ndim=3)
+
+
+def test_check_device():
+    v = _view()
+    cuda_view = dlpack.TensorView(v.ptr, v.shape, v.strides, v.dtype, dlpack.kDLCUDA, 1)
+    with pytest.raises(ArgumentError,
+                       match=r"^x: tensor is on cuda:1, the workspace is on cuda:0$"):
+        check(cuda_view, name="x", device=("cuda", 0))
+    check(cuda_view, name="x", device=("cuda", 1))
+    with pytest.raises(ArgumentError, match=r"^x: tensor is on cpu, the workspace is on cuda:0$"):
+        check(v, name="x", device=("cuda", 0))
+    with pytest.raises(ArgumentError, match=r"tensor is on cuda:1, the workspace is on cpu"):
+        check(cuda_view, name="x", device="cpu")
+
+
+def test_check_strides():
+    arr = np.zeros((5, 1), np.float32)  # size-1 dims' strides do not matter
+    check(from_dlpack(arr.T, name="x"), name="x")
+    with pytest.raises(ArgumentError, match=r"^x: must be C-contiguous, got strides \(1, 5\)$"):
+        check(from_dlpack(np.zeros((3, 5), np.float32).T, name="x"), name="x")
+    check(from_dlpack(np.zeros((5, 3), np.float32).T, name="x"), name="x", contiguous=False)
+
+
+def test_check_alignment():
+    raw = np.zeros(64, np.uint8)
+    base = raw.ctypes.data
+    start = (-base) % 16 + 2  # a view 2 bytes past a 16-byte boundary
+    arr = raw[start:start + 32].view(np.float16)
+    with pytest.raises(ArgumentError, match=r"^x: data pointer 0x[0-9a-f]+ is not 16-byte aligned$"):
+        check(from_dlpack(arr, name="x"), name="x")
+    check(from_dlpack(arr, name="x"), name="x", alignment=2)
+
+
+def test_check_empty_tensor_and_null_pointer():
+    v = dlpack.TensorView(0, (0, 2048), (2048, 1), dtypes.bfloat16, dlpack.kDLCUDA, 0)
+    check(v, name="x", dtype=dtypes.bfloat16, shape=("T", 2048), device=("cuda", 0))
+    assert v.size == 0 and v.nbytes == 0
+    e = from_dlpack(np.zeros((0, 3), np.float32)[:, ::2], name="x")
+    check(e, name="x", shape=(0, 2))
+
+
+def test_not_a_tensor():
+    with pytest.raises(ArgumentError, match=r"^x: expected a DLPack tensor .*got list$"):
+        from_dlpack([1.0, 2.0], name="x")
+    with pytest.raises(ArgumentError, match=r"^x: expected a DLPack tensor"):
+        dlpack.as_view(3.0, name="x", dtype="float32")
+
+
+def test_unsupported_numpy_dtype():
+    with pytest.raises(ArgumentError, match=r"^x: unsupported dtype"):
+        from_dlpack(np.zeros(3, np.complex64), name="x")
+
+
+# ----------------------------------------------------------------------------- host Tensor
+def test_host_tensor_helpers():
+    t = Tensor.empty((3, 4), "float32", device_id=None)
+    assert t.device == "cpu" and t.shape == (3, 4) and t.strides == (4, 1)
+    assert t.nbytes == 48 and t.dtype is dtypes.float32
+    assert t.to_numpy().ctypes.data == t.ptr
+    t.fill_nan()
+    assert np.isnan(t.to_numpy()).all()
+    src = rng.standard_normal((3, 4)).astype(np.float32)
+    t.copy_from_numpy(src)
+    np.testing.assert_array_equal(t.to_numpy(), src)
+    t.fill_bytes(0)
+    assert (t.to_numpy() == 0).all()
+    assert "Tensor(shape=(3, 4), dtype=float32, device=cpu" in repr(t)
+    with pytest.raises(ArgumentError, match="arr: expected dtype float32, got float64"):
+        t.copy_from_numpy(np.zeros((3, 4)))
+    with pytest.raises(ArgumentError, match=r"arr: expected shape \(3, 4\)"):
+        t.copy_from_numpy(np.zeros((4, 3), np.float32))
+    with pytest.raises(ArgumentError, match="value"):
+        t.fill_bytes(256)
+    with pytest.raises(ArgumentError, match="shape"):
+        Tensor.empty((-1,), "float32", device_id=None)
+    with pytest.raises(ArgumentError, match="stream"):
+        Tensor.empty((2,), "float32", device_id=0)  # device memory needs a stream
+    with pytest.raises(TypeError):
+        Tensor()
+
+
+@pytest.mark.parametrize("dt", [d for d in ALL if d.is_floating], ids=lambda d: d.name)
+def test_fill_nan_every_float_dtype(dt):
+    t = Tensor.from_numpy(np.zeros((2, 3), dt.numpy))
+    t.fill_nan()
+    assert np.isnan(t.to_numpy().astype(np.float32)).all()
+    strided = Tensor.from_numpy(np.zeros((4, 3), dt.numpy)[::2])
+    strided.fill_nan()
+    assert np.isnan(strided.to_numpy().astype(np.float32)).all()
+
+
+def test_fill_nan_rejects_integers_and_readonly():
+    with pytest.raises(ArgumentError, match="floating"):
+        Tensor.from_numpy(np.zeros(2, np.int32)).fill_nan()
+    t = Tensor.from_numpy(np.zeros(2, np.int32))
+    t.poison()
+    assert (t.to_numpy() == -1).all()
+    ro = np.zeros(2, np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(ArgumentError, match="read-only"):
+        Tensor.from_numpy(ro).fill_nan()
+
+
+def test_from_view_host_keeps_producer_alive():
+    base = dlpack._live_exports()
+    src = Tensor.from_numpy(np.arange(6, dtype=np.int64).reshape(2, 3))
+    ref = weakref.ref(src)
+    wrapped = Tensor._from_view(from_dlpack(src, name="x"))
+    arr = wrapped.to_numpy()
+    del src, wrapped
+    gc.collect()
+    assert ref() is not None
+    assert arr.ctypes.data == ref().ptr
+    np.testing.assert_array_equal(arr, np.arange(6).reshape(2, 3))
+    del arr
+    gc.collect()
+    assert ref() is None and dlpack._live_exports() == base

@@ -1,0 +1,241 @@
+"""The fused layer on one GPU against the float64 NumPy reference (issue: fused MoE layer on one GPU).
+
+Every output is poisoned with NaN before each run (Workspace(poison_outputs=True)), so an element
+the kernels fail to write cannot pass; inputs are fresh random bf16 values; errors are relative
+Frobenius norms against mok_rt.reference computed in float64 on the same bf16-rounded inputs.
+"""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+cp = pytest.importorskip("cupy")
+
+import mok_rt as mok  # noqa: E402
+from mok_rt import reference  # noqa: E402
+
+BF16 = ml_dtypes.bfloat16
+TOL = 1e-2
+GRADS = ("dx", "d_topk_weights", "dw_gate", "dw_up", "dw_down", "dws_gate", "dws_up", "dws_down")
+REPORT: list[str] = []
+
+
+def _bf16(a):
+    return a.astype(BF16)
+
+
+def make_problem(seed, *, T, H, I, E, k, Is=0, ids=None):
+    rng = np.random.default_rng(seed)
+    h = {
+        "x": _bf16(rng.standard_normal((T, H))),
+        "tw": rng.random((T, k)).astype(np.float32),
+        "w_gate": _bf16(rng.standard_normal((E, I, H)) * H ** -0.5),
+        "w_up": _bf16(rng.standard_normal((E, I, H)) * H ** -0.5),
+        "w_down": _bf16(rng.standard_normal((E, H, I)) * I ** -0.5),
+        "d_out": _bf16(rng.standard_normal((T, H))),
+    }
+    if ids is None:
+        ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]) if T else np.zeros((0, k))
+    h["ids"] = np.asarray(ids, dtype=np.int32)
+    h["shared"] = (None, None, None)
+    if Is:
+        h["shared"] = (_bf16(rng.standard_normal((Is, H)) * H ** -0.5),
+                       _bf16(rng.standard_normal((Is, H)) * H ** -0.5),
+                       _bf16(rng.standard_normal((H, Is)) * Is ** -0.5))
+    return h
+
+
+def _to_dev(h):
+    d = {n: cp.asarray(v) for n, v in h.items() if n != "shared"}
+    d["shared"] = tuple(None if s is None else cp.asarray(s) for s in h["shared"])
+    return d
+
+
+def run_gpu(cfg, h, *, T_max=None):
+    d = _to_dev(h)
+    with mok.Workspace(cfg, mok.SingleProcessGroup(devices=[0]), max_tokens=T_max or max(1, len(h["x"])),
+                       poison_outputs=True) as ws:
+        sched = mok.schedule(ws, d["ids"])
+        out, ctx = mok.forward(ws, sched, d["x"], d["tw"], d["w_gate"], d["w_up"], d["w_down"], *d["shared"])
+        g = mok.backward(ws, sched, ctx, d["d_out"], d["x"], d["tw"], d["w_gate"], d["w_up"], d["w_down"],
+                         *d["shared"])
+        ctx2 = mok.recompute_context(ws, sched, d["x"], d["w_gate"], d["w_up"], *d["shared"][:2],
+                                     w_down=d["w_down"], ws_down=d["shared"][2])
+        g2 = mok.backward(ws, sched, ctx2, d["d_out"], d["x"], d["tw"], d["w_gate"], d["w_up"], d["w_down"],
+                          *d["shared"])
+        ws.synchronize()
+        res = {"out": out.to_numpy()}
+        res.update({n: getattr(g, n).to_numpy() for n in GRADS if getattr(g, n) is not None})
+        res2 = {n: getattr(g2, n).to_numpy() for n in GRADS if getattr(g2, n) is not None}
+    return res, res2
+
+
+def run_reference(cfg, h):
+    f = lambda a: None if a is None else a.astype(np.float64)  # noqa: E731
+    out, ctx = reference.forward(f(h["x"]), h["ids"], h["tw"].astype(np.float64), f(h["w_gate"]), f(h["w_up"]),
+                                 f(h["w_down"]), ws_gate=f(h["shared"][0]), ws_up=f(h["shared"][1]),
+                                 ws_down=f(h["shared"][2]), swiglu_limit=cfg.swiglu_limit)
+    g = reference.backward(ctx, f(h["d_out"]))
+    res = {"out": out}
+    res.update({n: getattr(g, n) for n in GRADS if getattr(g, n) is not None})
+    return res
+
+
+def rel_err(a, b):
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    if b.size == 0:
+        return 0.0
+    denom = np.linalg.norm(b)
+    return float(np.linalg.norm(a - b) / (denom if denom > 0 else 1.0))
+
+
+def check_case(name, cfg, h):
+    got, got_recomputed = run_gpu(cfg, h)
+    ref = run_reference(cfg, h)
+    errs = {}
+    for n, r in ref.items():
+        assert n in got, f"{name}: {n} missing"
+        assert got[n].shape == r.shape, f"{name}: {n} shape {got[n].shape} != {r.shape}"
+        assert np.isfinite(got[n].astype(np.float64)).all(), f"{name}: {n} has NaN/inf (unwritten?)"
+        errs[n] = rel_err(got[n], r)
+    REPORT.append(f"{name}: " + " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
+    print(REPORT[-1])
+    bad = {n: e for n, e in errs.items() if e > TOL}
+    assert not bad, f"{name}: relative errors above {TOL}: {bad}"
+    for n in got_recomputed:   # recompute_context rebuilds the same context: identical bits
+        np.testing.assert_array_equal(got_recomputed[n].view(np.uint8), got[n].view(np.uint8),
+                                      err_msg=f"{name}: {n} differs with the recomputed context")
+    return got
+
+
+CASES = {
+    "tiny_T1": (dict(hidden=256, intermediate=128, num_experts=8, top_k=2), dict(T=1)),
+    "shared_T1000": (dict(hidden=1024, intermediate=512, num_experts=16, top_k=4, shared_intermediate=768),
+                     dict(T=1000)),
+    "qwen3_T4096": (dict(hidden=2048, intermediate=768, num_experts=128, top_k=8), dict(T=4096)),
+    "limit7": (dict(hidden=512, intermediate=256, num_experts=8, top_k=3, swiglu_limit=7.0,
+                    shared_intermediate=256), dict(T=333, scale=4.0)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_reference(name):
+    c, p = CASES[name]
+    cfg = mok.MoEConfig(**c)
+    h = make_problem(hash(name) % 1000, T=p["T"], H=c["hidden"], I=c["intermediate"], E=c["num_experts"],
+                     k=c["top_k"], Is=c.get("shared_intermediate", 0))
+    if "scale" in p:  # large activations so that the clamp is active
+        h["x"] = _bf16(h["x"].astype(np.float32) * p["scale"])
+    check_case(name, cfg, h)
+
+
+@pytest.mark.parametrize("k", range(1, 9))
+def test_every_top_k_skewed_routing(k):
+    cfg = mok.MoEConfig(hidden=256, intermediate=128, num_experts=12, top_k=k, shared_intermediate=128)
+    rng = np.random.default_rng(100 + k)
+    T = 517
+    probs = np.r_[np.full(3, 0.25), np.zeros(3), np.full(6, 0.25 / 6)]    # experts 3..5 stay empty
+    ids = np.stack([rng.choice(12, size=k, replace=False, p=probs) if k <= 9 else None for _ in range(T)])
+    h = make_problem(200 + k, T=T, H=256, I=128, E=12, k=k, Is=128, ids=ids)
+    check_case(f"k{k}_skewed", cfg, h)
+
+
+def test_every_token_on_expert_zero():
+    cfg = mok.MoEConfig(hidden=256, intermediate=128, num_experts=8, top_k=1)
+    h = make_problem(7, T=300, H=256, I=128, E=8, k=1, ids=np.zeros((300, 1)))
+    check_case("all_on_expert0", cfg, h)
+
+
+def test_duplicate_expert_in_a_token_sums():
+    cfg = mok.MoEConfig(hidden=256, intermediate=128, num_experts=4, top_k=2)
+    rng = np.random.default_rng(9)
+    h = make_problem(9, T=200, H=256, I=128, E=4, k=2, ids=rng.integers(0, 2, size=(200, 2)))
+    check_case("duplicates", cfg, h)
+
+
+def test_zero_tokens():
+    cfg = mok.MoEConfig(hidden=256, intermediate=128, num_experts=8, top_k=2, shared_intermediate=128)
+    h = make_problem(10, T=0, H=256, I=128, E=8, k=2, Is=128)
+    got, _ = run_gpu(cfg, h, T_max=64)
+    assert got["out"].shape == (0, 256)
+    for n in ("dw_gate", "dw_up", "dw_down", "dws_gate"):
+        assert np.array_equal(got[n], np.zeros_like(got[n])), n
+
+
+def test_bitwise_deterministic():
+    cfg = mok.MoEConfig(hidden=1024, intermediate=512, num_experts=16, top_k=4, shared_intermediate=512)
+    h = make_problem(11, T=1500, H=1024, I=512, E=16, k=4, Is=512)
+    a, _ = run_gpu(cfg, h)
+    b, _ = run_gpu(cfg, h)
+    for n in a:
+        np.testing.assert_array_equal(a[n].view(np.uint8), b[n].view(np.uint8), err_msg=n)
+
+
+# ---- bad input on the device path ---------------------------------------------------------------
+
+@pytest.fixture
+def small():
+    cfg = mok.MoEConfig(hidden=256, intermediate=128, num_experts=8, top_k=2)
+    h = make_problem(12, T=50, H=256, I=128, E=8, k=2)
+    ws = mok.Workspace(cfg, mok.SingleProcessGroup(devices=[0]), max_tokens=64)
+    yield ws, _to_dev(h), h
+    ws.close()
+
+
+def _fwd(ws, d, **over):
+    q = dict(d)
+    q.update(over)
+    sched = mok.schedule(ws, q["ids"])
+    return mok.forward(ws, sched, q["x"], q["tw"], q["w_gate"], q["w_up"], q["w_down"])
+
+
+@pytest.mark.parametrize("field,make,arg", [
+    ("x", lambda d, h: d["x"].astype(cp.float32), "x"),
+    ("x", lambda d, h: cp.asarray(h["x"])[:, :128].copy(), "x"),
+    ("x", lambda d, h: cp.asfortranarray(d["x"]), "x"),
+    ("x", lambda d, h: h["x"], "x"),                                  # host memory, not the device
+    ("tw", lambda d, h: d["tw"].astype(cp.float64), "topk_weights"),
+    ("w_up", lambda d, h: d["w_up"][:, :, ::2], "w_up"),              # strided view
+    ("ids", lambda d, h: d["ids"].astype(cp.float32), "topk_ids"),
+])
+def test_bad_arguments_are_named(small, field, make, arg):
+    ws, d, h = small
+    with pytest.raises(mok.ArgumentError) as info:
+        _fwd(ws, d, **{field: make(d, h)})
+    assert info.value.argument == arg, str(info.value)
+
+
+def test_ids_out_of_range_raise_after_sync(small):
+    ws, d, _ = small
+    ids = d["ids"].copy()
+    ids[17, 1] = 8
+    _fwd(ws, d, ids=ids)
+    with pytest.raises(mok.ExpertIdError, match="token 17"):
+        ws.synchronize()
+    out, _ = _fwd(ws, d)       # the workspace works again after the error was reported
+    ws.synchronize()
+    assert np.isfinite(out.to_numpy().astype(np.float32)).all()
+
+
+def test_too_many_tokens(small):
+    ws, d, _ = small
+    with pytest.raises(mok.ArgumentError, match="max_tokens"):
+        mok.schedule(ws, cp.zeros((65, 2), dtype=cp.int32))
+
+
+def test_capacity_error_raises():
+    cfg = mok.MoEConfig(hidden=256, intermediate=128, num_experts=8, top_k=2, capacity_factor=0.25)
+    h = make_problem(13, T=4096, H=256, I=128, E=8, k=2, ids=np.zeros((4096, 2)))   # 8192 rows on expert 0
+    d = _to_dev(h)
+    with mok.Workspace(cfg, mok.SingleProcessGroup(devices=[0]), max_tokens=4096) as ws:
+        assert ws.capacity_rows < 8192
+        _fwd(ws, d)
+        with pytest.raises(mok.CapacityError):
+            ws.synchronize()
+
+
+def teardown_module(module):
+    print("\n".join(["", "relative Frobenius errors vs float64 reference:"] + REPORT))
