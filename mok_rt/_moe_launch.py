@@ -15,7 +15,6 @@ Typical use::
 """
 from __future__ import annotations
 
-import ctypes
 import math
 from dataclasses import dataclass, fields
 

@@ -361,8 +361,9 @@ def from_dlpack(obj, *, name: str, stream: Union[int, None, object] = None) -> T
 
     ``stream`` is the consumer's CUDA stream handed to a CUDA producer so that it orders its
     pending writes before work on that stream: None (not passed), a CUstream int, 1 (legacy
-    default stream), 2 (per-thread default stream) or -1 (no synchronisation).  NumPy arrays
-    (ml_dtypes ones included) are read directly.  ``name`` names the argument in errors.
+    default stream; 0 is taken to mean it too), 2 (per-thread default stream) or -1 (no
+    synchronisation).  NumPy arrays (ml_dtypes ones included) are read directly.  ``name``
+    names the argument in errors.
     """
     if isinstance(obj, TensorView):
         return obj
@@ -373,9 +374,11 @@ def from_dlpack(obj, *, name: str, stream: Union[int, None, object] = None) -> T
         raise ArgumentError(name, f"expected a DLPack tensor (an object with __dlpack__), got "
                                   f"{type(obj).__name__}")
     handle = _stream_handle(stream)
-    if handle is not None and (handle == 0 or handle < -1):
-        raise ArgumentError("stream", f"invalid DLPack stream {handle} (0 is ambiguous: use 1 for "
-                                      f"the legacy default stream, 2 for per-thread, -1 for none)")
+    if handle == 0:  # the spec forbids 0; in CUDA it names the legacy default stream
+        handle = 1
+    if handle is not None and handle < -1:
+        raise ArgumentError("stream", f"invalid DLPack stream {handle} (a CUstream, 1 for the "
+                                      f"legacy default stream, 2 for per-thread, -1 for none)")
     kwargs = {"stream": handle} if handle is not None and _on_cuda(obj) else {}
     try:
         try:

@@ -2,8 +2,11 @@
 
 A :class:`Tensor` owns (or views) device memory allocated through cuda.core, or a host NumPy
 array (the reference backend).  It exports itself through DLPack with its real dtype (bfloat16
-and fp8 included) and honours the consumer's stream: a device tensor remembers the stream that
-last wrote it, and a consumer on another stream is made to wait for that work with an event.
+and fp8 included) and honours the consumer's stream.  A device tensor has a producer stream
+(the one it was allocated on): a consumer on another stream is made to wait for it with an event
+(cuEventRecord + cuStreamWaitEvent), and a write of ours on another stream is joined back into
+it, so the producer stream is always ordered after every write we made (the stream-ordered free
+included).  Writes a DLPack consumer makes on its own streams are the consumer's to order.
 """
 from __future__ import annotations
 
@@ -149,10 +152,11 @@ class Tensor:
                         device_id=None, owner=arr, array=arr, readonly=not arr.flags.writeable)
 
     @classmethod
-    def _from_pointer(cls, ptr: int, shape, dtype, *, device_id: int, owner,
+    def _from_pointer(cls, ptr: int, shape, dtype, device_id: int, owner, *,
                       stream: StreamLike | None = None, strides=None,
                       readonly: bool = False) -> "Tensor":
-        """Wrap existing device memory; ``owner`` is kept alive as long as the tensor."""
+        """Wrap existing device memory; ``owner`` is kept alive as long as the tensor.  Without
+        ``stream`` no producer stream is known and exports do not synchronise."""
         shape = _check_shape(shape)
         return cls._new(ptr=ptr, shape=shape, dtype=_dt.as_dtype(dtype),
                         strides=_c_strides(shape) if strides is None else strides,
@@ -225,35 +229,41 @@ class Tensor:
                 f"ptr={self._ptr:#x})")
 
     # ------------------------------------------------------------------ streams
+    def _stream_wait(self, waiter: int, signaller: int) -> None:
+        """Make stream ``waiter`` wait for the work enqueued so far on ``signaller``."""
+        _activate(self._device_id)
+        event = call("cuEventCreate", int(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING))
+        try:
+            call("cuEventRecord", event, signaller)
+            call("cuStreamWaitEvent", waiter, event, 0)
+        finally:
+            call("cuEventDestroy", event)  # safe: released once the recorded work completes
+
     def _order_before(self, consumer: int) -> None:
         """Make stream ``consumer`` wait for the work pending on the producer stream."""
         producer = self._producer_stream
         if producer is None or consumer == producer or consumer == -1:
             return
-        _activate(self._device_id)
-        event = call("cuEventCreate", driver.CUevent_flags.CU_EVENT_DISABLE_TIMING)
-        try:
-            call("cuEventRecord", event, producer)
-            call("cuStreamWaitEvent", consumer, event, 0)
-        finally:
-            call("cuEventDestroy", event)  # safe: freed once the recorded work completes
+        self._stream_wait(consumer, producer)
 
-    def _join_stream(self, stream) -> int:
-        """The stream to run a copy/fill on (default: the producer stream).  A new stream is
-        first ordered after the producer stream and then becomes the producer stream."""
+    def _op_stream(self, stream) -> int:
+        """The stream a copy/fill runs on (default: the producer stream), ordered after the
+        producer stream's pending work."""
         if stream is None:
             return self._producer_stream if self._producer_stream is not None else _LEGACY_STREAM
         handle = _stream_handle(stream)
         if handle == 0:
             handle = _LEGACY_STREAM
-        if handle != self._producer_stream:
-            self._order_before(handle)
-            self._producer_stream, self._stream_keep = handle, stream
-            # Free the memory in order after the work we now enqueue on this stream.
-            set_dealloc = getattr(self._owner, "set_deallocation_stream", None)
-            if set_dealloc is not None:
-                set_dealloc(_core_stream(stream))
+        self._order_before(handle)
         return handle
+
+    def _rejoin(self, handle: int, stream) -> None:
+        """After a write on ``handle``: the producer stream waits for it, so the producer stream
+        stays the one place later users (and the stream-ordered free) are ordered after."""
+        if self._producer_stream is None:
+            self._producer_stream, self._stream_keep = handle, stream
+        elif handle != self._producer_stream:
+            self._stream_wait(self._producer_stream, handle)
 
     # ------------------------------------------------------------------ DLPack
     def __dlpack_device__(self) -> tuple[int, int]:
@@ -272,12 +282,16 @@ class Tensor:
         if self._device_id is None:
             if stream is not None and stream != -1:
                 raise BufferError(f"stream must be None for a host tensor, got {stream!r}")
+            handle = -1
         else:
             handle = _LEGACY_STREAM if stream is None else _stream_handle(stream)
-            if handle == 0 or handle < -1:
-                raise BufferError(f"invalid DLPack stream {handle} (0 is ambiguous)")
-            self._order_before(handle)
+            if handle == 0:  # disallowed by the spec; CUDA's stream 0 is the legacy stream
+                handle = _LEGACY_STREAM
+            if handle < -1:
+                raise BufferError(f"invalid DLPack stream {handle}")
         source = self._copy() if copy else self
+        if handle != -1:
+            source._order_before(handle)  # a copy runs on our producer stream, so after it
         versioned = max_version is not None and int(max_version[0]) >= 1
         version = DLPACK_VERSION if versioned and tuple(max_version) >= DLPACK_VERSION else (1, 0)
         return _export_capsule(
@@ -314,7 +328,7 @@ class Tensor:
         out = np.empty(self._shape, self._dtype.numpy)
         if self.nbytes:
             _activate(self._device_id)
-            handle = self._join_stream(stream)
+            handle = self._op_stream(stream)
             call("cuMemcpyDtoHAsync", out.ctypes.data, self._ptr, self.nbytes, handle)
             call("cuStreamSynchronize", handle)
         return out
@@ -337,8 +351,9 @@ class Tensor:
         src = np.ascontiguousarray(arr)
         if self.nbytes:
             _activate(self._device_id)
-            handle = self._join_stream(stream)
+            handle = self._op_stream(stream)
             call("cuMemcpyHtoDAsync", self._ptr, src.ctypes.data, self.nbytes, handle)
+            self._rejoin(handle, stream)
 
     def fill_bytes(self, value: int, *, stream: StreamLike | None = None) -> None:
         """Set every byte to ``value`` (0..255), on ``stream`` (default: the producer stream)."""
@@ -356,8 +371,9 @@ class Tensor:
         self._require_contiguous("fill_bytes")
         if self.nbytes:
             _activate(self._device_id)
-            handle = self._join_stream(stream)
+            handle = self._op_stream(stream)
             call("cuMemsetD8Async", self._ptr, int(value), self.nbytes, handle)
+            self._rejoin(handle, stream)
 
     def poison(self, *, stream: StreamLike | None = None) -> None:
         """Fill with 0xFF bytes: NaN for every floating dtype here, -1 / max for integers."""

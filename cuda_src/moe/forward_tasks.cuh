@@ -41,6 +41,19 @@ struct SwiGLU {
   }
 };
 
+// The bf16 value saved for a pre-activation v, rounded to nearest unless that would move it across
+// the clamp (v > L for gate, |v| > L for up): then one bf16 step toward v.  The backward
+// recomputes the clamp masks from the saved values, so they match the forward's exactly.
+__device__ __forceinline__ float bf16_keep_clamp_side(float v, float limit, bool two_sided) {
+  const float r = __bfloat162float(__float2bfloat16_rn(v));
+  const bool clamped_v = (two_sided ? fabsf(v) : v) > limit;
+  const bool clamped_r = (two_sided ? fabsf(r) : r) > limit;
+  if (clamped_v == clamped_r || r == 0.f) return r;
+  const uint32_t bits = __float_as_uint(r) >> 16;
+  const bool grow = (v > r) == (r > 0.f);  // away from zero = larger magnitude
+  return __uint_as_float((grow ? bits + 1 : bits - 1) << 16);
+}
+
 __device__ __forceinline__ SwiGLU make_swiglu(const MoEDims& d) { return SwiGLU{d.has_limit != 0, d.swiglu_limit}; }
 
 // Fused gate|up epilogue: tile columns [0, 64) are gate, [64, 128) up, for intermediate columns
@@ -54,6 +67,13 @@ __device__ __forceinline__ void swiglu_epilogue(const unsigned char* smem, int r
     gemm::c_load8(smem, r, kGateUpCols + c, u);
 #pragma unroll
     for (int i = 0; i < 8; ++i) a[i] = sw.act(g[i], u[i]);
+    if (sw.limited) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        g[i] = bf16_keep_clamp_side(g[i], sw.limit, false);
+        u[i] = bf16_keep_clamp_side(u[i], sw.limit, true);
+      }
+    }
     bf16* gu_row = gu + (size_t)r * 2 * inter;
     *reinterpret_cast<uint4*>(gu_row + col0 + c) = pack_bf16x8(g);
     *reinterpret_cast<uint4*>(gu_row + inter + col0 + c) = pack_bf16x8(u);

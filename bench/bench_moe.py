@@ -1,0 +1,682 @@
+#!/usr/bin/env python3
+"""Benchmark mok_rt's MoE layer against the PyTorch pipeline users would run instead.
+
+Both run in the same process, one process per GPU, on the same random inputs and weights:
+
+    python bench/bench_moe.py                                  # one GPU (EP = 1)
+    torchrun --nproc-per-node=8 bench/bench_moe.py             # expert parallel over 8 GPUs
+    mpirun -np 2 python bench/bench_moe.py                     # same, launched by MPI
+    python bench/bench_moe.py --quick                          # small shapes: a smoke test
+
+A step is timed with CUDA events on torch's current stream (mok_rt is handed that stream), each
+iteration on its own after warm-up, and the median over iterations is reported (the slowest
+rank's median with EP > 1).  "fwd" = routing schedule + forward; "fwd+bwd" = schedule + forward
++ backward (weight, input and router-weight gradients).  TFLOP/s per GPU count the routed
+experts' 6*T*k*H*I (+ the shared expert's 6*T*H*I_s) per forward and 3x that per forward +
+backward, T = tokens per rank.  Before timing, one fwd+bwd of each side is compared
+(relative Frobenius error); mok_rt figures that fail the check are withheld.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import hashlib
+import json
+import math
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+_HERE = Path(__file__).resolve().parent
+_ROOT = _HERE.parent
+TOLERANCE = 2e-2          # relative Frobenius error of mok_rt vs the baseline
+SCHEMA = 1
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One MoE layer shape; ``tokens`` is per rank."""
+
+    name: str
+    hidden: int
+    intermediate: int
+    experts: int
+    top_k: int
+    tokens: int
+    shared: int = 0
+    swiglu_limit: float | None = None
+
+    def forward_flops(self, tokens: int) -> int:
+        return 6 * tokens * (self.top_k * self.hidden * self.intermediate + self.hidden * self.shared)
+
+
+SHAPES = {s.name: s for s in (
+    Shape("qwen3-30b-a3b", 2048, 768, 128, 8, 16384),
+    Shape("deepseek-v3", 7168, 2048, 256, 8, 8192),
+    Shape("deepseek-v3-shared", 7168, 2048, 256, 8, 8192, shared=2048),
+    Shape("qwen3-235b-a22b", 4096, 1536, 128, 8, 8192),
+    Shape("glm-4.5-air", 4096, 1408, 128, 8, 8192, shared=1408),
+    Shape("gpt-oss-120b", 2880, 2880, 128, 4, 8192, swiglu_limit=7.0),
+    # --quick: small enough to run in seconds, still several experts per rank on 8 GPUs
+    Shape("quick", 512, 256, 16, 4, 2048),
+    Shape("quick-shared", 512, 256, 16, 4, 2048, shared=256),
+)}
+DEFAULT_SHAPES = ("qwen3-30b-a3b", "deepseek-v3", "deepseek-v3-shared")
+QUICK_SHAPES = ("quick", "quick-shared")
+_GRAD_NAMES = ("dw_gate", "dw_up", "dw_down", "dws_gate", "dws_up", "dws_down")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        description="Time mok_rt's MoE layer against the PyTorch baseline (grouped_mm pipeline) on the same "
+                    "inputs; write a JSON of every figure.",
+        epilog=f"shapes: {', '.join(SHAPES)}.  EP size = number of processes (torchrun / mpirun), one GPU each.")
+    ap.add_argument("--shapes", default=None,
+                    help=f"comma-separated shape names or 'all' (default: {','.join(DEFAULT_SHAPES)}; "
+                         f"with --quick: {','.join(QUICK_SHAPES)})")
+    ap.add_argument("--tokens", type=int, default=None, help="tokens per rank for every shape (overrides the shape's)")
+    ap.add_argument("--quick", action="store_true", help="small shapes and short warm-up: a smoke test")
+    ap.add_argument("--ep", type=int, default=None,
+                    help="expected expert-parallel size; must equal the number of launched processes")
+    ap.add_argument("--impl", choices=("both", "mok", "torch"), default="both", help="what to run (default both)")
+    ap.add_argument("--iters", type=int, default=30, help="timed iterations per figure (>= 20; default 30)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed iterations first (default 5, --quick 2)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="directory for the results JSON (default bench/results)")
+    ap.add_argument("--commit", default=os.environ.get("MOK_BENCH_COMMIT"),
+                    help="commit id to record when the tree has no git metadata (env MOK_BENCH_COMMIT)")
+    args = ap.parse_args(argv)
+    names = args.shapes.split(",") if args.shapes else list(QUICK_SHAPES if args.quick else DEFAULT_SHAPES)
+    if names == ["all"]:
+        names = [n for n in SHAPES if n not in QUICK_SHAPES]
+    unknown = [n for n in names if n not in SHAPES]
+    if unknown:
+        ap.error(f"unknown shape(s) {unknown}; known: {', '.join(SHAPES)}")
+    args.shape_list = [SHAPES[n] for n in names]
+    if args.tokens is not None and args.tokens <= 0:
+        ap.error("--tokens must be positive")
+    if args.iters < 20:
+        ap.error("--iters must be >= 20 (medians of fewer iterations are too noisy to quote)")
+    if args.warmup is None:
+        args.warmup = 2 if args.quick else 5
+    if args.ep is not None and args.ep < 1:
+        ap.error("--ep must be >= 1")
+    return args
+
+
+# -- processes -------------------------------------------------------------------------------------
+class _Ranks:
+    """This process's place in the EP group, and the host collectives the harness needs."""
+
+    def __init__(self, torch, *, rank: int, size: int, local_rank: int):
+        self.torch, self.rank, self.size, self.device = torch, rank, size, local_rank
+        self.group = None
+        if size > 1:
+            import torch.distributed as dist
+            dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+            self.group = dist.group.WORLD
+
+    def gather(self, obj) -> list:
+        """Every rank's ``obj``, in rank order (a collective)."""
+        if self.size == 1:
+            return [obj]
+        import torch.distributed as dist
+        out = [None] * self.size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            import torch.distributed as dist
+            dist.barrier()
+
+    def close(self) -> None:
+        if self.size > 1:
+            import torch.distributed as dist
+            dist.destroy_process_group()
+
+
+def _launcher_env() -> tuple[int, int, int]:
+    """(rank, size, local rank) from torchrun's variables, or from mpirun's (Open MPI, PMI)."""
+    env = os.environ
+    if "WORLD_SIZE" not in env:
+        for size, rank, local in (("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"),
+                                  ("PMI_SIZE", "PMI_RANK", "MPI_LOCALRANKID")):
+            if size in env:
+                env["WORLD_SIZE"], env["RANK"] = env[size], env[rank]
+                env["LOCAL_RANK"] = env.get(local, env[rank])
+                # torch.distributed's env:// rendezvous; one node, so loopback suffices
+                env.setdefault("MASTER_ADDR", "127.0.0.1")
+                env.setdefault("MASTER_PORT", "29517")
+                break
+    size = int(env.get("WORLD_SIZE", "1"))
+    rank = int(env.get("RANK", "0"))
+    return rank, size, int(env.get("LOCAL_RANK", str(rank)))
+
+
+def _log(ranks, *a) -> None:
+    if ranks is None or ranks.rank == 0:
+        print(*a, flush=True)
+
+
+def _attempt(ranks: _Ranks, what: str, fn: Callable[[], Any]) -> tuple[Any, str | None]:
+    """Run ``fn`` on every rank; if it failed on any, all ranks learn it (so none waits alone in
+    a later collective).  Returns (value, None) or (None, error text)."""
+    try:
+        value, err = fn(), None
+    except Exception as ex:   # OOM, a mok_rt error, a missing API: recorded, the run goes on
+        value, err = None, f"{type(ex).__name__}: {ex}"[:600]
+        print(f"[rank {ranks.rank}] {what} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+    errors = ranks.gather(err)
+    bad = [e if ranks.size == 1 else f"rank {r}: {e}" for r, e in enumerate(errors) if e]
+    if bad:
+        return None, f"{what}: " + "; ".join(bad)
+    return value, None
+
+
+# -- inputs ----------------------------------------------------------------------------------------
+class _Inputs:
+    """One rank's random inputs and weights in mok_rt's layout (never zeros)."""
+
+    def __init__(self, torch, shape: Shape, tokens: int, ranks: _Ranks, seed: int):
+        dev = torch.device("cuda", ranks.device)
+        gen = torch.Generator(device=dev)
+        gen.manual_seed(seed * 1_000_003 + ranks.rank)   # each rank: its own tokens and experts
+        h, i, e, k, s = shape.hidden, shape.intermediate, shape.experts, shape.top_k, shape.shared
+        if e % ranks.size:
+            raise ValueError(f"{e} experts do not split over {ranks.size} ranks")
+        el = e // ranks.size
+
+        def randn(*dims, scale=1.0):
+            t = torch.randn(dims, device=dev, dtype=torch.bfloat16, generator=gen)
+            return t.mul_(scale) if scale != 1.0 else t
+
+        self.w_gate = randn(el, i, h, scale=h ** -0.5)
+        self.w_up = randn(el, i, h, scale=h ** -0.5)
+        self.w_down = randn(el, h, i, scale=i ** -0.5)
+        self.ws_gate = self.ws_up = self.ws_down = None
+        if s:
+            self.ws_gate = randn(s, h, scale=h ** -0.5)
+            self.ws_up = randn(s, h, scale=h ** -0.5)
+            self.ws_down = randn(h, s, scale=s ** -0.5)
+        # Router: random logits -> softmax -> top-k, weights renormalised over the k.
+        probs = torch.randn((tokens, e), device=dev, generator=gen).softmax(dim=-1)
+        top_w, top_i = probs.topk(k, dim=-1)
+        self.topk_ids = top_i                                   # int64, the baseline's index type
+        self.topk_ids32 = top_i.to(torch.int32).contiguous()    # what mok_rt is handed
+        tw = (top_w / top_w.sum(dim=-1, keepdim=True)).float().contiguous()
+        x = randn(tokens, h)
+        self.d_out = randn(tokens, h)
+        # Leaves for the baseline's autograd; detached aliases (same memory) for DLPack export.
+        self.x = x.requires_grad_(True)
+        self.topk_weights = tw.requires_grad_(True)
+        self.x_plain, self.topk_weights_plain = x.detach(), tw.detach()
+
+    def mok_weights(self) -> tuple:
+        return (self.w_gate, self.w_up, self.w_down, self.ws_gate, self.ws_up, self.ws_down)
+
+    def clear_grads(self) -> None:
+        self.x.grad = None
+        self.topk_weights.grad = None
+
+
+def rel_fro(torch, got, want) -> float:
+    """||got - want||_F / ||want||_F in float64, in slices so big weight gradients need no big
+    temporaries.  NaN (an unwritten poisoned element) propagates and fails every check."""
+    if tuple(got.shape) != tuple(want.shape):
+        return math.inf
+    a, b = got.reshape(got.shape[0], -1), want.reshape(want.shape[0], -1)
+    step = max(1, (1 << 25) // max(1, a.shape[1]))
+    num = torch.zeros((), dtype=torch.float64, device=b.device)
+    den = torch.zeros((), dtype=torch.float64, device=b.device)
+    for r in range(0, a.shape[0], step):
+        ad, bd = a[r:r + step].double(), b[r:r + step].double()
+        num += (ad - bd).square().sum()
+        den += bd.square().sum()
+    num, den = num.item(), den.item()
+    if den == 0:
+        return 0.0 if num == 0 else math.inf
+    return math.sqrt(num / den)
+
+
+# -- timing ----------------------------------------------------------------------------------------
+def _time(torch, ranks: _Ranks, fn: Callable[[], Any], *, iters: int, warmup: int) -> list[float]:
+    """Milliseconds of each of ``iters`` calls of ``fn`` (CUDA events on the current stream)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(iters):
+        ranks.barrier()   # ranks start together, so no rank's time includes another's lag
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end))
+    return out
+
+
+_FIGURE_FIELDS = ("ms", "ms_ranks", "ms_min_rank0", "ms_max_rank0", "tflops_per_gpu")
+
+
+def _figures(ranks: _Ranks, fwd_ms: list[float], fwd_bwd_ms: list[float], flops_fwd: int) -> dict:
+    """Per-rank medians gathered; the step takes as long as the slowest rank."""
+    mine = {"fwd": statistics.median(fwd_ms), "fwd_bwd": statistics.median(fwd_bwd_ms)}
+    every = ranks.gather(mine)
+    fig = {}
+    for key, flops in (("fwd", flops_fwd), ("fwd_bwd", 3 * flops_fwd)):
+        ms = max(r[key] for r in every)
+        samples = fwd_ms if key == "fwd" else fwd_bwd_ms
+        fig.update({f"{key}_ms": round(ms, 4), f"{key}_ms_ranks": [round(r[key], 4) for r in every],
+                    f"{key}_ms_min_rank0": round(min(samples), 4) if ranks.rank == 0 else None,
+                    f"{key}_ms_max_rank0": round(max(samples), 4) if ranks.rank == 0 else None,
+                    f"{key}_tflops_per_gpu": round(flops / ms / 1e9, 2)})
+    return fig
+
+
+# -- the baseline ----------------------------------------------------------------------------------
+def _torch_reference(inp: _Inputs, base) -> dict:
+    """One baseline fwd+bwd; its results (kept) are what mok_rt is checked against."""
+    inp.clear_grads()
+    base.zero_grad()
+    out = base(inp.x, inp.topk_ids, inp.topk_weights)
+    out.backward(inp.d_out)
+    ref = {"out": out.detach(), "dx": inp.x.grad, "d_topk_weights": inp.topk_weights.grad, **base.grads()}
+    inp.clear_grads()
+    base.zero_grad()
+    return {n: v for n, v in ref.items() if v is not None}
+
+
+def _time_torch(torch, ranks, inp: _Inputs, base, args) -> tuple[list[float], list[float]]:
+    def fwd():
+        return base(inp.x, inp.topk_ids, inp.topk_weights)
+
+    def fwd_bwd():
+        inp.clear_grads()
+        base.zero_grad()
+        base(inp.x, inp.topk_ids, inp.topk_weights).backward(inp.d_out)
+
+    f = _time(torch, ranks, fwd, iters=args.iters, warmup=args.warmup)
+    fb = _time(torch, ranks, fwd_bwd, iters=args.iters, warmup=args.warmup)
+    inp.clear_grads()
+    base.zero_grad()
+    return f, fb
+
+
+# -- mok_rt ----------------------------------------------------------------------------------------
+class _Mok:
+    """mok_rt, its process group, and why it cannot run (``error``) if it cannot."""
+
+    def __init__(self, ranks: _Ranks, want: bool):
+        self.mod = self.group = self.error = None
+        if not want:
+            self.error = "not requested (--impl torch)"
+            return
+
+        def load():
+            if str(_ROOT) not in sys.path:
+                sys.path.insert(0, str(_ROOT))
+            import mok_rt as mok
+            missing = [n for n in ("MoEConfig", "Workspace", "SingleProcessGroup", "CallableGroup", "schedule",
+                                   "forward", "backward") if not hasattr(mok, n)]
+            if missing:
+                raise ImportError(f"mok_rt {getattr(mok, '__version__', '?')} lacks {', '.join(missing)}")
+            if ranks.size == 1:
+                group = mok.SingleProcessGroup(devices=[ranks.device])
+            else:   # one process per rank over torch.distributed's collectives
+                group = mok.CallableGroup(rank=ranks.rank, size=ranks.size, device_id=ranks.device,
+                                          all_gather=ranks.gather, barrier=ranks.barrier)
+            return mok, group
+
+        value, self.error = _attempt(ranks, "mok_rt setup", load)
+        if value is not None:
+            self.mod, self.group = value
+
+
+def _as_torch(torch, t):
+    return t if isinstance(t, torch.Tensor) else torch.from_dlpack(t)
+
+
+def _stream_for_mok(torch):
+    s = torch.cuda.current_stream()
+    return s if hasattr(s, "__cuda_stream__") else s.cuda_stream   # older torch: the raw handle
+
+
+def _run_mok(torch, ranks, mok: _Mok, shape: Shape, tokens: int, inp: _Inputs, ref: dict | None,
+             flops: int, args) -> tuple[dict, dict]:
+    """Check one mok_rt fwd+bwd against ``ref``, then time fwd and fwd+bwd.  Returns
+    (figures or error, check)."""
+    m = mok.mod
+    state: dict[str, Any] = {}
+    result: dict[str, Any] = {}
+    check: dict[str, Any] = {"tolerance": TOLERANCE}
+    x, tw, ids = inp.x_plain, inp.topk_weights_plain, inp.topk_ids32
+    weights = inp.mok_weights()
+
+    def setup():
+        cfg = m.MoEConfig(hidden=shape.hidden, intermediate=shape.intermediate, num_experts=shape.experts,
+                          top_k=shape.top_k, shared_intermediate=shape.shared, swiglu_limit=shape.swiglu_limit)
+        state["ws"] = m.Workspace(cfg, mok.group, max_tokens=tokens, backend="cuda", stream=_stream_for_mok(torch))
+        # Caller-owned fp32 weight-gradient buffers (a trainer's .grad), poisoned so that an
+        # element the kernel never writes fails the check.
+        state["bufs"] = {n: torch.full(tuple(w.shape), math.nan, device=x.device, dtype=torch.float32)
+                         for n, w in zip(_GRAD_NAMES, weights) if w is not None}
+
+    def fwd():
+        ws = state["ws"]
+        sched = m.schedule(ws, ids)
+        out, _ = m.forward(ws, sched, x, tw, *weights)
+        return out
+
+    def fwd_bwd():
+        ws = state["ws"]
+        sched = m.schedule(ws, ids)
+        out, ctx = m.forward(ws, sched, x, tw, *weights)
+        g = m.backward(ws, sched, ctx, inp.d_out, x, tw, *weights, **state["bufs"])
+        return out, g
+
+    def check_run():
+        out, g = fwd_bwd()
+        state["ws"].synchronize()   # raises what a kernel reported
+        got = {"out": out, "dx": g.dx, "d_topk_weights": g.d_topk_weights,
+               **{n: getattr(g, n, None) for n in _GRAD_NAMES}}
+        got = {n: _as_torch(torch, v) for n, v in got.items() if v is not None}
+        # Clones: mok_rt may hand out workspace memory that the next call overwrites.
+        state["first"] = {n: got[n].clone() for n in ("out", "dx", "d_topk_weights")}
+        if ref is None:
+            return {}
+        return {n: rel_fro(torch, got[n], want) for n, want in ref.items() if n in got}
+
+    def timed():
+        last = {}
+        f = _time(torch, ranks, lambda: last.__setitem__("fwd", fwd()), iters=args.iters, warmup=args.warmup)
+        state["ws"].synchronize()
+        same = torch.equal(_as_torch(torch, last.pop("fwd")), state["first"]["out"])
+        fb = _time(torch, ranks, lambda: last.__setitem__("fb", fwd_bwd()), iters=args.iters, warmup=args.warmup)
+        state["ws"].synchronize()
+        out, g = last.pop("fb")
+        for name, t in (("out", out), ("dx", g.dx), ("d_topk_weights", g.d_topk_weights)):
+            same = same and torch.equal(_as_torch(torch, t), state["first"][name])
+        return f, fb, same
+
+    try:
+        _, err = _attempt(ranks, "mok_rt workspace", setup)
+        if err:
+            return {"error": err}, {"error": "mok_rt did not run"}
+        errors, err = _attempt(ranks, "mok_rt check run", check_run)
+        if err:
+            return {"error": err}, {"error": "mok_rt did not run"}
+        if ref is None:
+            check["error"] = "no baseline result to compare with (--impl mok or the baseline failed)"
+            passed_fwd = passed_bwd = False
+        else:
+            worst = {}   # the worst rank's error per tensor
+            for r_errors in ranks.gather(errors):
+                for n, v in r_errors.items():
+                    worst[n] = max(worst.get(n, 0.0), v)
+            check["rel_fro"] = {n: (v if math.isfinite(v) else str(v)) for n, v in worst.items()}
+            passed_fwd = worst.get("out", math.nan) < TOLERANCE
+            passed_bwd = passed_fwd and len(worst) == len(ref) and all(v < TOLERANCE for v in worst.values())
+        check["passed_fwd"], check["passed_fwd_bwd"] = passed_fwd, passed_bwd
+        times, err = _attempt(ranks, "mok_rt timing", timed)
+        if err:
+            return {"error": err}, check
+        f, fb, same = times
+        fig = _figures(ranks, f, fb, flops)
+        result["deterministic"] = all(ranks.gather(bool(same)))
+        # A figure that failed the check is kept for the developers but never quoted.
+        for key, ok in (("fwd", passed_fwd), ("fwd_bwd", passed_bwd)):
+            part = {k: v for k, v in fig.items() if k.removeprefix(key + "_") in _FIGURE_FIELDS}
+            if ok:
+                result.update(part)
+            else:
+                result.setdefault("unverified", {}).update(part)
+                result[f"{key}_tflops_per_gpu"] = None
+        return result, check
+    finally:
+        ws = state.pop("ws", None)
+        state.clear()
+        if ws is not None:
+            try:
+                ws.close()
+            except Exception as ex:   # closing after a device error must not end the run
+                print(f"[rank {ranks.rank}] closing the workspace: {ex!r}", file=sys.stderr)
+
+
+# -- one shape -------------------------------------------------------------------------------------
+def run_shape(torch, ranks: _Ranks, mok: _Mok, shape: Shape, args) -> dict:
+    from torch_baseline import TorchMoEBaseline
+    tokens = args.tokens or shape.tokens
+    flops = shape.forward_flops(tokens)
+    rec: dict[str, Any] = {"shape": shape.name, **{k: v for k, v in asdict(shape).items()
+                                                   if k not in ("name", "tokens")},
+                           "tokens_per_rank": tokens, "ep": ranks.size,
+                           "flops_fwd_per_gpu": flops, "flops_fwd_bwd_per_gpu": 3 * flops,
+                           "torch": None, "mok": None, "check": None, "ratio": None, "error": None}
+    want_torch = args.impl in ("both", "torch")
+    want_mok = args.impl in ("both", "mok")
+    state: dict[str, Any] = {}
+
+    def setup():
+        inp = _Inputs(torch, shape, tokens, ranks, args.seed)
+        state["inp"] = inp
+        state["base"] = TorchMoEBaseline(w_gate=inp.w_gate, w_up=inp.w_up, w_down=inp.w_down,
+                                         num_experts=shape.experts, ws_gate=inp.ws_gate, ws_up=inp.ws_up,
+                                         ws_down=inp.ws_down, swiglu_limit=shape.swiglu_limit, group=ranks.group)
+    try:
+        _, err = _attempt(ranks, "inputs", setup)
+        if err:
+            rec["error"] = err
+            return rec
+        inp, base = state["inp"], state["base"]
+        ref = None
+        if want_mok and mok.mod is not None and want_torch:
+            ref, err = _attempt(ranks, "baseline check run", lambda: _torch_reference(inp, base))
+            if err:
+                rec["torch"] = {"error": err}
+        if want_mok:
+            if mok.mod is None:
+                rec["mok"] = {"error": mok.error}
+            else:
+                rec["mok"], rec["check"] = _run_mok(torch, ranks, mok, shape, tokens, inp, ref, flops, args)
+        ref = None
+        _free(torch)
+        if want_torch and rec["torch"] is None:
+            times, err = _attempt(ranks, "baseline timing", lambda: _time_torch(torch, ranks, inp, base, args))
+            rec["torch"] = {"error": err} if err else _figures(ranks, *times, flops)
+        rec["ratio"] = _ratios(rec)
+        return rec
+    finally:
+        state.clear()
+        _free(torch)
+
+
+def _ratios(rec: dict) -> dict | None:
+    t, m = rec.get("torch") or {}, rec.get("mok") or {}
+    out = {}
+    for key in ("fwd", "fwd_bwd"):
+        a, b = m.get(f"{key}_tflops_per_gpu"), t.get(f"{key}_tflops_per_gpu")
+        out[key] = round(a / b, 3) if a and b else None
+    return out if any(out.values()) else None
+
+
+def _free(torch) -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+# -- provenance ------------------------------------------------------------------------------------
+def _run(cmd: list[str]) -> str | None:
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=30, cwd=_ROOT)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+def _commit(override: str | None) -> dict:
+    sha = _run(["git", "rev-parse", "HEAD"])
+    status = _run(["git", "status", "--porcelain", "--untracked-files=no"])
+    info = {"sha": sha, "dirty": None if status is None or sha is None else bool(status), "given": override}
+    manifest = _ROOT / "mok_rt" / "cubins" / "manifest.json"
+    if manifest.exists():   # identifies the kernels even where the tree carries no git metadata
+        info["cubin_manifest_sha256"] = hashlib.sha256(manifest.read_bytes()).hexdigest()[:16]
+    short = (override or sha or "")[:8] or "nogit"
+    info["short"] = short + ("-dirty" if info["dirty"] else "")
+    return info
+
+
+def _versions(torch, mok: _Mok) -> dict:
+    from importlib import metadata
+    v: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
+                         "torch_cuda": torch.version.cuda}
+    for pkg in ("numpy", "cuda-core", "cuda-bindings", "cupy-cuda13x", "mpi4py"):
+        try:
+            v[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            v[pkg] = None
+    try:
+        v["nccl"] = ".".join(str(p) for p in torch.cuda.nccl.version())
+    except Exception:
+        v["nccl"] = None
+    v["mok_rt"] = getattr(mok.mod, "__version__", None)
+    return v
+
+
+def _machine(torch, ranks: _Ranks) -> dict:
+    props = torch.cuda.get_device_properties(ranks.device)
+    smi = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+    cuda_driver = None
+    try:
+        from cuda.bindings import driver
+        err, ver = driver.cuDriverGetVersion()
+        cuda_driver = f"{int(ver) // 1000}.{int(ver) % 1000 // 10}"
+    except Exception:
+        pass
+    return {"gpu": props.name, "gpus_visible": torch.cuda.device_count(), "gpus_used": ranks.size,
+            "sm_count": props.multi_processor_count, "memory_gib": round(props.total_memory / 2 ** 30, 1),
+            "driver": smi.splitlines()[0] if smi else None, "cuda_driver_api": cuda_driver,
+            "hostname": socket.gethostname(), "platform": platform.platform()}
+
+
+def _machine_slug(machine: dict) -> str:
+    name = machine["gpu"].lower().replace("nvidia", "").strip()
+    slug = "".join(c if c.isalnum() else "-" for c in name).strip("-") or "gpu"
+    while "--" in slug:
+        slug = slug.replace("--", "-")
+    return f"{slug}x{machine['gpus_used']}"
+
+
+def _write(doc: dict, out_dir: Path) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"{doc['date_stamp']}_{_machine_slug(doc['machine'])}_{doc['commit']['short']}"
+    if doc["quick"]:
+        stem += "_quick"
+    path, n = out_dir / f"{stem}.json", 2
+    while path.exists():
+        path, n = out_dir / f"{stem}-{n}.json", n + 1
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    return path
+
+
+# -- report ----------------------------------------------------------------------------------------
+def _cell(fig: dict | None, key: str) -> str:
+    if not fig:
+        return "-"
+    if fig.get("error"):
+        return "error"
+    ms, tf = fig.get(f"{key}_ms"), fig.get(f"{key}_tflops_per_gpu")
+    if tf is None:
+        return "WRONG" if (fig.get("unverified") or {}).get(f"{key}_ms") is not None else "-"
+    return f"{ms:8.3f} {tf:6.1f}"
+
+
+def _check_cell(check: dict | None) -> str:
+    if not check:
+        return "-"
+    errs = check.get("rel_fro")
+    if not errs:
+        return (check.get("error") or "-")[:24]
+    worst = max(errs, key=lambda n: float(errs[n]))
+    verdict = "ok" if check.get("passed_fwd_bwd") else ("fwd-only" if check.get("passed_fwd") else "FAIL")
+    return f"{verdict} out {float(errs.get('out', math.nan)):.1e} max {worst} {float(errs[worst]):.1e}"
+
+
+def format_table(doc: dict) -> str:
+    head = (f"{'shape':<20}{'EP':>3}{'tok/rank':>9}  {'torch fwd ms TF/s':>17}  {'mok fwd ms TF/s':>17}{'x':>6}  "
+            f"{'torch f+b ms TF/s':>17}  {'mok f+b ms TF/s':>17}{'x':>6}  check (rel. Frobenius)")
+    lines = [head, "-" * len(head)]
+    for r in doc["results"]:
+        ratio = r.get("ratio") or {}
+        rx = {k: (f"{ratio[k]:5.2f}" if ratio.get(k) else "  -") for k in ("fwd", "fwd_bwd")}
+        lines.append(f"{r['shape']:<20}{r['ep']:>3}{r['tokens_per_rank']:>9}  {_cell(r['torch'], 'fwd'):>17}  "
+                     f"{_cell(r['mok'], 'fwd'):>17}{rx['fwd']:>6}  {_cell(r['torch'], 'fwd_bwd'):>17}  "
+                     f"{_cell(r['mok'], 'fwd_bwd'):>17}{rx['fwd_bwd']:>6}  {_check_cell(r['check'])}")
+        for part in ("torch", "mok"):
+            e = (r.get(part) or {}).get("error")
+            if e and not e.startswith("not requested"):
+                lines.append(f"    {part}: {e[:200]}")
+        if r.get("error"):
+            lines.append(f"    error: {r['error'][:200]}")
+    return "\n".join(lines)
+
+
+# -- main ------------------------------------------------------------------------------------------
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if str(_HERE) not in sys.path:
+        sys.path.insert(0, str(_HERE))
+    try:
+        import torch   # a benchmark-only dependency: imported here so --help works without it
+    except ImportError:
+        print("bench_moe.py needs PyTorch (pip install 'mok_rt[bench]')", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("bench_moe.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    rank, size, local_rank = _launcher_env()
+    if args.ep is not None and args.ep != size:
+        print(f"--ep {args.ep}, but {size} process(es) were launched: start one process per GPU "
+              f"(torchrun --nproc-per-node={args.ep} ... or mpirun -np {args.ep} ...)", file=sys.stderr)
+        return 2
+    torch.cuda.set_device(local_rank)
+    ranks = _Ranks(torch, rank=rank, size=size, local_rank=local_rank)
+    mok = _Mok(ranks, want=args.impl in ("both", "mok"))
+    now = datetime.datetime.now(datetime.timezone.utc)
+    doc = {"schema": SCHEMA, "date": now.isoformat(timespec="seconds"), "date_stamp": now.strftime("%Y-%m-%dT%H%M%SZ"),
+           "machine": _machine(torch, ranks), "commit": _commit(args.commit), "versions": _versions(torch, mok),
+           "argv": sys.argv[1:], "ep": size, "iters": args.iters, "warmup": args.warmup, "seed": args.seed,
+           "quick": args.quick, "impl": args.impl, "tolerance": TOLERANCE, "mok_error": mok.error,
+           "timed": {"fwd": "schedule + forward", "fwd_bwd": "schedule + forward + backward",
+                     "statistic": "median over iterations, max over ranks", "clock": "CUDA events, torch stream"},
+           "flops": "fwd = 6*T*k*H*I + 6*T*H*I_s per GPU (T tokens per rank); fwd_bwd = 3 * fwd",
+           "results": []}
+    _log(ranks, f"EP={size}  GPU: {doc['machine']['gpu']}  commit: {doc['commit']['short']}  "
+                f"torch {torch.__version__}  mok_rt {doc['versions']['mok_rt']}"
+                + (f"\nmok_rt unavailable: {mok.error}" if mok.error and args.impl != "torch" else ""))
+    for shape in args.shape_list:
+        _log(ranks, f"-- {shape.name} (T={args.tokens or shape.tokens}/rank) ...")
+        rec = run_shape(torch, ranks, mok, shape, args)
+        _free(torch)
+        doc["results"].append(rec)
+        _log(ranks, "\n".join(format_table({"results": [rec]}).splitlines()[2:]))
+    if rank == 0:
+        out_dir = Path(args.out) if args.out else _HERE / "results"
+        path = _write(doc, out_dir)
+        print(f"\nresults: {path}\n")
+        print(format_table(doc), flush=True)
+    ranks.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

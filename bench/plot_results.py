@@ -1,0 +1,147 @@
+#!/usr/bin/env python3
+"""Turn bench_moe.py results into a bar chart (PNG) and a Markdown table.
+
+    python bench/plot_results.py bench/results/<run>.json [more.json ...] [--png chart.png]
+
+The chart shows TFLOP/s per GPU of the PyTorch baseline and mok_rt, forward and forward +
+backward, per shape (and EP size), with mok_rt's speed-up written above its bars.  The Markdown
+table goes to stdout (for the README).  Figures that failed the correctness check or errored are
+shown as such, never as numbers.  Needs matplotlib for the PNG only (``--no-png`` skips it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+_BARS = (("torch", "fwd", "PyTorch fwd", "#9ecae1"), ("mok", "fwd", "mok_rt fwd", "#08519c"),
+         ("torch", "fwd_bwd", "PyTorch fwd+bwd", "#fdae6b"), ("mok", "fwd_bwd", "mok_rt fwd+bwd", "#a63603"))
+
+
+def load(paths: list[str]) -> list[dict]:
+    docs = []
+    for p in paths:
+        doc = json.loads(Path(p).read_text())
+        if "results" not in doc or "machine" not in doc:
+            raise SystemExit(f"{p}: not a bench_moe.py results file")
+        docs.append(doc)
+    return docs
+
+
+def _rows(docs: list[dict]) -> list[tuple[dict, dict]]:
+    return [(doc, r) for doc in docs for r in doc["results"]]
+
+
+def _tflops(r: dict, impl: str, key: str) -> float | None:
+    v = (r.get(impl) or {}).get(f"{key}_tflops_per_gpu")
+    return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None
+
+
+def _status(r: dict, impl: str, key: str) -> str:
+    """Why a figure is missing: 'error', 'check failed' or 'not run'."""
+    part = r.get(impl)
+    if r.get("error") or (part or {}).get("error"):
+        return "error"
+    if (part or {}).get("unverified", {}).get(f"{key}_ms") is not None:
+        return "check failed"
+    return "not run"
+
+
+def _label(r: dict) -> str:
+    return f"{r['shape']}\nEP={r['ep']}  T={r['tokens_per_rank']}/GPU"
+
+
+def markdown(docs: list[dict]) -> str:
+    out = []
+    for doc in docs:
+        m, c = doc["machine"], doc["commit"]
+        out.append(f"{m['gpus_used']} × {m['gpu']} (driver {m.get('driver') or '?'}), commit {c.get('short')}, "
+                   f"{doc['date']}, torch {doc['versions'].get('torch')}, median of {doc['iters']} iterations")
+    out.append("")
+    out.append("| shape | EP | tokens/GPU | PyTorch fwd | mok_rt fwd | speed-up | PyTorch fwd+bwd | mok_rt fwd+bwd "
+               "| speed-up | check (rel. error) |")
+    out.append("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    for _, r in _rows(docs):
+        cells = [r["shape"], str(r["ep"]), str(r["tokens_per_rank"])]
+        for key in ("fwd", "fwd_bwd"):
+            for impl in ("torch", "mok"):
+                tf = _tflops(r, impl, key)
+                ms = (r.get(impl) or {}).get(f"{key}_ms")
+                cells.append(f"{ms:.2f} ms, {tf:.0f} TFLOP/s" if tf is not None else _status(r, impl, key))
+            ratio = (r.get("ratio") or {}).get(key)
+            cells.append(f"{ratio:.2f}×" if ratio else "–")
+        check = r.get("check") or {}
+        errs = check.get("rel_fro") or {}
+        if errs:
+            worst = max(float(v) for v in errs.values())
+            verdict = "pass" if check.get("passed_fwd_bwd") else "FAIL"
+            cells.append(f"{verdict} (out {float(errs.get('out', math.nan)):.1e}, worst {worst:.1e})")
+        else:
+            cells.append("–")
+        out.append("| " + " | ".join(cells) + " |")
+    out.append("")
+    out.append("TFLOP/s per GPU: forward 6·T·k·H·I (+ 6·T·H·I_s shared), forward+backward 3×; "
+               "timed: routing schedule + layer, CUDA events.")
+    return "\n".join(out)
+
+
+def plot(docs: list[dict], png: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = _rows(docs)
+    n = len(rows)
+    width = 0.2
+    fig, ax = plt.subplots(figsize=(max(6.0, 2.6 * n + 1.5), 5.0))
+    top = max([_tflops(r, impl, key) or 0.0 for _, r in rows for impl, key, _, _ in _BARS] + [1.0])
+    for b, (impl, key, name, color) in enumerate(_BARS):
+        xs = [i + (b - 1.5) * width for i in range(n)]
+        vals = [_tflops(r, impl, key) for _, r in rows]
+        ax.bar(xs, [v or 0.0 for v in vals], width, label=name, color=color)
+        for x, v, (_, r) in zip(xs, vals, rows):
+            if v is None:   # say why there is no bar instead of drawing a zero
+                ax.text(x, top * 0.02, _status(r, impl, key), rotation=90, ha="center", va="bottom", fontsize=7,
+                        color="#b00" if _status(r, impl, key) != "not run" else "#666")
+            elif impl == "mok":
+                ratio = (r.get("ratio") or {}).get(key)
+                if ratio:
+                    ax.text(x, v + top * 0.01, f"{ratio:.2f}×", ha="center", va="bottom", fontsize=8,
+                            fontweight="bold")
+    ax.set_xticks(range(n))
+    ax.set_xticklabels([_label(r) for _, r in rows], fontsize=8)
+    ax.set_ylabel("TFLOP/s per GPU")
+    ax.set_ylim(0, top * 1.15)
+    m = docs[0]["machine"]
+    commits = ", ".join(sorted({d["commit"].get("short") or "?" for d in docs}))
+    ax.set_title(f"MoE layer: mok_rt vs PyTorch grouped_mm pipeline — {m['gpu']}, commit {commits}", fontsize=10)
+    ax.legend(fontsize=8, ncols=4, loc="upper center", bbox_to_anchor=(0.5, -0.14), frameon=False)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=130)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="Bar chart (PNG) + Markdown table of bench_moe.py results.")
+    ap.add_argument("results", nargs="+", help="results JSON file(s) written by bench_moe.py")
+    ap.add_argument("--png", default=None, help="where to write the chart (default: the first JSON's path, .png)")
+    ap.add_argument("--no-png", action="store_true", help="print the Markdown table only")
+    args = ap.parse_args(argv)
+    docs = load(args.results)
+    print(markdown(docs))
+    if not args.no_png:
+        png = Path(args.png) if args.png else Path(args.results[0]).with_suffix(".png")
+        try:
+            plot(docs, png)
+        except ImportError:
+            print("matplotlib is not installed: no chart (pip install matplotlib, or --no-png)", file=sys.stderr)
+            return 1
+        print(f"\nchart: {png}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
