@@ -30,6 +30,8 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
+import time
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -91,9 +93,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=None, help="untimed iterations first (default 5, --quick 2)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="directory for the results JSON (default bench/results)")
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="self-test of the harness without a GPU: torch on the CPU (gloo between processes), "
+                         "mok_rt's NumPy reference backend, wall-clock timing; the figures mean nothing")
     ap.add_argument("--commit", default=os.environ.get("MOK_BENCH_COMMIT"),
                     help="commit id to record when the tree has no git metadata (env MOK_BENCH_COMMIT)")
     args = ap.parse_args(argv)
+    if args.cpu_smoke:
+        args.quick = True
+        if args.tokens is None:
+            args.tokens = 256   # the float64 reference backend is slow
     names = args.shapes.split(",") if args.shapes else list(QUICK_SHAPES if args.quick else DEFAULT_SHAPES)
     if names == ["all"]:
         names = [n for n in SHAPES if n not in QUICK_SHAPES]
@@ -114,15 +123,24 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # -- processes -------------------------------------------------------------------------------------
 class _Ranks:
-    """This process's place in the EP group, and the host collectives the harness needs."""
+    """This process's place in the EP group, its device, and the host collectives the harness
+    needs.  ``cpu``: the --cpu-smoke self-test (torch on the CPU, gloo)."""
 
-    def __init__(self, torch, *, rank: int, size: int, local_rank: int):
-        self.torch, self.rank, self.size, self.device = torch, rank, size, local_rank
+    def __init__(self, torch, *, rank: int, size: int, local_rank: int, cpu: bool = False):
+        self.torch, self.rank, self.size, self.device, self.cpu = torch, rank, size, local_rank, cpu
+        self.dev = torch.device("cpu") if cpu else torch.device("cuda", local_rank)
         self.group = None
         if size > 1:
             import torch.distributed as dist
-            dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+            if cpu:
+                dist.init_process_group("gloo")
+            else:
+                dist.init_process_group("nccl", device_id=self.dev)
             self.group = dist.group.WORLD
+
+    def synchronize(self) -> None:
+        if not self.cpu:
+            self.torch.cuda.synchronize()
 
     def gather(self, obj) -> list:
         """Every rank's ``obj``, in rank order (a collective)."""
@@ -174,12 +192,18 @@ def _attempt(ranks: _Ranks, what: str, fn: Callable[[], Any]) -> tuple[Any, str 
         value, err = fn(), None
     except Exception as ex:   # OOM, a mok_rt error, a missing API: recorded, the run goes on
         value, err = None, f"{type(ex).__name__}: {ex}"[:600]
-        print(f"[rank {ranks.rank}] {what} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        # mok_rt's own errors explain themselves; anything else gets its traceback
+        detail = "" if type(ex).__module__.startswith("mok_rt") else "\n" + traceback.format_exc()
+        print(f"[rank {ranks.rank}] {what} failed: {err}{detail}", file=sys.stderr, flush=True)
     errors = ranks.gather(err)
-    bad = [e if ranks.size == 1 else f"rank {r}: {e}" for r, e in enumerate(errors) if e]
-    if bad:
-        return None, f"{what}: " + "; ".join(bad)
-    return value, None
+    bad = [(r, e) for r, e in enumerate(errors) if e]
+    if not bad:
+        return value, None
+    if ranks.size == 1:
+        return None, f"{what}: {bad[0][1]}"
+    if len(bad) == ranks.size and len(set(errors)) == 1:
+        return None, f"{what}: every rank: {bad[0][1]}"
+    return None, f"{what}: " + "; ".join(f"rank {r}: {e}" for r, e in bad)
 
 
 # -- inputs ----------------------------------------------------------------------------------------
@@ -187,16 +211,18 @@ class _Inputs:
     """One rank's random inputs and weights in mok_rt's layout (never zeros)."""
 
     def __init__(self, torch, shape: Shape, tokens: int, ranks: _Ranks, seed: int):
-        dev = torch.device("cuda", ranks.device)
+        dev = ranks.dev
         gen = torch.Generator(device=dev)
         gen.manual_seed(seed * 1_000_003 + ranks.rank)   # each rank: its own tokens and experts
+        shared_gen = torch.Generator(device=dev)
+        shared_gen.manual_seed(seed * 1_000_003 + 999_983)   # the shared expert: replicated, as in training
         h, i, e, k, s = shape.hidden, shape.intermediate, shape.experts, shape.top_k, shape.shared
         if e % ranks.size:
             raise ValueError(f"{e} experts do not split over {ranks.size} ranks")
         el = e // ranks.size
 
-        def randn(*dims, scale=1.0):
-            t = torch.randn(dims, device=dev, dtype=torch.bfloat16, generator=gen)
+        def randn(*dims, scale=1.0, g=gen):
+            t = torch.randn(dims, device=dev, dtype=torch.bfloat16, generator=g)
             return t.mul_(scale) if scale != 1.0 else t
 
         self.w_gate = randn(el, i, h, scale=h ** -0.5)
@@ -204,9 +230,9 @@ class _Inputs:
         self.w_down = randn(el, h, i, scale=i ** -0.5)
         self.ws_gate = self.ws_up = self.ws_down = None
         if s:
-            self.ws_gate = randn(s, h, scale=h ** -0.5)
-            self.ws_up = randn(s, h, scale=h ** -0.5)
-            self.ws_down = randn(h, s, scale=s ** -0.5)
+            self.ws_gate = randn(s, h, scale=h ** -0.5, g=shared_gen)
+            self.ws_up = randn(s, h, scale=h ** -0.5, g=shared_gen)
+            self.ws_down = randn(h, s, scale=s ** -0.5, g=shared_gen)
         # Router: random logits -> softmax -> top-k, weights renormalised over the k.
         probs = torch.randn((tokens, e), device=dev, generator=gen).softmax(dim=-1)
         top_w, top_i = probs.topk(k, dim=-1)
@@ -252,10 +278,15 @@ def _time(torch, ranks: _Ranks, fn: Callable[[], Any], *, iters: int, warmup: in
     """Milliseconds of each of ``iters`` calls of ``fn`` (CUDA events on the current stream)."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    ranks.synchronize()
     out = []
     for _ in range(iters):
         ranks.barrier()   # ranks start together, so no rank's time includes another's lag
+        if ranks.cpu:
+            t0 = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t0) * 1e3)
+            continue
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -346,16 +377,20 @@ def _as_torch(torch, t):
     return t if isinstance(t, torch.Tensor) else torch.from_dlpack(t)
 
 
-def _stream_for_mok(torch):
+def _stream_for_mok(torch, ranks: _Ranks):
+    if ranks.cpu:
+        return None
     s = torch.cuda.current_stream()
     return s if hasattr(s, "__cuda_stream__") else s.cuda_stream   # older torch: the raw handle
 
 
-def _run_mok(torch, ranks, mok: _Mok, shape: Shape, tokens: int, inp: _Inputs, ref: dict | None,
+def _run_mok(torch, ranks, mok: _Mok, shape: Shape, tokens: int, inp: _Inputs, refs: dict,
              flops: int, args) -> tuple[dict, dict]:
-    """Check one mok_rt fwd+bwd against ``ref``, then time fwd and fwd+bwd.  Returns
-    (figures or error, check)."""
+    """Check one mok_rt fwd+bwd against the baseline's (``refs["ref"]``, popped once used so
+    its memory is free while timing), then time fwd and fwd+bwd.  Returns (figures or error, check)."""
     m = mok.mod
+    ref = refs.pop("ref", None)
+    ref_names = set(ref or ())
     state: dict[str, Any] = {}
     result: dict[str, Any] = {}
     check: dict[str, Any] = {"tolerance": TOLERANCE}
@@ -365,7 +400,8 @@ def _run_mok(torch, ranks, mok: _Mok, shape: Shape, tokens: int, inp: _Inputs, r
     def setup():
         cfg = m.MoEConfig(hidden=shape.hidden, intermediate=shape.intermediate, num_experts=shape.experts,
                           top_k=shape.top_k, shared_intermediate=shape.shared, swiglu_limit=shape.swiglu_limit)
-        state["ws"] = m.Workspace(cfg, mok.group, max_tokens=tokens, backend="cuda", stream=_stream_for_mok(torch))
+        state["ws"] = m.Workspace(cfg, mok.group, max_tokens=tokens, backend="reference" if ranks.cpu else "cuda",
+                                  stream=_stream_for_mok(torch, ranks))
         # Caller-owned fp32 weight-gradient buffers (a trainer's .grad), poisoned so that an
         # element the kernel never writes fails the check.
         state["bufs"] = {n: torch.full(tuple(w.shape), math.nan, device=x.device, dtype=torch.float32)
@@ -396,6 +432,11 @@ def _run_mok(torch, ranks, mok: _Mok, shape: Shape, tokens: int, inp: _Inputs, r
             return {}
         return {n: rel_fro(torch, got[n], want) for n, want in ref.items() if n in got}
 
+    def release_ref():
+        nonlocal ref
+        ref = None
+        _free(torch)
+
     def timed():
         last = {}
         f = _time(torch, ranks, lambda: last.__setitem__("fwd", fwd()), iters=args.iters, warmup=args.warmup)
@@ -413,19 +454,20 @@ def _run_mok(torch, ranks, mok: _Mok, shape: Shape, tokens: int, inp: _Inputs, r
         if err:
             return {"error": err}, {"error": "mok_rt did not run"}
         errors, err = _attempt(ranks, "mok_rt check run", check_run)
+        release_ref()
         if err:
             return {"error": err}, {"error": "mok_rt did not run"}
-        if ref is None:
+        if not ref_names:
             check["error"] = "no baseline result to compare with (--impl mok or the baseline failed)"
             passed_fwd = passed_bwd = False
         else:
-            worst = {}   # the worst rank's error per tensor
+            worst = {}   # the worst rank's error per tensor; NaN (unwritten, poisoned) counts as inf
             for r_errors in ranks.gather(errors):
                 for n, v in r_errors.items():
-                    worst[n] = max(worst.get(n, 0.0), v)
+                    worst[n] = max(worst.get(n, 0.0), math.inf if math.isnan(v) else v)
             check["rel_fro"] = {n: (v if math.isfinite(v) else str(v)) for n, v in worst.items()}
             passed_fwd = worst.get("out", math.nan) < TOLERANCE
-            passed_bwd = passed_fwd and len(worst) == len(ref) and all(v < TOLERANCE for v in worst.values())
+            passed_bwd = passed_fwd and set(worst) == ref_names and all(v < TOLERANCE for v in worst.values())
         check["passed_fwd"], check["passed_fwd_bwd"] = passed_fwd, passed_bwd
         times, err = _attempt(ranks, "mok_rt timing", timed)
         if err:
@@ -478,17 +520,17 @@ def run_shape(torch, ranks: _Ranks, mok: _Mok, shape: Shape, args) -> dict:
             rec["error"] = err
             return rec
         inp, base = state["inp"], state["base"]
-        ref = None
+        refs = {}   # the baseline's fwd+bwd results, handed over (not kept) for mok_rt's check
         if want_mok and mok.mod is not None and want_torch:
-            ref, err = _attempt(ranks, "baseline check run", lambda: _torch_reference(inp, base))
+            refs["ref"], err = _attempt(ranks, "baseline check run", lambda: _torch_reference(inp, base))
             if err:
                 rec["torch"] = {"error": err}
         if want_mok:
             if mok.mod is None:
                 rec["mok"] = {"error": mok.error}
             else:
-                rec["mok"], rec["check"] = _run_mok(torch, ranks, mok, shape, tokens, inp, ref, flops, args)
-        ref = None
+                rec["mok"], rec["check"] = _run_mok(torch, ranks, mok, shape, tokens, inp, refs, flops, args)
+        refs.clear()
         _free(torch)
         if want_torch and rec["torch"] is None:
             times, err = _attempt(ranks, "baseline timing", lambda: _time_torch(torch, ranks, inp, base, args))
@@ -503,15 +545,17 @@ def run_shape(torch, ranks: _Ranks, mok: _Mok, shape: Shape, args) -> dict:
 def _ratios(rec: dict) -> dict | None:
     t, m = rec.get("torch") or {}, rec.get("mok") or {}
     out = {}
-    for key in ("fwd", "fwd_bwd"):
-        a, b = m.get(f"{key}_tflops_per_gpu"), t.get(f"{key}_tflops_per_gpu")
-        out[key] = round(a / b, 3) if a and b else None
+    for key in ("fwd", "fwd_bwd"):   # same FLOPs on both sides: the ratio of times (verified figures only)
+        verified = m.get(f"{key}_tflops_per_gpu") is not None
+        a, b = m.get(f"{key}_ms"), t.get(f"{key}_ms")
+        out[key] = round(b / a, 3) if verified and a and b else None
     return out if any(out.values()) else None
 
 
 def _free(torch) -> None:
     gc.collect()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 # -- provenance ------------------------------------------------------------------------------------
@@ -553,6 +597,10 @@ def _versions(torch, mok: _Mok) -> dict:
 
 
 def _machine(torch, ranks: _Ranks) -> dict:
+    if ranks.cpu:
+        return {"gpu": f"CPU ({platform.processor() or platform.machine()}, cpu-smoke)", "gpus_visible": 0,
+                "gpus_used": ranks.size, "driver": None, "hostname": socket.gethostname(),
+                "platform": platform.platform()}
     props = torch.cuda.get_device_properties(ranks.device)
     smi = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
     cuda_driver = None
@@ -579,7 +627,9 @@ def _machine_slug(machine: dict) -> str:
 def _write(doc: dict, out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"{doc['date_stamp']}_{_machine_slug(doc['machine'])}_{doc['commit']['short']}"
-    if doc["quick"]:
+    if doc["cpu_smoke"]:
+        stem += "_cpusmoke"
+    elif doc["quick"]:
         stem += "_quick"
     path, n = out_dir / f"{stem}.json", 2
     while path.exists():
@@ -640,24 +690,26 @@ def main(argv=None) -> int:
     except ImportError:
         print("bench_moe.py needs PyTorch (pip install 'mok_rt[bench]')", file=sys.stderr)
         return 2
-    if not torch.cuda.is_available():
-        print("bench_moe.py needs a CUDA GPU", file=sys.stderr)
+    if not args.cpu_smoke and not torch.cuda.is_available():
+        print("bench_moe.py needs a CUDA GPU (--cpu-smoke tests the harness without one)", file=sys.stderr)
         return 2
     rank, size, local_rank = _launcher_env()
     if args.ep is not None and args.ep != size:
         print(f"--ep {args.ep}, but {size} process(es) were launched: start one process per GPU "
               f"(torchrun --nproc-per-node={args.ep} ... or mpirun -np {args.ep} ...)", file=sys.stderr)
         return 2
-    torch.cuda.set_device(local_rank)
-    ranks = _Ranks(torch, rank=rank, size=size, local_rank=local_rank)
+    if not args.cpu_smoke:
+        torch.cuda.set_device(local_rank)
+    ranks = _Ranks(torch, rank=rank, size=size, local_rank=local_rank, cpu=args.cpu_smoke)
     mok = _Mok(ranks, want=args.impl in ("both", "mok"))
     now = datetime.datetime.now(datetime.timezone.utc)
     doc = {"schema": SCHEMA, "date": now.isoformat(timespec="seconds"), "date_stamp": now.strftime("%Y-%m-%dT%H%M%SZ"),
            "machine": _machine(torch, ranks), "commit": _commit(args.commit), "versions": _versions(torch, mok),
            "argv": sys.argv[1:], "ep": size, "iters": args.iters, "warmup": args.warmup, "seed": args.seed,
-           "quick": args.quick, "impl": args.impl, "tolerance": TOLERANCE, "mok_error": mok.error,
+           "quick": args.quick, "cpu_smoke": args.cpu_smoke, "impl": args.impl, "tolerance": TOLERANCE, "mok_error": mok.error,
            "timed": {"fwd": "schedule + forward", "fwd_bwd": "schedule + forward + backward",
-                     "statistic": "median over iterations, max over ranks", "clock": "CUDA events, torch stream"},
+                     "statistic": "median over iterations, max over ranks",
+                     "clock": "wall clock (cpu-smoke)" if args.cpu_smoke else "CUDA events, torch stream"},
            "flops": "fwd = 6*T*k*H*I + 6*T*H*I_s per GPU (T tokens per rank); fwd_bwd = 3 * fwd",
            "results": []}
     _log(ranks, f"EP={size}  GPU: {doc['machine']['gpu']}  commit: {doc['commit']['short']}  "
@@ -670,7 +722,10 @@ def main(argv=None) -> int:
         doc["results"].append(rec)
         _log(ranks, "\n".join(format_table({"results": [rec]}).splitlines()[2:]))
     if rank == 0:
-        out_dir = Path(args.out) if args.out else _HERE / "results"
+        if args.out:
+            out_dir = Path(args.out)
+        else:   # smoke-test results are not measurements: keep them out of the tree
+            out_dir = Path(tempfile.gettempdir()) / "mok_bench" if args.cpu_smoke else _HERE / "results"
         path = _write(doc, out_dir)
         print(f"\nresults: {path}\n")
         print(format_table(doc), flush=True)

@@ -76,10 +76,11 @@ def markdown(docs: list[dict]) -> str:
         errs = check.get("rel_fro") or {}
         if errs:
             worst = max(float(v) for v in errs.values())
-            verdict = "pass" if check.get("passed_fwd_bwd") else "FAIL"
+            verdict = ("pass" if check.get("passed_fwd_bwd") else
+                       "fwd only (bwd FAIL)" if check.get("passed_fwd") else "FAIL")
             cells.append(f"{verdict} (out {float(errs.get('out', math.nan)):.1e}, worst {worst:.1e})")
         else:
-            cells.append("–")
+            cells.append(check.get("error") or "–")
         out.append("| " + " | ".join(cells) + " |")
     out.append("")
     out.append("TFLOP/s per GPU: forward 6·T·k·H·I (+ 6·T·H·I_s shared), forward+backward 3×; "

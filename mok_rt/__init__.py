@@ -11,6 +11,7 @@ from .config import MoEConfig
 from .errors import (ArgumentError, CapacityError, CudaDriverError, DeviceError, ExpertIdError, MokError,
                      NoCubinError, PeerTimeoutError, TokenCountError)
 from .group import CallableGroup, MPIGroup, SingleProcessGroup
+from .symmetric import SymmetricHeap, device_barrier
 from .layer import Context, Gradients, backward, forward, recompute_context, schedule
 from .tensor import Tensor
 from .workspace import Workspace
@@ -19,7 +20,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "MoEConfig", "Workspace", "SingleProcessGroup", "MPIGroup", "CallableGroup", "Tensor", "Context", "Gradients",
-    "schedule", "forward", "backward", "recompute_context",
+    "SymmetricHeap", "device_barrier", "schedule", "forward", "backward", "recompute_context",
     "MokError", "ArgumentError", "CudaDriverError", "NoCubinError", "DeviceError", "ExpertIdError",
     "CapacityError", "TokenCountError", "PeerTimeoutError",
 ]

@@ -108,8 +108,7 @@ class CudaBackend:
         counters = self._bytes(sizes["counters"], stream, poison=False)
         ptr = lambda v: 0 if v is None else v.ptr  # noqa: E731
         fb = L.ForwardBuffers(
-            # The context does not depend on topk_weights: a context-only launch never reads them.
-            x=args.x.ptr, topk_weights=ptr(args.topk_weights) or args.x.ptr, w_gate=args.w_gate.ptr, w_up=args.w_up.ptr,
+            x=args.x.ptr, topk_weights=ptr(args.topk_weights), w_gate=args.w_gate.ptr, w_up=args.w_up.ptr,
             w_down=args.w_down.ptr, out=ptr(out), counters=counters.ptr, shared_y=shared_y.ptr,
             ws_gate=ptr(args.ws_gate), ws_up=ptr(args.ws_up), ws_down=ptr(args.ws_down),
             **{n: bufs[n].ptr for n in ctx_names})

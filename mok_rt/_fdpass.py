@@ -120,7 +120,7 @@ class _Listener:
             raise
 
     def receive(self, *, token: str, expected: set[int], deadline: float) -> dict[int, tuple[list[int], list[int]]]:
-        """``{sender: (ranks, fds)}`` for every sender in ``expected``."""
+        """``{sender: (ranks, fds)}`` for every sender in ``expected``; FdExchangeError at the deadline."""
         got: dict[int, tuple[list[int], list[int]]] = {}
         try:
             while set(got) != expected:
@@ -140,9 +140,13 @@ class _Listener:
                         continue
                     head = json.loads(msg)
                     got[head["sender"]] = (list(head["ranks"]), list(fds))
-        except BaseException:
+        except BaseException as e:
             for _, fds in got.values():
                 _close_all(fds)
+            if isinstance(e, TimeoutError):
+                detail = f"; refused: {', '.join(self.refused)}" if self.refused else ""
+                raise FdExchangeError(f"timed out waiting for descriptors from processes "
+                                      f"{sorted(expected - set(got))}{detail}") from None
             raise
         return got
 
@@ -203,7 +207,7 @@ def exchange_fds(group, fds: Mapping[int, int], *, timeout_s: float = 60.0) -> d
     A collective.  The caller keeps its own descriptors (they are duplicated in flight) and owns
     the returned ones (close them).  One process alone returns ``{}`` without touching sockets.
     """
-    from .group import gather_json
+    from .group import collective_step
 
     n, me = group.num_processes, group.process_index
     if n == 1:
@@ -213,48 +217,39 @@ def exchange_fds(group, fds: Mapping[int, int], *, timeout_s: float = 60.0) -> d
         raise FdExchangeError(f"{len(ranks)} descriptors exceed the {_MAX_FDS} one message may carry")
     send_fds = [int(fds[r]) for r in ranks]
     deadline = time.monotonic() + timeout_s
-    where = tok = None
+    made = None  # the directory this process created (process 0 only)
     listener = None
     received: dict[int, tuple[list[int], list[int]]] = {}
-    try:
-        # 1. Process 0 creates the directory; its path and the session token reach everyone.
-        err = payload = None
+
+    def rendezvous():
+        nonlocal made
         if me == 0:
-            try:
-                where, tok = make_rendezvous_dir(), secrets.token_hex(16)
-                payload = {"dir": where, "token": tok}
-            except BaseException as e:
-                err = e
-        info = gather_json(group, payload, failure=err, what="fd exchange: rendezvous")[0]
-        where, tok = info["dir"], info["token"]
+            made = make_rendezvous_dir()
+            return {"dir": made, "token": secrets.token_hex(16)}
 
-        # 2. Everyone binds its listener (only after checking the directory is private and ours).
-        err = None
-        try:
-            check_rendezvous_dir(where)
-            listener = _Listener(os.path.join(where, f"{me}.sock"), backlog=n)
-        except BaseException as e:
-            err = e
-        gather_json(group, None, failure=err, what="fd exchange: listen")
+    def listen():
+        nonlocal listener
+        check_rendezvous_dir(where)  # never bind into a directory others could reach
+        listener = _Listener(os.path.join(where, f"{me}.sock"), backlog=n)
 
-        # 3. Send to every other process, then take one message from each.
-        err = None
+    def transfer():
+        nonlocal received
         try:
             for k in range(1, n):
                 peer = (me + k) % n
-                _send(os.path.join(where, f"{peer}.sock"), token=tok, sender=me, ranks=ranks,
+                _send(os.path.join(where, f"{peer}.sock"), token=token, sender=me, ranks=ranks,
                       fds=send_fds, deadline=deadline)
-            received = listener.receive(token=tok, expected=set(range(n)) - {me}, deadline=deadline)
-        except BaseException as e:
-            missing = sorted(set(range(n)) - {me} - set(received))
-            detail = f"; refused: {', '.join(listener.refused)}" if listener.refused else ""
-            if isinstance(e, (TimeoutError, socket.timeout)):
-                e = FdExchangeError(f"process {me} timed out after {timeout_s} s waiting for descriptors "
-                                    f"from processes {missing}{detail}")
-            err = e
-        listener.close()
-        listener = None
-        gather_json(group, None, failure=err, what="fd exchange: transfer")
+        except TimeoutError:
+            raise FdExchangeError(f"process {me} timed out after {timeout_s} s sending its descriptors") from None
+        received = listener.receive(token=token, expected=set(range(n)) - {me}, deadline=deadline)
+
+    try:
+        # Process 0 creates the directory; its path and the session token reach everyone through
+        # the group.  Everyone listens there; then everyone sends, then receives.
+        _, shared = collective_step(group, "fd exchange: rendezvous", rendezvous, share=lambda info: info)
+        where, token = shared[0]["dir"], shared[0]["token"]
+        collective_step(group, "fd exchange: listen", listen)
+        collective_step(group, "fd exchange: transfer", transfer)
     except BaseException:
         for _, got in received.values():
             _close_all(got)
@@ -262,9 +257,9 @@ def exchange_fds(group, fds: Mapping[int, int], *, timeout_s: float = 60.0) -> d
     finally:
         if listener is not None:
             listener.close()
-        if me == 0 and where is not None:
-            shutil.rmtree(where, ignore_errors=True)
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
     out: dict[int, int] = {}
     for rks, got in received.values():
-        out.update(zip(rks, got))
+        out.update(zip(rks, got, strict=True))
     return out

@@ -101,17 +101,26 @@ def get_kernel(stem: str, name: str, device_id: int) -> Kernel:
                 f"{', '.join(targets) or 'none'}. Rebuild with `python -m mok_rt.build --target {target}` "
                 f"if your nvcc supports it."
             ) from None
-        handle = _kernel_handle(lib, name)
+        handle = _kernel_handle(lib, name, device_id)
     return Kernel(handle=handle, stem=stem, name=name, target=target)
 
 
 _handles: dict[tuple[int, str], object] = {}
+_loaded: set[tuple[int, str, int]] = set()
 
 
-def _kernel_handle(lib, name: str):
+def _kernel_handle(lib, name: str, device_id: int):
     key = (int(lib), name)
     h = _handles.get(key)
     if h is None:
         h = call("cuLibraryGetKernel", lib, name.encode())
         _handles[key] = h
+    if (*key, device_id) not in _loaded:
+        # Load the code into the device's primary context now.  With lazy loading, a first launch
+        # would load it then, and loading can wait for running kernels: a persistent kernel spinning
+        # for a peer that has not launched yet would never finish.
+        from .device import activate
+        activate(device_id)
+        call("cuKernelGetFunction", h)
+        _loaded.add((*key, device_id))
     return h

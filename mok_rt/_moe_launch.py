@@ -259,7 +259,7 @@ _TOKEN_SIZED = frozenset({"x", "topk_weights", "out", "y_slot", "d_out", "dx", "
                           "route_row", "sgu", "sact", "shared_y", "dsgu", "dx_shared"})
 
 
-def _check_pointers(obj, dims: LayerDims, *, align: int) -> None:
+def _check_pointers(obj, dims: LayerDims, *, align: int, unused: frozenset = frozenset()) -> None:
     """Every pointer an int, aligned (16 bytes for data: the kernels move 16-byte vectors), and
     non-null unless the buffer is unused (no shared expert, or T = 0)."""
     no_shared = dims.shared_intermediate == 0
@@ -269,7 +269,8 @@ def _check_pointers(obj, dims: LayerDims, *, align: int) -> None:
             raise ArgumentError(f.name, f"expected a device pointer (int), got {v!r}")
         if v % align:
             raise ArgumentError(f.name, f"device pointer {v:#x} is not {align}-byte aligned")
-        if v == 0 and not (no_shared and f.name in _SHARED_ONLY) and not (dims.tokens == 0 and f.name in _TOKEN_SIZED):
+        if v == 0 and f.name not in unused and not (no_shared and f.name in _SHARED_ONLY) \
+                and not (dims.tokens == 0 and f.name in _TOKEN_SIZED):
             raise ArgumentError(f.name, "null device pointer")
 
 
@@ -335,7 +336,9 @@ def launch_forward(bufs: ForwardBuffers, sched: ScheduleBuffers, dims: LayerDims
     Writes the context (x_routed, gu, act, y_slot, sgu, sact) and, unless ``context_only``,
     ``out``.  ``err_ptr``: the device error word (int32[4]); the caller checks it after syncing.
     """
-    _check_pointers(bufs, dims, align=16)
+    # A context-only launch (recompute) writes no output and never reads the routing weights.
+    _check_pointers(bufs, dims, align=16,
+                    unused=frozenset({"out", "topk_weights", "shared_y"}) if context_only else frozenset())
     _check_pointers(sched, dims, align=4)
     if not err_ptr:
         raise ArgumentError("err_ptr", "null error word")

@@ -69,20 +69,13 @@ class Multicast:
         self.api.call("cuMulticastBindMem", self.handle, 0, mem_handle, 0, self.size, 0)
         self._bound.append(device)
 
-    def map(self, device_ids: Sequence[int], *, alignment: int) -> int:
-        """Map the object into this process and open it to ``device_ids``; returns its address."""
-        drv = self.api.driver
+    def map(self, access_descs: Sequence, *, alignment: int) -> int:
+        """Map the object into this process and apply ``access_descs`` (CUmemAccessDesc, one per
+        local device); returns its address."""
         self.va = int(self.api.call("cuMemAddressReserve", self.size, alignment, 0, 0))
         self.api.call("cuMemMap", self.va, self.size, 0, self.handle, 0)
         self._mapped = True
-        descs = []
-        for d in device_ids:
-            desc = drv.CUmemAccessDesc()
-            desc.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-            desc.location.id = d
-            desc.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-            descs.append(desc)
-        self.api.call("cuMemSetAccess", self.va, self.size, descs, len(descs))
+        self.api.call("cuMemSetAccess", self.va, self.size, list(access_descs), len(access_descs))
         return self.va
 
     def close(self) -> None:

@@ -217,23 +217,27 @@ class CallableGroup(_OneRankPerProcess):
             self._barrier()
 
 
-def gather_json(group: ProcessGroup, payload: Any, *, failure: BaseException | None = None,
-                what: str) -> list[Any]:
-    """All-gather a JSON-able ``payload`` (or this process's ``failure``), one entry per process.
+def collective_step(group: ProcessGroup, what: str, fn: Callable[[], Any], *,
+                    share: Callable[[Any], Any] | None = None) -> tuple[Any, list[Any]]:
+    """Run ``fn()`` on this process, then all-gather ``share(result)`` (JSON-able; nothing by
+    default) from every process.  Returns ``(result, shared)``, ``shared`` indexed by process.
 
-    A collective that fails on one process must fail on all of them, or the others wait forever
-    in the next collective.  Each process therefore reports success or its error; if any process
-    failed, every process raises: its own exception where it failed, a :class:`MokError` naming
-    the failed process elsewhere.
+    A step that fails on one process must fail on all of them, or the others wait forever in the
+    next collective.  So each process reports success or its error, and if any failed, every
+    process raises: its own exception where it failed, a :class:`MokError` naming the failed
+    process elsewhere.
     """
-    if failure is None:
-        mine = {"ok": True, "payload": payload}
-    else:
-        mine = {"ok": False, "error": f"{type(failure).__name__}: {failure}"}
+    failure = result = None
+    try:
+        result = fn()
+        mine = {"ok": True, "payload": share(result) if share is not None else None}
+    except BaseException as e:
+        failure = e
+        mine = {"ok": False, "error": f"{type(e).__name__}: {e}"}
     entries = [json.loads(e) for e in group.all_gather_bytes(json.dumps(mine).encode())]
     if failure is not None:
         raise failure
     for p, e in enumerate(entries):
         if not e["ok"]:
             raise MokError(f"{what}: process {p} failed: {e['error']}")
-    return [e["payload"] for e in entries]
+    return result, [e["payload"] for e in entries]

@@ -30,7 +30,7 @@ from ._errorword import ErrorWord, PrimaryContext
 from ._fdpass import exchange_fds
 from ._multicast import Multicast
 from .errors import ArgumentError, MokError
-from .group import ProcessGroup, gather_json
+from .group import ProcessGroup, collective_step
 
 __all__ = ["SymmetricHeap", "SignalPad", "device_barrier", "HANDLE_TYPES"]
 
@@ -135,17 +135,12 @@ class SymmetricHeap:
         self._local_devices = sorted({group.devices[r] for r in group.local_ranks})
 
         # 1. Every process describes its ranks; everyone validates the same table.
-        err = facts = None
-        try:
-            facts = self._local_facts(handle_type)
-        except BaseException as e:
-            err = e
-        table = gather_json(group, facts, failure=err, what="SymmetricHeap: describe ranks")
+        _, table = collective_step(group, "SymmetricHeap: describe ranks", lambda: self._local_facts(handle_type),
+                                   share=lambda facts: facts)
         ranks = self._validate(table, handle_type)
         self._uuids = [ranks[r]["uuid"] for r in range(self.size)]
         nproc = group.num_processes
-        ht = self._resolve_handle_type(handle_type, table, ranks)
-        self.handle_type = ht
+        ht = self.handle_type = self._resolve_handle_type(handle_type, table, ranks)
         self._ht = {"none": drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE,
                     "posix_fd": drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
                     "fabric": drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_FABRIC}[ht]
@@ -153,24 +148,15 @@ class SymmetricHeap:
         # 2. Peer reachability and granularity (local facts, agreed by all).
         self.control_offset = _round_up(self.nbytes, _CONTROL_ALIGN)
         base = self.control_offset + _round_up(_pad_bytes(self.size), _CONTROL_ALIGN)
-        err = gran = None
-        try:
-            self._check_peer_access()
-            gran = self._local_granularity(base)
-        except BaseException as e:
-            err = e
-        grans = gather_json(group, gran, failure=err, what="SymmetricHeap: granularity")
+        _, grans = collective_step(group, "SymmetricHeap: granularity", lambda: self._local_granularity(base),
+                                   share=lambda g: g)
         self.granularity = math.lcm(*(g for gs in grans for g in gs))
         self.block_bytes = _round_up(base, self.granularity)
 
         # 3. Create every local block; export and exchange when several processes share the heap.
-        err = mine = None
-        try:
-            mine = self._create_blocks(export=nproc > 1)
-        except BaseException as e:
-            err = e
-        shared = gather_json(group, mine if ht == "fabric" else None, failure=err,
-                             what="SymmetricHeap: create blocks")
+        mine, shared = collective_step(group, "SymmetricHeap: create blocks",
+                                       lambda: self._create_blocks(export=nproc > 1),
+                                       share=(lambda m: m) if ht == "fabric" else None)
         if nproc > 1 and ht == "posix_fd":
             remote = exchange_fds(group, mine, timeout_s=timeout_s)
             self._fds.extend(remote.values())
@@ -181,12 +167,7 @@ class SymmetricHeap:
             remote = {}
 
         # 4. Import, map, open to local devices, zero the signal pads, publish the pointer arrays.
-        err = None
-        try:
-            self._import_and_map(remote)
-        except BaseException as e:
-            err = e
-        gather_json(group, None, failure=err, what="SymmetricHeap: map blocks")
+        collective_step(group, "SymmetricHeap: map blocks", lambda: self._import_and_map(remote))
 
         if self.multicast:
             self._setup_multicast(timeout_s)
@@ -197,7 +178,7 @@ class SymmetricHeap:
         devs = {}
         for d in self._local_devices:
             ctx = self._ctx[d] = PrimaryContext(d, api=api)
-            get = lambda a: int(api.call("cuDeviceGetAttribute", a, ctx.device))  # noqa: E731
+            get = lambda a, dev=ctx.device: int(api.call("cuDeviceGetAttribute", a, dev))  # noqa: E731
             devs[d] = {
                 "uuid": bytes(api.call("cuDeviceGetUuid", ctx.device).bytes).hex(),
                 "vmm": get(attr.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED),
@@ -296,6 +277,9 @@ class SymmetricHeap:
         return prop
 
     def _local_granularity(self, base: int) -> list[int]:
+        """Every local device's allocation (and multicast) granularity, after checking that it can
+        reach every rank's GPU."""
+        self._check_peer_access()
         api, drv = self._api, self._api.driver
         flag = drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
         out = []
@@ -368,53 +352,55 @@ class SymmetricHeap:
                 self._ptr_arrays[d] = int(api.call("cuMemAlloc", ptrs.nbytes))
                 api.call("cuMemcpyHtoD", self._ptr_arrays[d], ptrs.ctypes.data, ptrs.nbytes)
                 api.call("cuCtxSynchronize")
+        # Now rather than on first use: allocating pinned memory serialises streams, which would
+        # stall a barrier kernel already spinning on another stream.
+        for r in self.group.local_ranks:
+            self._error_words[r] = ErrorWord(self.group.devices[r], _api=api)
 
     def _zero_pad(self, rank: int, offset: int) -> None:
         self._api.call("cuMemsetD32", self._va + rank * self.block_bytes + offset, 0, _pad_bytes(self.size) // 4)
 
     def _setup_multicast(self, timeout_s: float) -> None:
         group, nproc = self.group, self.group.num_processes
-        owner = 0 in group.local_ranks
-        err, shareable = None, {}
-        try:
-            self._mc = Multicast(self._api, num_devices=self.size, size=self.block_bytes,
-                                 handle_type=self._mc_handle_type())
+        owner = 0 in group.local_ranks  # the process of rank 0 creates the object
+        first = self._ctx[self._local_devices[0]]
+        self._mc = Multicast(self._api, num_devices=self.size, size=self.block_bytes,
+                             handle_type=self._mc_handle_type())
+
+        def create():
             if owner:
-                with self._ctx[self._local_devices[0]].current():
+                with first.current():
                     self._mc.create()
                     if nproc > 1:
-                        shareable = {0: self._export(self._mc.handle)}
-        except BaseException as e:
-            err = e
-        shared = gather_json(group, shareable if self.handle_type == "fabric" else None, failure=err,
-                             what="SymmetricHeap: multicast create")
-        if nproc > 1:
-            if self.handle_type == "posix_fd":
-                got = exchange_fds(group, shareable, timeout_s=timeout_s)
-                self._fds.extend(got.values())
-            else:
-                got = {int(k): bytes.fromhex(v) for p in shared for k, v in p.items()}
-        err = None
-        try:
+                        return {0: self._export(self._mc.handle)}
+            return {}
+
+        mine, shared = collective_step(group, "SymmetricHeap: multicast create", create,
+                                       share=(lambda m: m) if self.handle_type == "fabric" else None)
+        if nproc > 1 and self.handle_type == "posix_fd":
+            got = exchange_fds(group, mine, timeout_s=timeout_s)
+            self._fds.extend(got.values())
+        else:
+            got = {int(k): bytes.fromhex(v) for p in shared if p for k, v in p.items()}
+
+        def add_devices():
             if not owner:
-                with self._ctx[self._local_devices[0]].current():
+                with first.current():
                     self._mc.adopt(self._import(got[0]))
             self._close_fds()
             for d in self._local_devices:
                 self._mc.add_device(self._ctx[d].device)
-        except BaseException as e:
-            err = e
-        gather_json(group, None, failure=err, what="SymmetricHeap: multicast add devices")
-        err = None
-        try:
+
+        def bind_and_map():
             for r in group.local_ranks:
                 with self._ctx[group.devices[r]].current():
                     self._mc.bind(self._ctx[group.devices[r]].device, self._handles[r])
-            with self._ctx[self._local_devices[0]].current():
-                self._mc.map(self._local_devices, alignment=self.granularity)
-        except BaseException as e:
-            err = e
-        gather_json(group, None, failure=err, what="SymmetricHeap: multicast bind")
+            with first.current():
+                self._mc.map(self._access_descs(), alignment=self.granularity)
+
+        # Every device must be added (on every process) before any block is bound.
+        collective_step(group, "SymmetricHeap: multicast add devices", add_devices)
+        collective_step(group, "SymmetricHeap: multicast bind", bind_and_map)
 
     # -- queries ---------------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -458,12 +444,9 @@ class SymmetricHeap:
         return SignalPad(self, self.control_offset)
 
     def error_word(self, rank: int) -> ErrorWord:
-        """The error word the heap's kernels of ``rank`` report to (created on first use)."""
+        """The error word the heap's kernels of ``rank`` report to (one per local rank)."""
         self._check_open()
-        self.group.check_local(rank)
-        if rank not in self._error_words:
-            self._error_words[rank] = ErrorWord(self.group.devices[rank], _api=self._api)
-        return self._error_words[rank]
+        return self._error_words[self.group.check_local(rank)]
 
     def as_tensor(self, rank: int, dtype, shape: Sequence[int], offset: int = 0, *, peer: int | None = None):
         """A DLPack-exportable tensor over ``rank``'s block (or, with ``peer``, over peer's block as
@@ -497,15 +480,14 @@ class SymmetricHeap:
         collective; no barrier on that pad may be running."""
         self._check_open()
         pad = pad or self.signal_pad
-        err = None
-        try:
+
+        def zero():
             for r in self.group.local_ranks:
                 with self._ctx[self.group.devices[r]].current():
                     self._zero_pad(r, pad.offset)
                     self._api.call("cuCtxSynchronize")
-        except BaseException as e:
-            err = e
-        gather_json(self.group, None, failure=err, what="SymmetricHeap.reset_signal_pad")
+
+        collective_step(self.group, "SymmetricHeap.reset_signal_pad", zero)
 
     # -- teardown --------------------------------------------------------------------------------
     def _close_fds(self) -> None:

@@ -82,7 +82,7 @@ class MoEFunction(torch.autograd.Function):
         stream = mok_stream(x.device)
         xk, twk = _as(x, act), _as(topk_weights, route)
         wk = [_as(t, act) for t in w]
-        if ctx.checkpoint:
+        if ctx.mctx is None:  # checkpointing, or a second backward (retain_graph) after we let go
             sched = mok.schedule(ws, ids, stream=stream)
             mctx = mok.recompute_context(ws, sched, xk, wk[0], wk[1], wk[3], wk[4], w_down=wk[2],
                                          ws_down=wk[5], stream=stream)
@@ -93,7 +93,7 @@ class MoEFunction(torch.autograd.Function):
         g = mok.backward(ws, sched, mctx, _as(d_out, act), xk, twk, *wk,
                          dw_gate=bufs[0], dw_up=bufs[1], dw_down=bufs[2], dws_gate=bufs[3], dws_up=bufs[4],
                          dws_down=bufs[5], stream=stream)
-        ctx.sched = ctx.mctx = None
+        ctx.sched = ctx.mctx = None  # free the activations now, not when the graph goes
         dx = torch.from_dlpack(g.dx).to(x.dtype) if ctx.needs_input_grad[2] else None
         dtw = torch.from_dlpack(g.d_topk_weights).to(topk_weights.dtype) if ctx.needs_input_grad[4] else None
         dws = [None if b is None else b.to(t.dtype) for b, t in zip(bufs, w)]
@@ -123,9 +123,11 @@ class MoEBlock(torch.nn.Module):
             w = torch.randn(*shape, generator=generator) * fan_in ** -0.5
             return torch.nn.Parameter(w.to(device))
 
-        self.w_gate, self.w_up, self.w_down = param(E, I, H, fan_in=H), param(E, I, H, fan_in=H), param(E, H, I, fan_in=I)
+        self.w_gate, self.w_up = param(E, I, H, fan_in=H), param(E, I, H, fan_in=H)
+        self.w_down = param(E, H, I, fan_in=I)
         if Is:
-            self.ws_gate, self.ws_up, self.ws_down = param(Is, H, fan_in=H), param(Is, H, fan_in=H), param(H, Is, fan_in=Is)
+            self.ws_gate, self.ws_up = param(Is, H, fan_in=H), param(Is, H, fan_in=H)
+            self.ws_down = param(H, Is, fan_in=Is)
         else:
             self.ws_gate = self.ws_up = self.ws_down = None
         with torch.no_grad():

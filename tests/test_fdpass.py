@@ -204,7 +204,7 @@ def test_listener_refuses_peer_with_another_uid(tmp_path):
         t, box = _in_thread(lambda: lst.receive(token="t", expected={1}, deadline=time.monotonic() + 0.5))
         _send(lst.path, token="t", sender=1, ranks=[1], fds=[fd], deadline=time.monotonic() + 5)
         t.join()
-        assert isinstance(box.get("error"), TimeoutError)
+        assert isinstance(box.get("error"), FdExchangeError)
         assert len(lst.refused) == 1 and f"uid {os.geteuid()}" in lst.refused[0]
     finally:
         os.close(fd)
@@ -234,7 +234,7 @@ def test_listener_refuses_bad_messages(tmp_path, token, sender, ranks, reason):
         t, box = _in_thread(lambda: lst.receive(token="t", expected={1}, deadline=time.monotonic() + 0.5))
         _send(lst.path, token=token, sender=sender, ranks=ranks, fds=[fd], deadline=time.monotonic() + 5)
         t.join()
-        assert isinstance(box.get("error"), TimeoutError)
+        assert isinstance(box.get("error"), FdExchangeError)
         assert len(lst.refused) == 1 and reason in lst.refused[0]
         assert _open_fds() == before  # the refused message's descriptors were closed
     finally:
@@ -272,8 +272,11 @@ _STRANGER = textwrap.dedent("""
         s.connect(sys.argv[1])
     except PermissionError:
         print("EACCES"); sys.exit(0)
-    s.send(b"hello")
-    print("CONNECTED")
+    print("CONNECTED", flush=True)
+    try:
+        s.send(b"hello")  # the listener may already have hung up on us
+    except OSError:
+        pass
 """)
 
 
@@ -296,7 +299,7 @@ def test_other_user_cannot_reach_or_is_refused():
         out = subprocess.run([sys.executable, "-c", _STRANGER, lst.path], capture_output=True, text=True, timeout=60)
         assert out.stdout.strip() == "CONNECTED"
         t.join()
-        assert isinstance(box.get("error"), TimeoutError)
+        assert isinstance(box.get("error"), FdExchangeError)
         assert len(lst.refused) == 1 and "uid 65534" in lst.refused[0]
     finally:
         lst.close()

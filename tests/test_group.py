@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pytest
 
 from mok_rt.errors import ArgumentError
-from mok_rt.group import CallableGroup, MPIGroup, ProcessGroup, SingleProcessGroup, gather_json
+from mok_rt.group import CallableGroup, MPIGroup, ProcessGroup, SingleProcessGroup, collective_step
 
 # ---------------------------------------------------------------------------------------------
 # Multi-process harness
@@ -237,7 +237,8 @@ def _group_worker(ctx):
     g = ctx.group(device_id=10 + ctx.rank)
     got = g.all_gather_bytes(f"from {ctx.rank}".encode())
     g.barrier()
-    payloads = gather_json(g, {"rank": ctx.rank}, what="test")
+    result, payloads = collective_step(g, "test", lambda: ctx.rank * 2, share=lambda x: {"rank": x // 2})
+    assert result == 2 * ctx.rank
     return {"devices": g.devices, "got": got, "payloads": payloads, "local": g.local_ranks}
 
 
@@ -250,16 +251,26 @@ def test_callable_group_across_processes():
         assert v["local"] == (r,)
 
 
-def _failing_gather_worker(ctx):
-    g = ctx.group()
-    failure = RuntimeError("disk on fire") if ctx.rank == 1 else None
-    return gather_json(g, "fine", failure=failure, what="step")
+def _failing_step_worker(ctx):
+    def step():
+        if ctx.rank == 1:
+            raise RuntimeError("disk on fire")
+        return "fine"
+    return collective_step(ctx.group(), "step", step, share=lambda x: x)
 
 
-def test_gather_json_fails_on_every_process():
-    res = run_ranks(_failing_gather_worker, 3)
+def test_collective_step_fails_on_every_process():
+    res = run_ranks(_failing_step_worker, 3)
     assert all(isinstance(v, RankFailure) for v in res)
     assert res[1].type_name == "RuntimeError" and "disk on fire" in res[1].message
     for r in (0, 2):
         assert res[r].type_name == "MokError"
         assert "step: process 1 failed: RuntimeError: disk on fire" in res[r].message
+
+
+def test_collective_step_in_one_process():
+    g = SingleProcessGroup([0, 0])
+    assert collective_step(g, "x", lambda: 5) == (5, [None])
+    assert collective_step(g, "x", lambda: 5, share=lambda v: [v]) == (5, [[5]])
+    with pytest.raises(ZeroDivisionError):
+        collective_step(g, "x", lambda: 1 / 0)

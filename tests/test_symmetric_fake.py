@@ -380,7 +380,8 @@ def test_group_must_be_a_process_group():
 
 def test_unreachable_peer_is_reported():
     fake = FakeDriver(peer=False)
-    with pytest.raises(ArgumentError, match=r"rank 0 \(cuda:0\) cannot access .* rank 1 \(cuda:1\).*cuDeviceCanAccessPeer"):
+    match = r"rank 0 \(cuda:0\) cannot access .* rank 1 \(cuda:1\).*cuDeviceCanAccessPeer"
+    with pytest.raises(ArgumentError, match=match):
         SymmetricHeap(SingleProcessGroup([0, 1]), 64, _api=fake)
     assert fake.leaks() == {}
     # the same GPU twice needs no peer path
@@ -413,7 +414,7 @@ def test_missing_device_is_a_driver_error():
 
 @pytest.mark.parametrize("call, nth", [("cuMemCreate", 2), ("cuMemMap", 2), ("cuMemSetAccess", 1),
                                        ("cuMemsetD32", 2), ("cuMemAlloc", 2), ("cuMemcpyHtoD", 1),
-                                       ("cuMemAddressReserve", 1)])
+                                       ("cuMemAddressReserve", 1), ("cuMemHostAlloc", 2)])
 def test_failure_midway_releases_everything(call, nth):
     fake = FakeDriver(fail={call: nth})
     with pytest.raises(CudaDriverError, match=call):
@@ -514,7 +515,8 @@ def test_multicast_call_order_rounding_and_teardown():
     L = fake.last
     unmap_mc = L("cuMemUnmap", lambda a: a[0] == va)
     free_mc = L("cuMemAddressFree", lambda a: a[0] == va)
-    assert unmap_mc < free_mc < c("cuMulticastUnbind") <= L("cuMulticastUnbind") < L("cuMemRelease", lambda a: a[0] == mc)
+    release_mc = L("cuMemRelease", lambda a: a[0] == mc)
+    assert unmap_mc < free_mc < c("cuMulticastUnbind") <= L("cuMulticastUnbind") < release_mc
     assert L("cuMemRelease", lambda a: a[0] == mc) < c("cuMemRelease", lambda a: a[0] != mc)
 
 
@@ -612,7 +614,7 @@ def _heap_worker(ctx, kwargs, fake_kwargs, nbytes_by_rank=None):
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_processes_exchange_posix_handles(nproc):
     res = assert_ok(run_ranks(_heap_worker, nproc, {}, {"gpus": ("gpu0",)}))
-    for r, v in enumerate(res):
+    for v in res:
         assert v["handle_type"] == "posix_fd"
         # slot q holds process q's own allocation, imported from its descriptor
         assert [i.split(":")[0] for i in v["identities"]] == [f"p{q}" for q in range(nproc)]
