@@ -41,16 +41,26 @@ class CudaBackend:
         activate(self.device_id)
         self.error = ErrorWord(self.device_id)
         self.knobs = L.KernelKnobs(ctas_per_sm=cfg.ctas_per_sm, timeout_ns=int(cfg.timeout_s * 1e9))
+        self._streams: dict[int, object] = {}   # streams with mok_rt work since the last synchronize
 
     # -- lifetime / errors ---------------------------------------------------------------------
     def close(self) -> None:
         try:
-            self.ws.stream.sync()
+            self._sync_streams()
         finally:
             self.error.close()
 
-    def synchronize(self) -> None:
+    def _used(self, stream) -> None:
+        self._streams[int(stream.handle)] = stream
+
+    def _sync_streams(self) -> None:
         self.ws.stream.sync()
+        streams, self._streams = self._streams, {}
+        for s in streams.values():
+            s.sync()
+
+    def synchronize(self) -> None:
+        self._sync_streams()
         self.check()
 
     def check(self) -> None:
@@ -87,6 +97,7 @@ class CudaBackend:
 
     # -- the API -----------------------------------------------------------------------------------
     def schedule(self, ids, *, stream):
+        self._used(stream)
         cfg, ws = self.ws.config, self.ws
         T = ids.shape[0]
         s = build_schedule([ids.ptr], [T], ids_int64=ids.dtype == dtypes.int64, num_experts=cfg.num_experts,
@@ -97,6 +108,7 @@ class CudaBackend:
         return s
 
     def _run_forward(self, sched, args, stream, *, context_only: bool):
+        self._used(stream)
         T = sched.tokens
         dims = self._dims(T)
         sizes = L.forward_buffer_bytes(dims)
@@ -138,6 +150,7 @@ class CudaBackend:
         return v, given
 
     def backward(self, sched, ctx, dout, args, *, out, accumulate, stream):
+        self._used(stream)
         state: _ForwardState = ctx.data
         dims = state.dims
         cfg = self.ws.config

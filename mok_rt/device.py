@@ -37,13 +37,18 @@ def wrap_stream(stream, device_id: int):
     object with ``__cuda_stream__`` such as a CuPy or PyTorch stream)."""
     if stream is None:
         return default_stream(device_id)
-    from cuda.core import Stream
+    from cuda.core import LEGACY_DEFAULT_STREAM, Stream
     if isinstance(stream, Stream):
         return stream
     dev = activate(device_id)
-    if hasattr(stream, "__cuda_stream__"):
+    proto = getattr(stream, "__cuda_stream__", None)
+    handle = int(proto()[1]) if proto is not None else stream
+    if isinstance(handle, int) and not isinstance(handle, bool) and handle in (0, 1):
+        # CUstream 0 is the legacy default stream (DLPack spells it 1); e.g. torch's default stream.
+        return LEGACY_DEFAULT_STREAM
+    if proto is not None:
         return dev.create_stream(stream)
-    if isinstance(stream, int):
+    if isinstance(stream, int) and not isinstance(stream, bool):
         return Stream.from_handle(stream)
     raise ArgumentError("stream", f"expected None, a cuda.core Stream or an object with __cuda_stream__, "
                                   f"got {type(stream).__name__}")

@@ -90,7 +90,7 @@ class Workspace:
 
     # -- errors and waiting ----------------------------------------------------------------------
     def synchronize(self) -> None:
-        """Wait for this workspace's stream and raise the first error a kernel reported."""
+        """Wait for the streams this workspace enqueued work on and raise the first error a kernel reported."""
         self._backend().synchronize()
 
     def check(self) -> None:

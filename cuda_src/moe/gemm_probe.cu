@@ -4,11 +4,13 @@
 // device data, multiples of 128; groups may be empty).  B is either K-major (B[g] is N x K, the
 // weights' layout) or MN-major (B[g] is K x N, an activation's layout).
 //
-// Launch: kThreads (384) threads, Engine::kSmemBytes of dynamic shared memory, any grid (about
-// one CTA per SM); tiles (row block, column tile) are dealt round-robin over the CTAs.
+// Two kernels, one per tile width: gemm_probe (BN = 256, 4 stages) and gemm_probe_bn128
+// (BN = 128, 6 stages).  Launch: wg::kThreads (384) threads, Engine::kSmemBytes of dynamic shared
+// memory (197696 and 197728 bytes), any grid (about one CTA per SM); tiles (row block, column
+// tile) are dealt round-robin over the CTAs.
 // Tensor maps (mok_rt/_tensormap.py), SWIZZLE_128B, bf16:
 //   a: dims {K, max_rows, 1}, box {64, 128, 1}
-//   b: K-major  dims {K, N, groups}, box {64, kProbeBN, 1}
+//   b: K-major  dims {K, N, groups}, box {64, BN, 1}
 //      MN-major dims {N, K, groups}, box {64, 64, 1}
 #include "common/mma.cuh"
 #include "moe/gemm_wgmma.cuh"
@@ -36,9 +38,6 @@ static_assert(alignof(ProbeParams) == 64, "tensor maps need 64-byte alignment");
 
 namespace probe {
 
-constexpr int kProbeBN = 256;
-constexpr int kStages = 4;
-
 // The group whose rows contain row0 (largest g with off[g] <= row0; empty groups are skipped),
 // or -1 when the offsets are inconsistent with a 128-row block starting at row0.
 __device__ __forceinline__ int find_group(const int* off, int groups, int row0) {
@@ -51,9 +50,9 @@ __device__ __forceinline__ int find_group(const int* off, int groups, int row0) 
   return ok ? lo : -1;
 }
 
-template <int kBMajor>
+template <int kBN, int kStages, int kBMajor>
 __device__ __forceinline__ void run(const ProbeParams& p, unsigned char* smem) {
-  using E = wg::Engine<kProbeBN, kStages, wg::kKMajor, kBMajor>;
+  using E = wg::Engine<kBN, kStages, wg::kKMajor, kBMajor>;
   const typename E::Ring ring = E::ring(smem);
   E::init(ring);
   __syncthreads();
@@ -64,7 +63,7 @@ __device__ __forceinline__ void run(const ProbeParams& p, unsigned char* smem) {
     if (blockIdx.x == 0 && threadIdx.x == 0) set_error(p.err, kErrCapacity, 0, total, p.max_rows);
     return;
   }
-  const int n_tiles = (p.n + kProbeBN - 1) / kProbeBN;
+  const int n_tiles = (p.n + kBN - 1) / kBN;
   const int num_tiles = (total / wg::kBM) * n_tiles;
   const int k_tiles = (p.k + wg::kBK - 1) / wg::kBK;
   const int role = threadIdx.x / 128;
@@ -77,7 +76,7 @@ __device__ __forceinline__ void run(const ProbeParams& p, unsigned char* smem) {
     const MbarWaitCtx w{p.err, p.timeout_ns, 0, 1};
     wg::PipeState ps;
     for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-      const int row0 = (tile / n_tiles) * wg::kBM, n0 = (tile % n_tiles) * kProbeBN;
+      const int row0 = (tile / n_tiles) * wg::kBM, n0 = (tile % n_tiles) * kBN;
       const int g = find_group(p.group_offset, p.groups, row0);
       if (g < 0) {
         set_error(p.err, kErrInternal, __LINE__, row0, p.groups);
@@ -94,7 +93,7 @@ __device__ __forceinline__ void run(const ProbeParams& p, unsigned char* smem) {
     wg::PipeState ps;
     float acc[E::kAccRegs];
     for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-      const int row0 = (tile / n_tiles) * wg::kBM, n0 = (tile % n_tiles) * kProbeBN;
+      const int row0 = (tile / n_tiles) * wg::kBM, n0 = (tile % n_tiles) * kBN;
       if (!E::consume(ring, ps, acc, k_tiles, consumer, w)) return;
       // Epilogue straight from registers: rows row0 + coord.row(i), columns n0 + coord.col(i).
       bf16* c_row = p.c + (size_t)(row0 + coord.row0) * p.n + n0 + coord.col0;  // register pairs 4j
@@ -116,14 +115,30 @@ __device__ __forceinline__ void run(const ProbeParams& p, unsigned char* smem) {
 
 using namespace mok;
 
-extern "C" __global__ void __launch_bounds__(wg::kThreads, 1) gemm_probe(const __grid_constant__ ProbeParams p) {
-  extern __shared__ __align__(1024) unsigned char smem[];
+namespace mok {
+namespace probe {
+
+template <int kBN, int kStages>
+__device__ __forceinline__ void entry(const ProbeParams& p, unsigned char* smem) {
   // One reader, one verdict: no thread may leave before the others reach the barrier inside run().
   if (__syncthreads_or(threadIdx.x == 0 && error_set(p.err))) return;
   if (blockDim.x != wg::kThreads) {  // the roles assume three warpgroups
     if (threadIdx.x == 0) set_error(p.err, kErrInternal, __LINE__, blockDim.x, wg::kThreads);
     return;
   }
-  if (p.b_mn_major) probe::run<wg::kMNMajor>(p, smem);
-  else probe::run<wg::kKMajor>(p, smem);
+  if (p.b_mn_major) run<kBN, kStages, wg::kMNMajor>(p, smem);
+  else run<kBN, kStages, wg::kKMajor>(p, smem);
+}
+
+}  // namespace probe
+}  // namespace mok
+
+extern "C" __global__ void __launch_bounds__(wg::kThreads, 1) gemm_probe(const __grid_constant__ ProbeParams p) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  probe::entry<256, 4>(p, smem);
+}
+
+extern "C" __global__ void __launch_bounds__(wg::kThreads, 1) gemm_probe_bn128(const __grid_constant__ ProbeParams p) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  probe::entry<128, 6>(p, smem);
 }
