@@ -11,7 +11,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
   python3 -c "import cuda.core, cuda.bindings, numpy; print('cuda.core', cuda.core.__version__, 'cuda.bindings', cuda.bindings.__version__, 'numpy', numpy.__version__)"
 } > "$out/env.txt" 2>&1
 sel=("$@"); [ ${#sel[@]} -eq 0 ] && sel=(tests)
-timeout 540 python3 -m pytest -q -rs -p no:cacheprovider --timeout=300 "${sel[@]}" -s > "$out/pytest.txt" 2>&1
+timeout "${PYTEST_BUDGET:-540}" python3 -m pytest -q -rs -p no:cacheprovider --timeout=300 "${sel[@]}" -s > "$out/pytest.txt" 2>&1
 rc=$?
 echo "== env"; cat "$out/env.txt"
 echo "== pytest (rc=$rc)"; grep -E "relative Frobenius|^[a-z0-9_]+: out=|PASS|FAIL|Error|error" "$out/pytest.txt" | head -60
