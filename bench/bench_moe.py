@@ -483,6 +483,7 @@ def _run_mok(torch, ranks, mok: _Mok, shape: Shape, tokens: int, inp: _Inputs, r
             else:
                 result.setdefault("unverified", {}).update(part)
                 result[f"{key}_tflops_per_gpu"] = None
+                result.setdefault("withheld", {})[key] = "failed check" if ref_names else "unchecked"
         return result, check
     finally:
         ws = state.pop("ws", None)
@@ -624,7 +625,7 @@ def _machine_slug(machine: dict) -> str:
     return f"{slug}x{machine['gpus_used']}"
 
 
-def _write(doc: dict, out_dir: Path) -> Path:
+def _results_path(doc: dict, out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"{doc['date_stamp']}_{_machine_slug(doc['machine'])}_{doc['commit']['short']}"
     if doc["cpu_smoke"]:
@@ -634,8 +635,15 @@ def _write(doc: dict, out_dir: Path) -> Path:
     path, n = out_dir / f"{stem}.json", 2
     while path.exists():
         path, n = out_dir / f"{stem}-{n}.json", n + 1
-    path.write_text(json.dumps(doc, indent=1) + "\n")
     return path
+
+
+def _write(doc: dict, path: Path) -> None:
+    # Rewritten after every shape, so a run cut short (time limit, a crashed context) keeps
+    # what it measured.
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    tmp.replace(path)
 
 
 # -- report ----------------------------------------------------------------------------------------
@@ -646,7 +654,8 @@ def _cell(fig: dict | None, key: str) -> str:
         return "error"
     ms, tf = fig.get(f"{key}_ms"), fig.get(f"{key}_tflops_per_gpu")
     if tf is None:
-        return "WRONG" if (fig.get("unverified") or {}).get(f"{key}_ms") is not None else "-"
+        why = (fig.get("withheld") or {}).get(key)
+        return {"failed check": "WRONG", "unchecked": "unchecked"}.get(why, "-")
     return f"{ms:8.3f} {tf:6.1f}"
 
 
@@ -706,7 +715,8 @@ def main(argv=None) -> int:
     doc = {"schema": SCHEMA, "date": now.isoformat(timespec="seconds"), "date_stamp": now.strftime("%Y-%m-%dT%H%M%SZ"),
            "machine": _machine(torch, ranks), "commit": _commit(args.commit), "versions": _versions(torch, mok),
            "argv": sys.argv[1:], "ep": size, "iters": args.iters, "warmup": args.warmup, "seed": args.seed,
-           "quick": args.quick, "cpu_smoke": args.cpu_smoke, "impl": args.impl, "tolerance": TOLERANCE, "mok_error": mok.error,
+           "quick": args.quick, "cpu_smoke": args.cpu_smoke, "impl": args.impl, "tolerance": TOLERANCE,
+           "mok_error": mok.error, "complete": False,
            "timed": {"fwd": "schedule + forward", "fwd_bwd": "schedule + forward + backward",
                      "statistic": "median over iterations, max over ranks",
                      "clock": "wall clock (cpu-smoke)" if args.cpu_smoke else "CUDA events, torch stream"},
@@ -715,18 +725,24 @@ def main(argv=None) -> int:
     _log(ranks, f"EP={size}  GPU: {doc['machine']['gpu']}  commit: {doc['commit']['short']}  "
                 f"torch {torch.__version__}  mok_rt {doc['versions']['mok_rt']}"
                 + (f"\nmok_rt unavailable: {mok.error}" if mok.error and args.impl != "torch" else ""))
+    path = None
+    if rank == 0:
+        if args.out:
+            out_dir = Path(args.out)
+        else:   # smoke-test results are not measurements: keep them out of the tree
+            out_dir = Path(tempfile.gettempdir()) / "mok_bench" if args.cpu_smoke else _HERE / "results"
+        path = _results_path(doc, out_dir)
     for shape in args.shape_list:
         _log(ranks, f"-- {shape.name} (T={args.tokens or shape.tokens}/rank) ...")
         rec = run_shape(torch, ranks, mok, shape, args)
         _free(torch)
         doc["results"].append(rec)
         _log(ranks, "\n".join(format_table({"results": [rec]}).splitlines()[2:]))
+        if path is not None:
+            _write(doc, path)
     if rank == 0:
-        if args.out:
-            out_dir = Path(args.out)
-        else:   # smoke-test results are not measurements: keep them out of the tree
-            out_dir = Path(tempfile.gettempdir()) / "mok_bench" if args.cpu_smoke else _HERE / "results"
-        path = _write(doc, out_dir)
+        doc["complete"] = True
+        _write(doc, path)
         print(f"\nresults: {path}\n")
         print(format_table(doc), flush=True)
     ranks.close()

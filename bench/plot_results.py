@@ -40,12 +40,13 @@ def _tflops(r: dict, impl: str, key: str) -> float | None:
 
 
 def _status(r: dict, impl: str, key: str) -> str:
-    """Why a figure is missing: 'error', 'check failed' or 'not run'."""
+    """Why a figure is missing: 'error', 'check failed', 'unchecked' or 'not run'."""
     part = r.get(impl)
     if r.get("error") or (part or {}).get("error"):
         return "error"
-    if (part or {}).get("unverified", {}).get(f"{key}_ms") is not None:
-        return "check failed"
+    why = ((part or {}).get("withheld") or {}).get(key)
+    if why:
+        return "check failed" if why == "failed check" else why
     return "not run"
 
 

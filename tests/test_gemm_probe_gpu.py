@@ -5,7 +5,8 @@ The probe computes a grouped GEMM C[rows of g] = A[rows of g] * B[g]^T with devi
 ([G, K, N]).  Buffers are CuPy arrays (bf16 held as raw uint16 bits), C is poisoned with NaN before
 each launch, the oracle is NumPy float64 (relative Frobenius error <= 1e-2), and two launches must
 give the same bits.  test_probe_timing prints the qwen3-30b-a3b expert shapes as
-"PROBE <name> <ms> <TFLOP/s>" (median of 20 launches, CUDA events).
+"PROBE <name> <ms> <TFLOP/s>" (median of 20 launches, CUDA events) for both tile widths
+(kernels gemm_probe: 128 x 256 tiles, gemm_probe_bn128: 128 x 128 tiles).
 
 Needs the cubin: `python -m mok_rt.build` (builds mok_rt/cubins/gemm_probe.sm_90a.cubin).
 """
@@ -29,10 +30,16 @@ BF16_NAN = 0x7FC0
 TOL = 1e-2
 BLOCK_M = 128
 THREADS = 384
-PROBE_BN = 256        # gemm_probe.cu kProbeBN
-STAGES = 4            # gemm_probe.cu kStages
-# gemm_wgmma.cuh Engine::kSmemBytes: ring + full/empty barriers + 1024 bytes of alignment slack.
-SMEM_BYTES = STAGES * (BLOCK_M * 64 * 2 + PROBE_BN * 64 * 2) + 2 * STAGES * 8 + 1024
+# kernel name -> (tile width BN, ring stages), as instantiated in gemm_probe.cu.
+KERNELS = {"gemm_probe": (256, 4), "gemm_probe_bn128": (128, 6)}
+
+
+def _smem_bytes(bn: int, stages: int) -> int:
+    """gemm_wgmma.cuh Engine::kSmemBytes: ring + full/empty barriers + 1024 bytes of alignment slack."""
+    return stages * (BLOCK_M * 64 * 2 + bn * 64 * 2) + 2 * stages * 8 + 1024
+
+
+assert _smem_bytes(256, 4) == 197696 and _smem_bytes(128, 6) == 197728
 TIMEOUT_NS = 2_000_000_000
 ERR_CAPACITY = 2
 
@@ -95,7 +102,7 @@ def _bf16_nan_count(bits) -> int:
 class Probe:
     """One grouped GEMM problem on the device: A [cap, K], B [G, N, K] or [G, K, N], C [cap, N]."""
 
-    def __init__(self, *, rows, n, k, b_major, a_bits, b_bits, capacity=None):
+    def __init__(self, *, rows, n, k, b_major, a_bits, b_bits, capacity=None, kernel="gemm_probe"):
         self.rows = list(rows)
         assert all(r % BLOCK_M == 0 for r in self.rows)
         self.groups = len(self.rows)
@@ -104,6 +111,8 @@ class Probe:
         self.cap = capacity if capacity is not None else max(self.total, BLOCK_M)
         self.n, self.k, self.b_major = n, k, tm.Major(b_major)
         self.a, self.b = a_bits, b_bits
+        self.bn, stages = KERNELS[kernel]
+        self.smem = _smem_bytes(self.bn, stages)
         assert self.a.shape == (self.cap, k)
         want_b = (self.groups, n, k) if self.b_major == tm.Major.K else (self.groups, k, n)
         assert self.b.shape == want_b, (self.b.shape, want_b)
@@ -111,7 +120,7 @@ class Probe:
         self.c = cp.empty((self.cap, n), dtype=cp.uint16)
         self.err = cp.zeros(4, dtype=cp.int32)
         a_spec = tm.gemm_operand(_ptr(self.a), major=tm.Major.K, rows=self.cap, k=k, box_rows=BLOCK_M)
-        b_spec = tm.gemm_operand(_ptr(self.b), major=self.b_major, rows=n, k=k, box_rows=PROBE_BN,
+        b_spec = tm.gemm_operand(_ptr(self.b), major=self.b_major, rows=n, k=k, box_rows=self.bn,
                                  groups=self.groups)
         p = ProbeParams()
         p.a = tm.TensorMapBytes(*tm.encode(a_spec))
@@ -122,16 +131,16 @@ class Probe:
         p.b_mn_major = int(self.b_major == tm.Major.MN)
         self.params = p
         self.device_id = cp.cuda.Device().id
-        self.kernel = get_kernel("gemm_probe", "gemm_probe", self.device_id)
+        self.kernel = get_kernel("gemm_probe", kernel, self.device_id)
 
     def grid(self, max_ctas=None) -> int:
-        tiles = (self.cap // BLOCK_M) * -(-self.n // PROBE_BN)
+        tiles = (self.cap // BLOCK_M) * -(-self.n // self.bn)
         g = min(multiprocessor_count(self.device_id), max(tiles, 1))
         return min(g, max_ctas) if max_ctas else g
 
     def launch(self, stream, *, max_ctas=None):
         launch(self.kernel, grid=self.grid(max_ctas), block=THREADS, params=self.params, stream=stream.ptr,
-               device_id=self.device_id, shared_mem=SMEM_BYTES)
+               device_id=self.device_id, shared_mem=self.smem)
 
     def run(self, stream, *, max_ctas=None):
         """Poison C, launch once, wait; the error word must stay clear."""
@@ -159,7 +168,7 @@ def _reference(a: np.ndarray, b: np.ndarray, off: np.ndarray, b_major: tm.Major,
     return out
 
 
-def _small_problem(seed, *, rows, n, k, b_major, extra_rows=BLOCK_M):
+def _small_problem(seed, *, rows, n, k, b_major, extra_rows=BLOCK_M, kernel="gemm_probe"):
     rng = np.random.default_rng(seed)
     total = sum(rows)
     cap = total + extra_rows
@@ -167,7 +176,8 @@ def _small_problem(seed, *, rows, n, k, b_major, extra_rows=BLOCK_M):
     g = len(rows)
     shape = (g, n, k) if tm.Major(b_major) == tm.Major.K else (g, k, n)
     b = (rng.standard_normal(shape) / np.sqrt(k)).astype(BF16)
-    pr = Probe(rows=rows, n=n, k=k, b_major=b_major, a_bits=_dev_bf16(a), b_bits=_dev_bf16(b), capacity=cap)
+    pr = Probe(rows=rows, n=n, k=k, b_major=b_major, a_bits=_dev_bf16(a), b_bits=_dev_bf16(b), capacity=cap,
+               kernel=kernel)
     want = _reference(a.astype(np.float64), b.astype(np.float64), pr.off, pr.b_major)
     return pr, want
 
@@ -194,9 +204,10 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_probe_matches_reference(stream, case):
-    pr, want = _small_problem(**CASES[case])
+def test_probe_matches_reference(stream, case, kernel):
+    pr, want = _small_problem(**CASES[case], kernel=kernel)
     c = pr.run(stream)
     got = _f64_from_bf16_bits(c)
     err = _rel_err(got[: pr.total], want)
@@ -241,20 +252,21 @@ QWEN3 = {
 QWEN3_ROWS, QWEN3_EXPERTS = 131072, 128
 
 
-def _big_problem(n, k, b_major, seed):
+def _big_problem(n, k, b_major, seed, kernel):
     cp.random.seed(seed)
     rows = [QWEN3_ROWS // QWEN3_EXPERTS] * QWEN3_EXPERTS
     a = _bf16_bits_from_f32(cp.random.standard_normal((QWEN3_ROWS, k), dtype=cp.float32))
     shape = (QWEN3_EXPERTS, n, k) if b_major == tm.Major.K else (QWEN3_EXPERTS, k, n)
     b = _bf16_bits_from_f32(cp.random.standard_normal(shape, dtype=cp.float32) * np.float32(1 / np.sqrt(k)))
-    return Probe(rows=rows, n=n, k=k, b_major=b_major, a_bits=a, b_bits=b)
+    return Probe(rows=rows, n=n, k=k, b_major=b_major, a_bits=a, b_bits=b, kernel=kernel)
 
 
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
 @pytest.mark.parametrize("b_major", [tm.Major.K, tm.Major.MN], ids=["bK", "bMN"])
 @pytest.mark.parametrize("shape", sorted(QWEN3))
-def test_probe_timing(stream, capsys, shape, b_major):
+def test_probe_timing(stream, capsys, shape, b_major, kernel):
     dims = QWEN3[shape]
-    pr = _big_problem(dims["n"], dims["k"], b_major, seed=11)
+    pr = _big_problem(dims["n"], dims["k"], b_major, seed=11, kernel=kernel)
     c = pr.run(stream)
     assert _bf16_nan_count(c) == 0, "some outputs were not written"
     # float64 check on 4 groups x 128 random rows.
@@ -285,6 +297,6 @@ def test_probe_timing(stream, capsys, shape, b_major):
     assert not cp.asnumpy(pr.err).any()
     ms = float(np.median(times))
     flops = 2.0 * pr.total * dims["n"] * dims["k"]
-    name = f"{shape}_{'bK' if b_major == tm.Major.K else 'bMN'}"
+    name = f"{shape}_{'bK' if b_major == tm.Major.K else 'bMN'}_bn{pr.bn}"
     with capsys.disabled():
         print(f"\nPROBE {name} {ms:.3f} {flops / (ms * 1e-3) / 1e12:.1f}")

@@ -110,14 +110,6 @@ __device__ __forceinline__ void run(const ProbeParams& p, unsigned char* smem) {
   }
 }
 
-}  // namespace probe
-}  // namespace mok
-
-using namespace mok;
-
-namespace mok {
-namespace probe {
-
 template <int kBN, int kStages>
 __device__ __forceinline__ void entry(const ProbeParams& p, unsigned char* smem) {
   // One reader, one verdict: no thread may leave before the others reach the barrier inside run().
@@ -132,6 +124,8 @@ __device__ __forceinline__ void entry(const ProbeParams& p, unsigned char* smem)
 
 }  // namespace probe
 }  // namespace mok
+
+using namespace mok;
 
 extern "C" __global__ void __launch_bounds__(wg::kThreads, 1) gemm_probe(const __grid_constant__ ProbeParams p) {
   extern __shared__ __align__(1024) unsigned char smem[];

@@ -1,0 +1,66 @@
+"""Where does a layer call's time go?  Host enqueue time per API call, device time per step.
+
+    python bench/profile_layer.py --shape quick            # prints host/device split
+    ncu --clock-control none --print-summary per-kernel python bench/profile_layer.py --iters 2
+
+Kernel durations come from ncu (or from the device-time column when the host is not the limit).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import ml_dtypes
+import numpy as np
+
+SHAPES = {  # name: (H, I, E, k, T, I_s)
+    "quick": (512, 256, 16, 4, 2048, 0),
+    "qwen3-30b-a3b": (2048, 768, 128, 8, 16384, 0),
+    "deepseek-v3": (7168, 2048, 256, 8, 8192, 0),
+}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="quick", choices=sorted(SHAPES))
+    ap.add_argument("--iters", type=int, default=10)
+    args = ap.parse_args()
+    import cupy as cp
+    import mok_rt as mok
+    H, I, E, k, T, Is = SHAPES[args.shape]
+    rng = np.random.default_rng(0)
+    bf = ml_dtypes.bfloat16
+    x = cp.asarray(rng.standard_normal((T, H)).astype(bf))
+    ids = cp.asarray(np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32))
+    tw = cp.asarray(rng.random((T, k)).astype(np.float32))
+    wg = cp.asarray((rng.standard_normal((E, I, H)) * H ** -0.5).astype(bf))
+    wu = cp.asarray((rng.standard_normal((E, I, H)) * H ** -0.5).astype(bf))
+    wd = cp.asarray((rng.standard_normal((E, H, I)) * I ** -0.5).astype(bf))
+    dout = cp.asarray(rng.standard_normal((T, H)).astype(bf))
+    cfg = mok.MoEConfig(hidden=H, intermediate=I, num_experts=E, top_k=k, shared_intermediate=Is)
+    flops = cfg.forward_flops(T)
+    with mok.Workspace(cfg, mok.SingleProcessGroup(devices=[0]), max_tokens=T) as ws:
+        stream = ws.stream
+        for it in range(args.iters):
+            cp.cuda.runtime.deviceSynchronize()
+            t0 = time.perf_counter()
+            sched = mok.schedule(ws, ids)
+            t1 = time.perf_counter()
+            out, ctx = mok.forward(ws, sched, x, tw, wg, wu, wd)
+            t2 = time.perf_counter()
+            stream.sync()
+            t3 = time.perf_counter()
+            g = mok.backward(ws, sched, ctx, dout, x, tw, wg, wu, wd)
+            t4 = time.perf_counter()
+            ws.synchronize()
+            t5 = time.perf_counter()
+            print(f"iter {it}: host schedule {1e3 * (t1 - t0):.3f} ms, forward {1e3 * (t2 - t1):.3f} ms, "
+                  f"sched+fwd done {1e3 * (t3 - t0):.3f} ms ({flops / (t3 - t0) / 1e12:.1f} TF/s); "
+                  f"host backward {1e3 * (t4 - t3):.3f} ms, backward done {1e3 * (t5 - t3):.3f} ms "
+                  f"({2 * flops / (t5 - t3) / 1e12:.1f} TF/s)", flush=True)
+            del out, ctx, g
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
