@@ -1,8 +1,10 @@
 """The device error word: how a kernel reports what only the device can see.
 
-``int32[4]`` in host-mapped pinned memory (``cuMemHostAlloc`` with DEVICEMAP | PORTABLE), so any
-device can write it and the host reads it after a synchronisation without a copy.  Layout and
-codes: ``cuda_src/common/errors.cuh`` (``[0]`` code, first error wins; ``[1..3]`` details).
+``int32[4]`` in the device's own memory.  Kernels poll it in their hot loops (every task grab,
+every spin), so it must not live in host-mapped memory: measured on the H200 VMs here, one read
+of host-mapped memory from a kernel costs tens of microseconds.  The host copies it out (on a
+private non-blocking stream) after synchronising.  Layout and codes:
+``cuda_src/common/errors.cuh`` (``[0]`` code, first error wins; ``[1..3]`` details).
 """
 from __future__ import annotations
 
@@ -63,27 +65,35 @@ class ErrorWord:
         self.device_id = device_id
         self._api = _api or _driver
         self._ctx = PrimaryContext(device_id, api=self._api)
-        self._host = 0
+        self.device_ptr = 0
+        self._stream = None
+        self._words = (ctypes.c_int32 * _WORDS)()
         try:
-            drv = self._api.driver
-            flags = drv.CU_MEMHOSTALLOC_DEVICEMAP | drv.CU_MEMHOSTALLOC_PORTABLE
             with self._ctx.current():
-                self._host = int(self._api.call("cuMemHostAlloc", _NBYTES, flags))
-                self.device_ptr = int(self._api.call("cuMemHostGetDevicePointer", self._host, 0))
-            self._words = (ctypes.c_int32 * _WORDS).from_address(self._host)
+                # A stream of its own: reading or clearing the word must not wait behind (or be
+                # ordered with) a kernel that spins on another stream.
+                self._stream = self._api.call("cuStreamCreate", self._api.driver.CUstream_flags.CU_STREAM_NON_BLOCKING)
+                self.device_ptr = int(self._api.call("cuMemAlloc", _NBYTES))
             self.clear()
         except BaseException:
             self.close()
             raise
 
     def read(self) -> tuple[int, int, int, int]:
-        """``(code, a, b, c)``; code 0 means no error."""
+        """``(code, a, b, c)``; code 0 means no error.  Reflects the kernels that have finished."""
         self._check_open()
+        with self._ctx.current():
+            self._api.call("cuMemcpyDtoHAsync", ctypes.addressof(self._words), self.device_ptr, _NBYTES,
+                           self._stream)
+            self._api.call("cuStreamSynchronize", self._stream)
         return tuple(int(v) for v in self._words)  # type: ignore[return-value]
 
     def clear(self) -> None:
+        """Reset to "no error" (only while no kernel that may write it is running)."""
         self._check_open()
-        ctypes.memset(self._host, 0, _NBYTES)
+        with self._ctx.current():
+            self._api.call("cuMemsetD32Async", self.device_ptr, 0, _WORDS, self._stream)
+            self._api.call("cuStreamSynchronize", self._stream)
 
     def raise_if_set(self, context: str = "kernel") -> None:
         """Raise the :class:`DeviceError` subclass for the recorded code, if any."""
@@ -109,24 +119,28 @@ class ErrorWord:
         raise DeviceError(f"{context}: unknown device error code {code} {info}", code=code, info=info)
 
     def _check_open(self) -> None:
-        if not self._host:
+        if not self.device_ptr:
             raise MokError("the error word is closed")
 
     @property
     def closed(self) -> bool:
-        return not self._host
+        return not self.device_ptr
 
     def close(self) -> None:
-        """Free the pinned memory (idempotent)."""
+        """Free the device memory and the stream (idempotent)."""
         ctx, self._ctx = getattr(self, "_ctx", None), None
-        host, self._host = getattr(self, "_host", 0), 0
+        ptr, self.device_ptr = getattr(self, "device_ptr", 0), 0
+        stream, self._stream = getattr(self, "_stream", None), None
         if ctx is None:
             return
         try:
-            if host:
-                self._words = None
-                with ctx.current():
-                    self._api.call("cuMemFreeHost", host)
+            with ctx.current():
+                try:
+                    if ptr:
+                        self._api.call("cuMemFree", ptr)
+                finally:
+                    if stream is not None:
+                        self._api.call("cuStreamDestroy", stream)
         finally:
             ctx.release()
 

@@ -1,4 +1,5 @@
-"""Launching the fused MoE forward/backward kernels (cuda_src/moe/moe_layer.cu) on one GPU.
+"""Launching the fused MoE forward/backward kernels (cuda_src/moe/moe_layer.cu) on one GPU, or as
+one rank of an expert-parallel group (``peers=PeerSpec(...)``).
 
 The caller (the Workspace) owns every buffer; this module only checks the plain facts it can
 see (sizes, alignment, null pointers), fills the parameter structs, zeroes the dependency
@@ -25,7 +26,7 @@ from .errors import ArgumentError, MokError
 from .launch import launch, multiprocessor_count, stream_handle
 
 __all__ = [
-    "LayerDims", "ScheduleBuffers", "ForwardBuffers", "BackwardBuffers", "KernelKnobs",
+    "LayerDims", "ScheduleBuffers", "ForwardBuffers", "BackwardBuffers", "KernelKnobs", "PeerSpec",
     "forward_buffer_bytes", "backward_buffer_bytes", "forward_task_count", "backward_task_count",
     "launch_forward", "launch_backward",
 ]
@@ -105,6 +106,7 @@ class ScheduleBuffers:
     row_src_rank: int    # [max_rows]
     row_slot: int        # [max_rows]
     route_row: int       # [T * k]
+    route_rank: int = 0  # [T * k] (read only with expert parallelism)
 
 
 @dataclass(frozen=True)
@@ -182,14 +184,73 @@ class KernelKnobs:
         _int("timeout_ns", self.timeout_ns, minimum=1)
 
 
+@dataclass(frozen=True)
+class PeerSpec:
+    """One rank of an expert-parallel group (mirror of MoEPeers in params.cuh).
+
+    ``peer_bases[r]``: rank r's symmetric block, valid on this rank's device (``peer_array``: the
+    same as a device uint64 array).  Offsets are bytes into every block: ``routed_offset``
+    [capacity_rows, H] bf16, ``slot_offset`` [slot_rows, H] bf16 (slot_rows = max_tokens * k),
+    ``flags_offset`` int32 [NUM_PEER_FLAGS][MAX_EP_RANKS] (zeroed once, never reset),
+    ``end_pad_offset`` the end-of-launch barrier's signal pad.  ``epoch``: this launch's number,
+    the same on every rank and larger than any earlier launch's.  ``push_tasks``: how many tasks
+    push this rank's rows (at most that many CTAs move rows while the others start GEMM tiles).
+    """
+
+    peer_bases: tuple
+    peer_array: int
+    routed_offset: int
+    slot_offset: int
+    flags_offset: int
+    end_pad_offset: int
+    rank: int
+    epoch: int
+    push_tasks: int
+    slot_rows: int
+
+    def __post_init__(self):
+        n = len(self.peer_bases)
+        if not 2 <= n <= P.MAX_EP_RANKS:
+            raise ArgumentError("peer_bases", f"expected 2 to {P.MAX_EP_RANKS} ranks, got {n}")
+        if not 0 <= self.rank < n:
+            raise ArgumentError("rank", f"expected a rank in [0, {n}), got {self.rank}")
+        _int("push_tasks", self.push_tasks, minimum=1)
+        _int("slot_rows", self.slot_rows)
+        if not 0 < self.epoch < 2 ** 31:
+            raise ArgumentError("epoch", f"expected an epoch in [1, 2**31), got {self.epoch}")
+        for name in ("routed_offset", "slot_offset"):
+            if getattr(self, name) % 16:
+                raise ArgumentError(name, "must be 16-byte aligned")
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.peer_bases)
+
+    def _struct(self) -> P.MoEPeers:
+        s = P.MoEPeers()
+        for r, b in enumerate(self.peer_bases):
+            s.base[r] = int(b)
+        s.base_array, s.routed_offset, s.slot_offset = self.peer_array, self.routed_offset, self.slot_offset
+        s.flags_offset, s.end_pad_offset = self.flags_offset, self.end_pad_offset
+        s.num_ranks, s.rank, s.epoch, s.push_tasks, s.slot_rows = (self.num_ranks, self.rank, self.epoch,
+                                                                   self.push_tasks, self.slot_rows)
+        return s
+
+
+def _no_peers() -> P.MoEPeers:
+    s = P.MoEPeers()
+    s.num_ranks, s.rank = 1, 0
+    return s
+
+
 # ---- sizes ------------------------------------------------------------------------------------
 
 def _forward_counter_words(d: LayerDims) -> int:
-    return 2 + 2 * d.max_blocks + 2 * d.token_blocks
+    return 4 + 2 * d.max_blocks + 2 * d.token_blocks
 
 
 def _backward_counter_words(d: LayerDims) -> int:
-    return 3 + 2 * d.max_blocks + 2 * d.local_experts + 2 * d.token_blocks
+    return 5 + 2 * d.max_blocks + 2 * d.local_experts + 2 * d.token_blocks
 
 
 def forward_buffer_bytes(dims: LayerDims) -> dict[str, int]:
@@ -231,22 +292,27 @@ def backward_buffer_bytes(dims: LayerDims) -> dict[str, int]:
     }
 
 
-def forward_task_count(dims: LayerDims, *, context_only: bool = False) -> int:
-    """Size of the forward task index space (mirror of ForwardPlan in forward_tasks.cuh)."""
+def forward_task_count(dims: LayerDims, *, context_only: bool = False, push_tasks: int = 0) -> int:
+    """Size of the forward task index space (mirror of ForwardPlan in forward_tasks.cuh);
+    ``push_tasks`` > 0 with expert parallelism."""
     d = dims
     tb, mb, h_tiles = d.token_blocks, d.max_blocks, _ceil_div(d.hidden, P.TILE_N)
     shared = d.shared_intermediate > 0
-    return (mb + tb * (d.shared_intermediate // P.GATE_UP_COLS) + mb * (d.intermediate // P.GATE_UP_COLS)
-            + (tb * h_tiles if shared and not context_only else 0) + mb * h_tiles + (0 if context_only else tb))
+    ep = push_tasks > 0
+    return ((push_tasks + 2 if ep else 0)   # push tasks, "rows sent", "outputs returned"
+            + mb + tb * (d.shared_intermediate // P.GATE_UP_COLS) + mb * (d.intermediate // P.GATE_UP_COLS)
+            + (tb * h_tiles if shared and not context_only else 0) + mb * h_tiles
+            + (0 if context_only and not ep else tb))
 
 
-def backward_task_count(dims: LayerDims) -> int:
+def backward_task_count(dims: LayerDims, *, push_tasks: int = 0) -> int:
     """Size of the backward task index space (mirror of BackwardPlan in backward_tasks.cuh)."""
     d = dims
     tb, mb = d.token_blocks, d.max_blocks
     i_t, si_t, h_t = (_ceil_div(v, P.TILE_N) for v in (d.intermediate, d.shared_intermediate, d.hidden))
     shared = d.shared_intermediate > 0
-    return (mb + tb + (tb * si_t if shared else 0) + mb * i_t + (tb * h_t if shared else 0) + mb * h_t
+    return ((push_tasks + 2 if push_tasks > 0 else 0)
+            + mb + tb + (tb * si_t if shared else 0) + mb * i_t + (tb * h_t if shared else 0) + mb * h_t
             + d.local_experts * h_t * i_t + d.local_experts * 2 * i_t * h_t + (3 * h_t * si_t if shared else 0) + tb)
 
 
@@ -329,23 +395,40 @@ def _zero_counters(ptr: int, words: int, stream) -> None:
     call("cuMemsetD32Async", driver.CUdeviceptr(ptr), 0, words, driver.CUstream(stream_handle(stream)))
 
 
+def _check_peers(peers: PeerSpec | None, sched: ScheduleBuffers, dims: LayerDims) -> None:
+    if peers is None:
+        return
+    if not isinstance(peers, PeerSpec):
+        raise ArgumentError("peers", f"expected a PeerSpec or None, got {type(peers).__name__}")
+    if dims.rank != peers.rank:
+        raise ArgumentError("peers", f"rank {peers.rank} differs from dims.rank={dims.rank}")
+    if dims.tokens * dims.top_k > peers.slot_rows:
+        raise ArgumentError("tokens", f"{dims.tokens} tokens x {dims.top_k} routes exceed the {peers.slot_rows} "
+                                      f"slot rows")
+    if dims.tokens and not sched.route_rank:
+        raise ArgumentError("route_rank", "null device pointer (needed with expert parallelism)")
+
+
 def launch_forward(bufs: ForwardBuffers, sched: ScheduleBuffers, dims: LayerDims, *, stream, err_ptr: int,
-                   device_id: int = 0, knobs: KernelKnobs = KernelKnobs(), context_only: bool = False) -> None:
+                   device_id: int = 0, knobs: KernelKnobs = KernelKnobs(), context_only: bool = False,
+                   peers: PeerSpec | None = None) -> None:
     """Enqueue the fused forward on ``stream``: counters memset, then one persistent launch.
 
     Writes the context (x_routed, gu, act, y_slot, sgu, sact) and, unless ``context_only``,
     ``out``.  ``err_ptr``: the device error word (int32[4]); the caller checks it after syncing.
+    With ``peers`` (expert parallelism) every rank of the group must launch its forward.
     """
     # A context-only launch (recompute) writes no output and never reads the routing weights.
     _check_pointers(bufs, dims, align=16,
                     unused=frozenset({"out", "topk_weights", "shared_y"}) if context_only else frozenset())
-    _check_pointers(sched, dims, align=4)
+    _check_pointers(sched, dims, align=4, unused=frozenset({"route_rank"}))
+    _check_peers(peers, sched, dims)
     if not err_ptr:
         raise ArgumentError("err_ptr", "null error word")
     d = dims
     cnt = _carve(bufs.counters, [("task_next", 1), ("down_done", 1), ("block_ready", d.max_blocks),
                                  ("block_act_ready", d.max_blocks), ("token_sact_ready", d.token_blocks),
-                                 ("token_shared_done", d.token_blocks)])
+                                 ("token_shared_done", d.token_blocks), ("push_done", 1), ("ctas_done", 1)])
     p = P.MoEForwardParams()
     p.sched = _schedule_struct(sched)
     _fill(p.w, {n: getattr(bufs, n) for n in ("w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down")})
@@ -355,8 +438,10 @@ def launch_forward(bufs: ForwardBuffers, sched: ScheduleBuffers, dims: LayerDims
               "err": err_ptr})
     p.dims = _dims_struct(d, knobs)
     p.context_only = int(bool(context_only))
+    p.peers = _no_peers() if peers is None else peers._struct()
 
-    num_tasks = forward_task_count(d, context_only=bool(context_only))
+    num_tasks = forward_task_count(d, context_only=bool(context_only),
+                                   push_tasks=0 if peers is None else peers.push_tasks)
     _zero_counters(bufs.counters, _forward_counter_words(d), stream)
     if num_tasks == 0:
         return
@@ -366,21 +451,25 @@ def launch_forward(bufs: ForwardBuffers, sched: ScheduleBuffers, dims: LayerDims
 
 
 def launch_backward(bufs: BackwardBuffers, sched: ScheduleBuffers, dims: LayerDims, *, stream, err_ptr: int,
-                    device_id: int = 0, knobs: KernelKnobs = KernelKnobs(), accumulate: bool = False) -> None:
+                    device_id: int = 0, knobs: KernelKnobs = KernelKnobs(), accumulate: bool = False,
+                    peers: PeerSpec | None = None) -> None:
     """Enqueue the fused backward on ``stream``: counters memset, then one persistent launch.
 
     Writes dx, d_topk_weights and the fp32 weight gradients (added to their contents when
-    ``accumulate``).  Needs the forward context of the same schedule and inputs.
+    ``accumulate``).  Needs the forward context of the same schedule and inputs.  With ``peers``
+    the dy_routed / dx_slot pointers must be this rank's routed / slot rows in its block.
     """
     _check_pointers(bufs, dims, align=16)
-    _check_pointers(sched, dims, align=4)
+    _check_pointers(sched, dims, align=4, unused=frozenset({"route_rank"}))
+    _check_peers(peers, sched, dims)
     if not err_ptr:
         raise ArgumentError("err_ptr", "null error word")
     d = dims
     cnt = _carve(bufs.counters, [("task_next", 1), ("dx_done", 1), ("dsgu_done", 1),
                                  ("block_dy_ready", d.max_blocks), ("block_dgu_ready", d.max_blocks),
                                  ("expert_dy_ready", d.local_experts), ("expert_dgu_ready", d.local_experts),
-                                 ("token_dsgu_ready", d.token_blocks), ("token_dxs_ready", d.token_blocks)])
+                                 ("token_dsgu_ready", d.token_blocks), ("token_dxs_ready", d.token_blocks),
+                                 ("push_done", 1), ("ctas_done", 1)])
     p = P.MoEBackwardParams()
     p.sched = _schedule_struct(sched)
     _fill(p.w, {n: getattr(bufs, n) for n in ("w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down")})
@@ -393,8 +482,9 @@ def launch_backward(bufs: BackwardBuffers, sched: ScheduleBuffers, dims: LayerDi
     p.err = err_ptr
     p.dims = _dims_struct(d, knobs)
     p.accumulate = int(bool(accumulate))
+    p.peers = _no_peers() if peers is None else peers._struct()
 
-    num_tasks = backward_task_count(d)
+    num_tasks = backward_task_count(d, push_tasks=0 if peers is None else peers.push_tasks)
     _zero_counters(bufs.counters, _backward_counter_words(d), stream)
     kernel = get_kernel(_CUBIN, "moe_backward", device_id)
     launch(kernel, grid=_grid(kernel, device_id, knobs, num_tasks), block=P.THREADS, params=p, stream=stream,

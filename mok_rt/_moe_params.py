@@ -12,7 +12,7 @@ import ctypes
 __all__ = [
     "BLOCK_M", "THREADS", "TILE_N", "GATE_UP_COLS", "SMEM_BYTES",
     "MoESchedule", "MoEDims", "MoEWeights", "MoEContext", "MoEForwardCounters", "MoEForwardParams",
-    "MoEBackwardCounters", "MoEWeightGrads", "MoEBackwardParams",
+    "MoEBackwardCounters", "MoEWeightGrads", "MoEBackwardParams", "MoEPeers", "MAX_EP_RANKS", "NUM_PEER_FLAGS",
 ]
 
 # ---- tiling (cuda_src/moe/params.cuh, cuda_src/moe/gemm_tile.cuh) ----------------------------
@@ -34,7 +34,7 @@ def _pointers(*names: str) -> list[tuple[str, type]]:
 
 class MoESchedule(ctypes.Structure):
     _fields_ = _pointers("expert_count", "expert_offset", "num_blocks", "block_expert", "row_src_rank",
-                         "row_slot", "route_row")
+                         "row_slot", "route_row", "route_rank")
 
 
 class MoEDims(ctypes.Structure):
@@ -65,7 +65,26 @@ class MoEContext(ctypes.Structure):
 
 class MoEForwardCounters(ctypes.Structure):
     _fields_ = _pointers("task_next", "down_done", "block_ready", "block_act_ready", "token_sact_ready",
-                         "token_shared_done")
+                         "token_shared_done", "push_done", "ctas_done")
+
+
+MAX_EP_RANKS = 64      # kMaxEpRanks
+NUM_PEER_FLAGS = 4     # kNumPeerFlags: forward rows, forward return, backward rows, backward return
+
+
+class MoEPeers(ctypes.Structure):
+    """Expert parallelism: every rank's symmetric block and the layout inside it (params.cuh)."""
+
+    _fields_ = [
+        ("base", ctypes.c_uint64 * MAX_EP_RANKS),
+        *_pointers("base_array", "routed_offset", "slot_offset", "flags_offset", "end_pad_offset"),
+        ("num_ranks", ctypes.c_int32),
+        ("rank", ctypes.c_int32),
+        ("epoch", ctypes.c_int32),
+        ("push_tasks", ctypes.c_int32),
+        ("slot_rows", ctypes.c_int32),
+        ("pad_", ctypes.c_int32),
+    ]
 
 
 class MoEForwardParams(ctypes.Structure):
@@ -78,12 +97,14 @@ class MoEForwardParams(ctypes.Structure):
         ("dims", MoEDims),
         ("context_only", ctypes.c_int32),
         ("pad_", ctypes.c_int32),
+        ("peers", MoEPeers),
     ]
 
 
 class MoEBackwardCounters(ctypes.Structure):
     _fields_ = _pointers("task_next", "dx_done", "dsgu_done", "block_dy_ready", "block_dgu_ready",
-                         "expert_dy_ready", "expert_dgu_ready", "token_dsgu_ready", "token_dxs_ready")
+                         "expert_dy_ready", "expert_dgu_ready", "token_dsgu_ready", "token_dxs_ready", "push_done",
+                         "ctas_done")
 
 
 class MoEWeightGrads(ctypes.Structure):
@@ -102,17 +123,21 @@ class MoEBackwardParams(ctypes.Structure):
         ("dims", MoEDims),
         ("accumulate", ctypes.c_int32),
         ("pad_", ctypes.c_int32),
+        ("peers", MoEPeers),
     ]
 
 
 # Sizes as static_assert-ed in params.cuh.
-assert ctypes.sizeof(MoESchedule) == 7 * 8
+_PEERS = MAX_EP_RANKS * 8 + 5 * 8 + 6 * 4
+assert ctypes.sizeof(MoESchedule) == 8 * 8
 assert ctypes.sizeof(MoEDims) == 8 + 12 * 4
 assert ctypes.sizeof(MoEWeights) == 6 * 8
 assert ctypes.sizeof(MoEContext) == 6 * 8
-assert ctypes.sizeof(MoEForwardCounters) == 6 * 8
-assert ctypes.sizeof(MoEForwardParams) == 7 * 8 + 6 * 8 + 6 * 8 + 6 * 8 + 5 * 8 + (8 + 12 * 4) + 8
-assert ctypes.sizeof(MoEBackwardCounters) == 9 * 8
+assert ctypes.sizeof(MoEForwardCounters) == 8 * 8
+assert ctypes.sizeof(MoEPeers) == _PEERS
+assert ctypes.sizeof(MoEForwardParams) == 8 * 8 + 6 * 8 + 6 * 8 + 8 * 8 + 5 * 8 + (8 + 12 * 4) + 8 + _PEERS
+assert ctypes.sizeof(MoEBackwardCounters) == 11 * 8
 assert ctypes.sizeof(MoEWeightGrads) == 6 * 8
-assert ctypes.sizeof(MoEBackwardParams) == 7 * 8 + 6 * 8 + 6 * 8 + 9 * 8 + 6 * 8 + 11 * 8 + (8 + 12 * 4) + 8
+assert ctypes.sizeof(MoEBackwardParams) == (8 * 8 + 6 * 8 + 6 * 8 + 11 * 8 + 6 * 8 + 11 * 8 + (8 + 12 * 4) + 8
+                                            + _PEERS)
 assert SMEM_BYTES == 81920

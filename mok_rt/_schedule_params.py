@@ -21,6 +21,7 @@ class ScheduleParams(ctypes.Structure):
         ("row_src_rank", ctypes.c_void_p),
         ("row_slot", ctypes.c_void_p),
         ("route_row", ctypes.c_void_p),
+        ("route_rank", ctypes.c_void_p),
         ("num_ranks", ctypes.c_int),
         ("rank", ctypes.c_int),
         ("num_experts", ctypes.c_int),
@@ -30,10 +31,34 @@ class ScheduleParams(ctypes.Structure):
         ("max_rows", ctypes.c_int),
         ("max_chunks", ctypes.c_int),
         ("ids_int64", ctypes.c_int),
-        ("pad_", ctypes.c_int),
+        ("tokens_on_device", ctypes.c_int),
         ("src_ids", ctypes.c_uint64 * MAX_RANKS),
         ("src_tokens", ctypes.c_int * MAX_RANKS),
+        ("src_tokens_at", ctypes.c_uint64 * MAX_RANKS),
     ]
 
 
-assert ctypes.sizeof(ScheduleParams) == 11 * 8 + 10 * 4 + MAX_RANKS * 12
+ROUTING_IDS_OFFSET = 16   # kRoutingIdsOffset: int32 ids start 16 bytes into a routing area
+
+
+class ExchangeParams(ctypes.Structure):
+    """Mirror of mok::ExchangeParams (schedule_params.cuh)."""
+
+    _fields_ = [
+        ("peer_bases", ctypes.c_uint64),
+        ("ids", ctypes.c_uint64),
+        ("err", ctypes.c_uint64),
+        ("area_offset", ctypes.c_uint64),
+        ("pad_offset", ctypes.c_uint64),
+        ("timeout_ns", ctypes.c_uint64),
+        ("tokens", ctypes.c_int),
+        ("top_k", ctypes.c_int),
+        ("ids_int64", ctypes.c_int),
+        ("rank", ctypes.c_int),
+        ("num_ranks", ctypes.c_int),
+        ("pad_", ctypes.c_int),
+    ]
+
+
+assert ctypes.sizeof(ScheduleParams) == 12 * 8 + 10 * 4 + MAX_RANKS * 20
+assert ctypes.sizeof(ExchangeParams) == 6 * 8 + 6 * 4

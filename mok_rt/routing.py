@@ -4,6 +4,11 @@ Given the top-k expert ids of every rank, lay out the rows that land on one rank
 expert, each expert's rows padded to the GEMM tile height ``block_m`` (so a row block belongs to
 one expert), inside an expert by (source rank, token, slot j).  Three small launches (count,
 scan, place); nothing is read back by the host.  ``mok_rt.schedule_ref`` is the NumPy twin.
+
+With expert parallelism (:func:`build_schedule_ep`) a fourth launch comes first: each rank
+publishes its token count and ids into its own symmetric block and meets every peer at a group
+barrier; every rank then lays out the same global routing reading its peers' blocks, so an
+expert-id or capacity error anywhere is reported by every rank.
 """
 from __future__ import annotations
 
@@ -12,13 +17,14 @@ from typing import Sequence
 
 from . import dtypes
 from ._kernels import get_kernel
-from ._schedule_params import MAX_RANKS, SCHEDULE_CHUNK, SCHEDULE_THREADS, ScheduleParams
+from ._schedule_params import (MAX_RANKS, ROUTING_IDS_OFFSET, SCHEDULE_CHUNK, SCHEDULE_THREADS, ExchangeParams,
+                               ScheduleParams)
 from .errors import ArgumentError
 from ._driver import call, driver
 from .launch import launch, stream_handle
 from .tensor import Tensor
 
-__all__ = ["Schedule", "build_schedule"]
+__all__ = ["Schedule", "RoutingExchange", "build_schedule", "build_schedule_ep", "routing_area_bytes"]
 
 _CUBIN = "schedule"
 
@@ -29,7 +35,8 @@ class Schedule:
 
     expert_count [E_l], expert_offset [E_l+1], totals [2] (row blocks, padded rows),
     block_expert [max_rows/block_m], row_src_rank/row_slot [max_rows] (-1 on padding rows),
-    route_row [T*k] (each of this rank's routes: its row in its destination rank).
+    route_row [T*k] (each of this rank's routes: its row in its destination rank), route_rank
+    [T*k] (each of this rank's routes: its destination rank).
     """
 
     num_ranks: int
@@ -47,6 +54,7 @@ class Schedule:
     row_src_rank: Tensor
     row_slot: Tensor
     route_row: Tensor
+    route_rank: Tensor
     _scratch: tuple = field(default=(), repr=False)
 
     @property
@@ -70,7 +78,31 @@ class Schedule:
             "row_src_rank": self.row_src_rank.to_numpy()[:rows],
             "row_slot": self.row_slot.to_numpy()[:rows],
             "route_row": self.route_row.to_numpy(),
+            "route_rank": self.route_rank.to_numpy(),
         }
+
+
+@dataclass(frozen=True)
+class RoutingExchange:
+    """Where the ranks of an expert-parallel group publish their routing (symmetric memory).
+
+    ``peer_bases[r]`` / ``peer_array``: rank r's block base (a tuple, and the same as a device
+    ``uint64`` array), valid on this rank's device; ``area_offset``: this call's routing area
+    (:func:`routing_area_bytes` bytes; alternate two areas between consecutive calls so a peer
+    still reading the previous call's is never overwritten); ``pad_offset``: the barrier's
+    signal pad (zeroed once, used by nothing else).
+    """
+
+    peer_bases: tuple
+    peer_array: int
+    area_offset: int
+    pad_offset: int
+    timeout_ns: int
+
+
+def routing_area_bytes(max_tokens: int, top_k: int) -> int:
+    """Bytes of one routing area: int32 token count, then int32 ids [max_tokens, top_k]."""
+    return ROUTING_IDS_OFFSET + 4 * max_tokens * top_k
 
 
 def build_schedule(ids_ptrs: Sequence[int], tokens: Sequence[int], *, ids_int64: bool, num_experts: int,
@@ -84,12 +116,59 @@ def build_schedule(ids_ptrs: Sequence[int], tokens: Sequence[int], *, ids_int64:
     (tests use it so that an element the kernels fail to write cannot pass).
     """
     num_ranks = len(ids_ptrs)
+    _check_layout(num_ranks, num_experts, max_rows, block_m)
+    p = ScheduleParams()
+    p.ids_int64 = int(bool(ids_int64))
+    for s in range(num_ranks):
+        p.src_ids[s] = int(ids_ptrs[s])
+        p.src_tokens[s] = int(tokens[s])
+    return _enqueue(p, num_ranks=num_ranks, tokens=int(tokens[rank]), num_experts=num_experts, top_k=top_k,
+                    rank=rank, block_m=block_m, max_rows=max_rows, max_total_routes=max_total_routes,
+                    device_id=device_id, stream=stream, err_ptr=err_ptr, poison=poison)
+
+
+def build_schedule_ep(ids_ptr: int, tokens: int, *, ids_int64: bool, exchange: RoutingExchange, num_experts: int,
+                      top_k: int, rank: int, block_m: int, max_rows: int, max_tokens: int, device_id: int,
+                      stream, err_ptr: int, poison: bool = False) -> Schedule:
+    """Enqueue rank ``rank``'s part of an expert-parallel schedule: publish this rank's
+    ``topk_ids`` [tokens, top_k] at ``exchange``, wait for every peer (a peer that never comes
+    is reported as a timeout naming it), then lay out the rows this rank receives from everyone.
+    Every rank of the group must call it, in the same order as its other collective calls."""
+    num_ranks = len(exchange.peer_bases)
+    _check_layout(num_ranks, num_experts, max_rows, block_m)
+    if not 0 <= tokens <= max_tokens:
+        raise ArgumentError("topk_ids", f"{tokens} tokens exceed max_tokens={max_tokens}")
+    x = ExchangeParams()
+    x.peer_bases, x.ids, x.err = exchange.peer_array, ids_ptr, err_ptr
+    x.area_offset, x.pad_offset, x.timeout_ns = exchange.area_offset, exchange.pad_offset, exchange.timeout_ns
+    x.tokens, x.top_k, x.ids_int64, x.rank, x.num_ranks = tokens, top_k, int(bool(ids_int64)), rank, num_ranks
+    launch(get_kernel(_CUBIN, "schedule_exchange", device_id), grid=1, block=SCHEDULE_THREADS, params=x,
+           stream=stream, device_id=device_id)
+    p = ScheduleParams()
+    p.ids_int64 = 0                       # the routing areas hold int32 ids
+    p.tokens_on_device = 1
+    for s, base in enumerate(exchange.peer_bases):
+        area = int(base) + exchange.area_offset
+        p.src_ids[s] = area + ROUTING_IDS_OFFSET
+        p.src_tokens_at[s] = area
+    return _enqueue(p, num_ranks=num_ranks, tokens=tokens, num_experts=num_experts, top_k=top_k, rank=rank,
+                    block_m=block_m, max_rows=max_rows, max_total_routes=num_ranks * max_tokens * top_k,
+                    device_id=device_id, stream=stream, err_ptr=err_ptr, poison=poison)
+
+
+def _check_layout(num_ranks: int, num_experts: int, max_rows: int, block_m: int) -> None:
     if not 1 <= num_ranks <= MAX_RANKS:
         raise ArgumentError("topk_ids", f"between 1 and {MAX_RANKS} ranks are supported, got {num_ranks}")
     if num_experts % num_ranks:
         raise ArgumentError("num_experts", f"{num_experts} experts cannot be split over {num_ranks} ranks")
     if max_rows % block_m:
         raise ArgumentError("max_rows", f"must be a multiple of block_m={block_m}, got {max_rows}")
+
+
+def _enqueue(p: ScheduleParams, *, num_ranks: int, tokens: int, num_experts: int, top_k: int, rank: int,
+             block_m: int, max_rows: int, max_total_routes: int, device_id: int, stream, err_ptr: int,
+             poison: bool) -> Schedule:
+    """Allocate the outputs and enqueue the count / scan / place passes (``p``'s sources set)."""
     el = num_experts // num_ranks
     max_chunks = max(1, -(-max_total_routes // SCHEDULE_CHUNK))
     i32 = dtypes.int32
@@ -99,33 +178,28 @@ def build_schedule(ids_ptrs: Sequence[int], tokens: Sequence[int], *, ids_int64:
 
     out = Schedule(
         num_ranks=num_ranks, rank=rank, num_experts=num_experts, top_k=top_k, block_m=block_m,
-        max_rows=max_rows, tokens=int(tokens[rank]), device_id=device_id,
+        max_rows=max_rows, tokens=tokens, device_id=device_id,
         expert_count=alloc(el), expert_offset=alloc(el + 1), totals=alloc(2),
         block_expert=alloc(max_rows // block_m), row_src_rank=alloc(max_rows), row_slot=alloc(max_rows),
-        route_row=alloc(int(tokens[rank]) * top_k),
+        route_row=alloc(tokens * top_k), route_rank=alloc(tokens * top_k),
     )
     chunk_count, expert_total, expert_row_base = alloc(max_chunks, num_experts), alloc(num_experts), \
         alloc(num_experts)
     out._scratch = (chunk_count, expert_total, expert_row_base)
     if poison:
         for t in (out.expert_count, out.expert_offset, out.totals, out.block_expert, out.row_src_rank,
-                  out.row_slot, out.route_row):
+                  out.row_slot, out.route_row, out.route_rank):
             if t.nbytes:
                 call("cuMemsetD32Async", driver.CUdeviceptr(t.ptr), 0x7F7F7F7F, t.nbytes // 4,
                      driver.CUstream(stream_handle(stream)))
 
-    p = ScheduleParams()
     p.err = err_ptr
     p.chunk_count, p.expert_total, p.expert_row_base = chunk_count.ptr, expert_total.ptr, expert_row_base.ptr
     p.expert_count, p.expert_offset, p.totals = out.expert_count.ptr, out.expert_offset.ptr, out.totals.ptr
     p.block_expert, p.row_src_rank, p.row_slot = out.block_expert.ptr, out.row_src_rank.ptr, out.row_slot.ptr
-    p.route_row = out.route_row.ptr
+    p.route_row, p.route_rank = out.route_row.ptr, out.route_rank.ptr
     p.num_ranks, p.rank, p.num_experts, p.experts_per_rank = num_ranks, rank, num_experts, el
     p.top_k, p.block_m, p.max_rows, p.max_chunks = top_k, block_m, max_rows, max_chunks
-    p.ids_int64 = int(bool(ids_int64))
-    for s in range(num_ranks):
-        p.src_ids[s] = int(ids_ptrs[s])
-        p.src_tokens[s] = int(tokens[s])
 
     ints = 4
     smem_count = (num_experts + MAX_RANKS + 1) * ints

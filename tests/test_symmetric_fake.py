@@ -51,6 +51,7 @@ class FakeDriver:
         self.access: dict[int, set] = {}
         self.dmem: dict[int, bytes] = {}
         self.hmem: dict[int, ctypes.Array] = {}
+        self.streams: set = set()
         self.memsets: list[tuple[int, int, int]] = []
         self.retained: Counter = Counter()
         self.stack: list[int] = []
@@ -85,7 +86,7 @@ class FakeDriver:
 
     def leaks(self) -> dict:
         live = {"handles": self.handles, "reservations": self.reservations, "mappings": self.mappings,
-                "device allocations": self.dmem, "host allocations": self.hmem,
+                "device allocations": self.dmem, "host allocations": self.hmem, "streams": self.streams,
                 "retained contexts": +self.retained, "context stack": self.stack, "used": +self.used}
         return {k: v for k, v in live.items() if v}
 
@@ -138,6 +139,15 @@ class FakeDriver:
 
     def _cuStreamSynchronize(self, s):
         pass
+
+    def _cuStreamCreate(self, flags):
+        self._need_ctx()
+        h = ("stream", self._id())
+        self.streams.add(h)
+        return h
+
+    def _cuStreamDestroy(self, h):
+        self.streams.remove(h)
 
     # -- physical memory -------------------------------------------------------------------------
     def _cuMemGetAllocationGranularity(self, prop, flag):
@@ -224,6 +234,16 @@ class FakeDriver:
         for d in descs:
             assert d.flags == real_driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         self.access.setdefault(va, set()).update(d.location.id for d in descs)
+
+    def _cuMemsetD32Async(self, ptr, value, n, stream):
+        assert stream in self.streams
+        self._need_ctx()
+        assert len(self.dmem[ptr]) == 4 * n
+        self.dmem[ptr] = int(value).to_bytes(4, "little") * n
+
+    def _cuMemcpyDtoHAsync(self, dst, src, n, stream):
+        assert stream in self.streams
+        ctypes.memmove(dst, self.dmem[src], n)
 
     def _cuMemsetD32(self, ptr, value, n):
         dev = self._need_ctx()
@@ -414,7 +434,7 @@ def test_missing_device_is_a_driver_error():
 
 @pytest.mark.parametrize("call, nth", [("cuMemCreate", 2), ("cuMemMap", 2), ("cuMemSetAccess", 1),
                                        ("cuMemsetD32", 2), ("cuMemAlloc", 2), ("cuMemcpyHtoD", 1),
-                                       ("cuMemAddressReserve", 1), ("cuMemHostAlloc", 2)])
+                                       ("cuMemAddressReserve", 1), ("cuStreamCreate", 2)])
 def test_failure_midway_releases_everything(call, nth):
     fake = FakeDriver(fail={call: nth})
     with pytest.raises(CudaDriverError, match=call):
@@ -558,9 +578,19 @@ def test_error_word_reads_and_raises():
     fake = FakeDriver()
     ew = ErrorWord(1, _api=fake)
     assert ew.read() == (0, 0, 0, 0)  # cleared despite the allocator's garbage
-    assert ew.device_ptr in fake.hmem and fake.retained[1] == 1
+    assert ew.device_ptr in fake.dmem and fake.retained[1] == 1   # device memory, not host-mapped
+
+    class _Words:   # writes land in the fake device allocation, as a kernel's would
+        def __setitem__(self, i, v):
+            vals = list(ctypes.cast(fake.dmem[ew.device_ptr], ctypes.POINTER(ctypes.c_int32))[:4])
+            if isinstance(i, slice):
+                vals[i] = v
+            else:
+                vals[i] = v
+            fake.dmem[ew.device_ptr] = bytes((ctypes.c_int32 * 4)(*vals))
+
     ew.raise_if_set("x")
-    words = (ctypes.c_int32 * 4).from_address(ew.device_ptr)
+    words = _Words()
     words[:] = [_errorword.ERR_TIMEOUT, 0, 1, 7]
     with pytest.raises(PeerTimeoutError, match="rank 0 timed out waiting for rank 1") as e:
         ew.raise_if_set("barrier")

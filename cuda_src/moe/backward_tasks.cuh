@@ -9,6 +9,11 @@
 //   B7 wgrad gate|up   expert x {g,u} x I/128 x H/128: dW_{gate,up}[e] = dG_e^T / dU_e^T * x_routed_e
 //   B8 shared wgrad    H/128 x I_s/128, then {g,u} x I_s/128 x H/128 (K = T)
 //   B9 combine dx      token block:               dx = dx_shared + sum_j dx_slot[t*k+j]
+// With expert parallelism (ep.cuh) the order is
+//   Bp push (weighted d_out rows -> their destinations' routed rows = dy_routed), Bp' notify,
+//   B1, B2, B0 receive (wait for every source; zero the padding rows), B3, B4,
+//   B5 (rows return to their source's slot rows = dx_slot), B5' notify, B6, B7, B8,
+//   B9 (wait for every destination).  Weight gradients stay on the expert's rank.
 #pragma once
 #include "moe/forward_tasks.cuh"
 
@@ -34,11 +39,11 @@ __device__ __forceinline__ void swiglu_bwd_epilogue(const unsigned char* smem, i
 // ---- task index space -------------------------------------------------------------------------
 struct BackwardPlan {
   int token_blocks, i_tiles, si_tiles, h_tiles;
-  PhaseRange dispatch, d_weights, shared_da, routed_da, shared_dx, routed_dx, wgrad_down, wgrad_gate_up,
-      shared_wgrad, combine;
+  PhaseRange push, push_notify, dispatch, d_weights, shared_da, routed_da, shared_dx, routed_dx, dx_notify,
+      wgrad_down, wgrad_gate_up, shared_wgrad, combine;
   int total;
 
-  __device__ static BackwardPlan make(const MoEDims& d) {
+  __device__ static BackwardPlan make(const MoEDims& d, const MoEPeers& pe) {
     BackwardPlan f;
     f.token_blocks = ceil_div(d.tokens, kBlockM);
     f.i_tiles = ceil_div(d.inter, gemm::kBN);
@@ -47,12 +52,24 @@ struct BackwardPlan {
     const bool shared = d.shared_inter > 0;
     int at = 0;
     auto next = [&](int count) { PhaseRange r{at, count}; at += count; return r; };
-    f.dispatch = next(d.max_blocks);
-    f.d_weights = next(f.token_blocks);
-    f.shared_da = next(shared ? f.token_blocks * f.si_tiles : 0);
+    const bool ep = ep::enabled(pe);
+    if (ep) {  // local work (d weights, shared dA) runs while the rows travel
+      f.push = next(pe.push_tasks);
+      f.push_notify = next(1);
+      f.d_weights = next(f.token_blocks);
+      f.shared_da = next(shared ? f.token_blocks * f.si_tiles : 0);
+      f.dispatch = next(d.max_blocks);
+    } else {
+      f.push = next(0);
+      f.push_notify = next(0);
+      f.dispatch = next(d.max_blocks);
+      f.d_weights = next(f.token_blocks);
+      f.shared_da = next(shared ? f.token_blocks * f.si_tiles : 0);
+    }
     f.routed_da = next(d.max_blocks * f.i_tiles);
     f.shared_dx = next(shared ? f.token_blocks * f.h_tiles : 0);
     f.routed_dx = next(d.max_blocks * f.h_tiles);
+    f.dx_notify = next(ep ? 1 : 0);
     f.wgrad_down = next(d.local_experts * f.h_tiles * f.i_tiles);
     f.wgrad_gate_up = next(d.local_experts * 2 * f.i_tiles * f.h_tiles);
     f.shared_wgrad = next(shared ? 3 * f.h_tiles * f.si_tiles : 0);
@@ -73,12 +90,38 @@ struct BackwardTasks {
   __device__ int token_rows(int tb) const { return min_int(kBlockM, p.dims.tokens - tb * kBlockM); }
   __device__ static int tile_extent(int total, int tile) { return min_int(gemm::kBN, total - tile * gemm::kBN); }
 
-  // B0: weighted d_out rows of row block b.
-  __device__ void dispatch(int b) const {
+  __device__ bool ep_on() const { return ep::enabled(p.peers); }
+
+  // B0: weighted d_out rows of row block b.  With EP the sources pushed them into dy_routed
+  // (this rank's routed rows): wait for every source and zero the padding rows.
+  __device__ void dispatch(int b, int task) const {
     const int e = p.sched.block_expert[b];
     if (!valid_expert(e, b, p.dims, p.err)) return;
-    gather_rows(p.sched, p.dims, b, p.d_out, p.topk_weights, p.dy_routed, p.err);
+    if (ep_on()) {
+      if (!ep::wait_all(p.peers, kFlagBwdRows, wait_ctx(), ep::kStageBwdRows)) return;
+      const MoEDims& d = p.dims;
+      const int chunks = d.hidden / 8;
+      for (int idx = threadIdx.x; idx < kBlockM * chunks; idx += kThreads) {
+        const int r = idx / chunks, c = (idx - r * chunks) * 8;
+        if (p.sched.row_slot[b * kBlockM + r] < 0)
+          *reinterpret_cast<uint4*>(p.dy_routed + (size_t)(b * kBlockM + r) * d.hidden + c) = make_uint4(0u, 0u, 0u, 0u);
+      }
+    } else {
+      gather_rows(p.sched, p.dims, b, p.d_out, p.topk_weights, p.dy_routed, p.err);
+    }
     signal_counters(p.cnt.block_dy_ready + b, p.cnt.expert_dy_ready + e);
+  }
+
+  // Bp: push this rank's weighted d_out rows to their destinations.
+  __device__ void push(int q) const {
+    ep::push_rows(p.sched, p.dims, p.peers, q, p.d_out, p.topk_weights, p.err);
+    ep::signal_counter_sys(p.cnt.push_done);
+  }
+
+  // Bp', B5': once `target` tasks counted by `counter` are done, tell every rank.
+  __device__ void notify(const int* counter, int target, int kind, int task) const {
+    if (!wait_counter(counter, target, wait_ctx(), task)) return;
+    if (threadIdx.x == 0) ep::notify_all(p.peers, kind);
   }
 
   // B1: one warp per route, lanes stride over H, then a fixed butterfly: deterministic.
@@ -154,6 +197,13 @@ struct BackwardTasks {
     gemm::tile_gemm<gemm::kKMajor, gemm::kMNMajor>(
         gemm::operand(p.dgu + row0 * 2 * d.inter, 2 * d.inter, kBlockM),
         gemm::operand2(p.w.w_gate + w0 + h0, p.w.w_up + w0 + h0, d.inter, d.hidden, cols), 2 * d.inter, smem);
+    if (ep_on()) {  // rows go straight to their source rank's slot rows
+      gemm::store_tile_bf16_rows(smem, kBlockM, cols, [&](int r) {
+        return ep::return_row_ptr(p.sched, p.peers, d, (int)row0 + r, h0, p.err);
+      });
+      ep::signal_counter_sys(p.cnt.dx_done);
+      return;
+    }
     gemm::store_tile_bf16_rows(smem, kBlockM, cols, [&](int r) {
       return route_row_ptr(p.sched, d, p.dx_slot, (int)row0 + r, h0);
     });
@@ -230,7 +280,11 @@ struct BackwardTasks {
   // B9: dx[t] = dx_shared[t] + sum_j dx_slot[t*k+j], fp32, j in order.
   __device__ void combine(int tb, int task) const {
     const MoEDims& d = p.dims;
-    if (!wait_counter(p.cnt.dx_done, num_blocks * plan.h_tiles, wait_ctx(), task)) return;
+    if (ep_on()) {  // dx_slot is this rank's slot rows, written by every destination
+      if (!ep::wait_all(p.peers, kFlagBwdReturn, wait_ctx(), ep::kStageBwdReturn)) return;
+    } else if (!wait_counter(p.cnt.dx_done, num_blocks * plan.h_tiles, wait_ctx(), task)) {
+      return;
+    }
     const bool shared = d.shared_inter > 0;
     if (shared && !wait_counter(p.cnt.token_dxs_ready + tb, plan.h_tiles, wait_ctx(), task)) return;
     const int t0 = tb * kBlockM, rows = token_rows(tb), chunks = d.hidden / 8;
@@ -257,9 +311,13 @@ struct BackwardTasks {
   }
 
   __device__ void run(int task) const {
-    if (plan.dispatch.has(task)) {
+    if (plan.push.has(task)) {
+      push(plan.push.local(task));
+    } else if (plan.push_notify.has(task)) {
+      notify(p.cnt.push_done, p.peers.push_tasks, kFlagBwdRows, task);
+    } else if (plan.dispatch.has(task)) {
       const int b = plan.dispatch.local(task);
-      if (b < num_blocks) dispatch(b);
+      if (b < num_blocks) dispatch(b, task);
     } else if (plan.d_weights.has(task)) {
       d_weights(plan.d_weights.local(task));
     } else if (plan.shared_da.has(task)) {
@@ -274,6 +332,8 @@ struct BackwardTasks {
     } else if (plan.routed_dx.has(task)) {
       const int q = plan.routed_dx.local(task), b = q / plan.h_tiles;
       if (b < num_blocks) routed_dx(b, q % plan.h_tiles, task);
+    } else if (plan.dx_notify.has(task)) {
+      notify(p.cnt.dx_done, num_blocks * plan.h_tiles, kFlagBwdReturn, task);
     } else if (plan.wgrad_down.has(task)) {
       const int q = plan.wgrad_down.local(task), per_e = plan.h_tiles * plan.i_tiles;
       const int e = q / per_e, rem = q % per_e;

@@ -1,12 +1,19 @@
-// Forward tasks of the fused MoE layer (one GPU).  Phases, in task-index order:
+// Forward tasks of the fused MoE layer.  Phases, in task-index order (one GPU):
 //   F0 dispatch      row block b:            x_routed[b] <- token rows (zeros for padding)
 //   F1 shared g|u    token block x I_s/64:   [x | ws_gate; ws_up] -> sgu, sact
 //   F2 routed g|u    row block x I/64:       [x_routed | W_gate[e]; W_up[e]] -> gu, act
 //   F3 shared down   token block x H/128:    sact * ws_down^T -> shared_y (fp32)
 //   F4 routed down   row block x H/128:      act * W_down[e]^T -> y_slot[route] (unweighted)
 //   F5 combine       token block:            out = shared_y + sum_j w[t,j] y_slot[t*k+j]
-// Each task waits only on lower-index tasks (see task_graph.cuh).
+// With expert parallelism (ep.cuh) the order is
+//   Fp push (this rank's token rows -> their destinations' routed rows), Fp' notify "rows sent",
+//   F1 (overlaps the dispatch), F0 receive (wait for every source; routed rows -> x_routed),
+//   F2, F3, F4 (rows return to their source's slot rows), F4' notify "outputs returned",
+//   F5 (wait for every destination; slot rows -> y_slot, and out unless context-only).
+// Each task waits only on lower-index tasks of its rank (see task_graph.cuh), or on peers'
+// tasks of lower phases, so the ranks progress as long as their kernels are resident together.
 #pragma once
+#include "moe/ep.cuh"
 #include "moe/gemm_tile.cuh"
 #include "moe/task_graph.cuh"
 
@@ -125,24 +132,36 @@ __device__ __forceinline__ bf16* route_row_ptr(const MoESchedule& s, const MoEDi
 // ---- task index space -------------------------------------------------------------------------
 struct ForwardPlan {
   int token_blocks, gu_tiles, sgu_tiles, h_tiles;
-  PhaseRange dispatch, shared_gu, routed_gu, shared_down, routed_down, combine;
+  PhaseRange push, push_notify, dispatch, shared_gu, routed_gu, shared_down, routed_down, down_notify, combine;
   int total;
 
-  __device__ static ForwardPlan make(const MoEDims& d, bool context_only) {
+  __device__ static ForwardPlan make(const MoEDims& d, bool context_only, const MoEPeers& pe) {
     ForwardPlan f;
     f.token_blocks = ceil_div(d.tokens, kBlockM);
     f.gu_tiles = d.inter / kGateUpCols;
     f.sgu_tiles = d.shared_inter / kGateUpCols;
     f.h_tiles = ceil_div(d.hidden, gemm::kBN);
     const bool shared = d.shared_inter > 0;
+    const bool ep = ep::enabled(pe);
     int at = 0;
     auto next = [&](int count) { PhaseRange r{at, count}; at += count; return r; };
-    f.dispatch = next(d.max_blocks);
-    f.shared_gu = next(f.token_blocks * f.sgu_tiles);
+    if (ep) {  // the shared expert's gate|up runs while the rows travel
+      f.push = next(pe.push_tasks);
+      f.push_notify = next(1);
+      f.shared_gu = next(f.token_blocks * f.sgu_tiles);
+      f.dispatch = next(d.max_blocks);
+    } else {
+      f.push = next(0);
+      f.push_notify = next(0);
+      f.dispatch = next(d.max_blocks);
+      f.shared_gu = next(f.token_blocks * f.sgu_tiles);
+    }
     f.routed_gu = next(d.max_blocks * f.gu_tiles);
     f.shared_down = next(shared && !context_only ? f.token_blocks * f.h_tiles : 0);
     f.routed_down = next(d.max_blocks * f.h_tiles);
-    f.combine = next(context_only ? 0 : f.token_blocks);
+    f.down_notify = next(ep ? 1 : 0);
+    // With EP a context-only launch still collects its routes' outputs (y_slot is context).
+    f.combine = next(context_only && !ep ? 0 : f.token_blocks);
     f.total = at;
     return f;
   }
@@ -157,10 +176,37 @@ struct ForwardTasks {
 
   __device__ WaitCtx wait_ctx() const { return WaitCtx{p.err, p.dims.timeout_ns, p.dims.rank}; }
 
-  // F0: gather the token rows of row block b.
-  __device__ void dispatch(int b) const {
-    gather_rows(p.sched, p.dims, b, p.x, nullptr, p.ctx.x_routed, p.err);
+  __device__ bool ep_on() const { return ep::enabled(p.peers); }
+
+  // F0: gather the token rows of row block b (EP: copy the rows the sources pushed).
+  __device__ void dispatch(int b, int task) const {
+    if (ep_on()) {
+      if (!ep::wait_all(p.peers, kFlagFwdRows, wait_ctx(), ep::kStageFwdRows)) return;
+      const MoEDims& d = p.dims;
+      const bf16* rows = ep::routed_rows(p.peers, p.peers.rank);
+      const int chunks = d.hidden / 8;
+      for (int idx = threadIdx.x; idx < kBlockM * chunks; idx += kThreads) {
+        const int r = idx / chunks, c = (idx - r * chunks) * 8;
+        const size_t at = (size_t)(b * kBlockM + r) * d.hidden + c;
+        const uint4 v = p.sched.row_slot[b * kBlockM + r] >= 0 ? ld_cg_v4(rows + at) : make_uint4(0u, 0u, 0u, 0u);
+        *reinterpret_cast<uint4*>(p.ctx.x_routed + at) = v;
+      }
+    } else {
+      gather_rows(p.sched, p.dims, b, p.x, nullptr, p.ctx.x_routed, p.err);
+    }
     signal_counter(p.cnt.block_ready + b);
+  }
+
+  // Fp: push this rank's token rows to their destinations.
+  __device__ void push(int q) const {
+    ep::push_rows(p.sched, p.dims, p.peers, q, p.x, nullptr, p.err);
+    ep::signal_counter_sys(p.cnt.push_done);
+  }
+
+  // Fp', F4': once `target` tasks counted by `counter` are done, tell every rank.
+  __device__ void notify(const int* counter, int target, int kind, int task) const {
+    if (!wait_counter(counter, target, wait_ctx(), task)) return;
+    if (threadIdx.x == 0) ep::notify_all(p.peers, kind);
   }
 
   // F1: shared gate|up for token block tb, intermediate columns n*64 ...
@@ -216,18 +262,34 @@ struct ForwardTasks {
     gemm::tile_gemm<gemm::kKMajor, gemm::kKMajor>(
         gemm::operand(p.ctx.act + row0 * d.inter, d.inter, kBlockM),
         gemm::operand(p.w.w_down + ((size_t)e * d.hidden + h0) * d.inter, d.inter, cols), d.inter, smem);
+    if (ep_on()) {  // rows go straight to their source rank's slot rows
+      gemm::store_tile_bf16_rows(smem, kBlockM, cols, [&](int r) {
+        return ep::return_row_ptr(p.sched, p.peers, d, (int)row0 + r, h0, p.err);
+      });
+      ep::signal_counter_sys(p.cnt.down_done);
+      return;
+    }
     gemm::store_tile_bf16_rows(smem, kBlockM, cols, [&](int r) {
       return route_row_ptr(p.sched, d, p.ctx.y_slot, (int)row0 + r, h0);
     });
     signal_counter(p.cnt.down_done);
   }
 
-  // F5: out[t] = shared_y[t] + sum_j w[t,j] * y_slot[t*k+j], fp32, j in order.
+  // F5: out[t] = shared_y[t] + sum_j w[t,j] * y_slot[t*k+j], fp32, j in order.  With EP the
+  // routes' outputs arrive in this rank's slot rows: they are also copied into y_slot (context),
+  // and a context-only launch stops there.
   __device__ void combine(int tb, int task) const {
     const MoEDims& d = p.dims;
-    if (!wait_counter(p.cnt.down_done, num_blocks * plan.h_tiles, wait_ctx(), task)) return;
-    const bool shared = d.shared_inter > 0;
+    const bool ep = ep_on();
+    if (ep) {
+      if (!ep::wait_all(p.peers, kFlagFwdReturn, wait_ctx(), ep::kStageFwdReturn)) return;
+    } else if (!wait_counter(p.cnt.down_done, num_blocks * plan.h_tiles, wait_ctx(), task)) {
+      return;
+    }
+    const bool write_out = p.context_only == 0;
+    const bool shared = d.shared_inter > 0 && write_out;
     if (shared && !wait_counter(p.cnt.token_shared_done + tb, plan.h_tiles, wait_ctx(), task)) return;
+    const bf16* y_src = ep ? ep::slot_rows(p.peers, p.peers.rank) : p.ctx.y_slot;
     const int t0 = tb * kBlockM, rows = min_int(kBlockM, d.tokens - t0), chunks = d.hidden / 8;
     for (int idx = threadIdx.x; idx < rows * chunks; idx += kThreads) {
       const int r = idx / chunks, c = (idx - r * chunks) * 8;
@@ -243,20 +305,27 @@ struct ForwardTasks {
       }
       for (int j = 0; j < d.top_k; ++j) {
         const size_t slot = t * d.top_k + j;
+        const uint4 yv = ld_cg_v4(y_src + slot * d.hidden + c);
+        if (ep) *reinterpret_cast<uint4*>(p.ctx.y_slot + slot * d.hidden + c) = yv;
+        if (!write_out) continue;
         const float w = p.topk_weights[slot];
         float y[8];
-        unpack_bf16x8(ld_cg_v4(p.ctx.y_slot + slot * d.hidden + c), y);
+        unpack_bf16x8(yv, y);
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[i] = fmaf(w, y[i], acc[i]);
       }
-      *reinterpret_cast<uint4*>(p.out + t * d.hidden + c) = pack_bf16x8(acc);
+      if (write_out) *reinterpret_cast<uint4*>(p.out + t * d.hidden + c) = pack_bf16x8(acc);
     }
   }
 
   __device__ void run(int task) const {
-    if (plan.dispatch.has(task)) {
+    if (plan.push.has(task)) {
+      push(plan.push.local(task));
+    } else if (plan.push_notify.has(task)) {
+      notify(p.cnt.push_done, p.peers.push_tasks, kFlagFwdRows, task);
+    } else if (plan.dispatch.has(task)) {
       const int b = plan.dispatch.local(task);
-      if (b < num_blocks) dispatch(b);
+      if (b < num_blocks) dispatch(b, task);
     } else if (plan.shared_gu.has(task)) {
       const int q = plan.shared_gu.local(task);
       shared_gate_up(q / plan.sgu_tiles, q % plan.sgu_tiles);
@@ -269,6 +338,8 @@ struct ForwardTasks {
     } else if (plan.routed_down.has(task)) {
       const int q = plan.routed_down.local(task), b = q / plan.h_tiles;
       if (b < num_blocks) routed_down(b, q % plan.h_tiles, task);
+    } else if (plan.down_notify.has(task)) {
+      notify(p.cnt.down_done, num_blocks * plan.h_tiles, kFlagFwdReturn, task);
     } else if (plan.combine.has(task)) {
       combine(plan.combine.local(task), task);
     }

@@ -1,4 +1,5 @@
-// The fused MoE layer kernels (one GPU): one persistent forward and one persistent backward.
+// The fused MoE layer kernels: one persistent forward and one persistent backward (one GPU, or
+// one rank of an expert-parallel group: see ep.cuh).
 // Launched with kThreads threads per CTA, gemm::kSmemBytes of dynamic shared memory and a grid
 // of about (SMs x CTAs per SM); tasks are pulled from a counter zeroed by the host.
 #include "moe/backward_tasks.cuh"
@@ -21,9 +22,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) moe_forward(const __gr
   if (error_set(p.err)) return;
   const int num_blocks = p.sched.num_blocks[0];
   if (!check_capacity(num_blocks, p.dims, p.err)) return;
-  const ForwardPlan plan = ForwardPlan::make(p.dims, p.context_only != 0);
+  const ForwardPlan plan = ForwardPlan::make(p.dims, p.context_only != 0, p.peers);
   const ForwardTasks tasks{p, plan, num_blocks, smem};
   task_loop(p.cnt.task_next, plan.total, p.err, [&](int task) { tasks.run(task); });
+  if (ep::enabled(p.peers)) ep::end_of_launch(p.peers, p.cnt.ctas_done, p.err, p.dims.timeout_ns);
 }
 
 extern "C" __global__ void __launch_bounds__(kThreads, 1) moe_backward(const __grid_constant__ MoEBackwardParams p) {
@@ -31,7 +33,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) moe_backward(const __g
   if (error_set(p.err)) return;
   const int num_blocks = p.sched.num_blocks[0];
   if (!check_capacity(num_blocks, p.dims, p.err)) return;
-  const BackwardPlan plan = BackwardPlan::make(p.dims);
+  const BackwardPlan plan = BackwardPlan::make(p.dims, p.peers);
   const BackwardTasks tasks{p, plan, num_blocks, smem};
   task_loop(p.cnt.task_next, plan.total, p.err, [&](int task) { tasks.run(task); });
+  if (ep::enabled(p.peers)) ep::end_of_launch(p.peers, p.cnt.ctas_done, p.err, p.dims.timeout_ns);
 }

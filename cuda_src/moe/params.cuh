@@ -1,4 +1,5 @@
-// Parameter structs of the fused MoE forward/backward kernels (one GPU; EP slots in later).
+// Parameter structs of the fused MoE forward/backward kernels (one GPU, or one rank of an
+// expert-parallel group: MoEPeers).
 // Mirrored field for field by mok_rt/_moe_params.py: change both together (sizes are asserted
 // on both sides).  All pointers are device pointers; every struct is 8-byte aligned with
 // pointers first, then 32-bit fields, so the C and ctypes layouts agree without packing rules.
@@ -20,8 +21,9 @@ struct MoESchedule {
   const int* row_src_rank;   // [max_rows] source rank of each padded row, -1 for padding
   const int* row_slot;       // [max_rows] slot t*k + j of the route in each row, -1 for padding
   const int* route_row;      // [T * k] row of each route in its destination's row space
+  const int* route_rank;     // [T * k] destination rank of each route (read only with expert parallelism)
 };
-static_assert(sizeof(MoESchedule) == 7 * 8, "MoESchedule layout: update mok_rt/_moe_params.py");
+static_assert(sizeof(MoESchedule) == 8 * 8, "MoESchedule layout: update mok_rt/_moe_params.py");
 
 // Host-known sizes and options shared by both kernels.
 struct MoEDims {
@@ -70,8 +72,41 @@ struct MoEForwardCounters {
   int* block_act_ready;    // [max_blocks] F2 tiles done for the row block
   int* token_sact_ready;   // [token_blocks] F1 tiles done for the token block
   int* token_shared_done;  // [token_blocks] F3 tiles done for the token block
+  int* push_done;          // [1] EP: push tasks finished
+  int* ctas_done;          // [1] EP: CTAs that left the task loop (the last one runs the end barrier)
 };
-static_assert(sizeof(MoEForwardCounters) == 6 * 8, "MoEForwardCounters layout: update mok_rt/_moe_params.py");
+static_assert(sizeof(MoEForwardCounters) == 8 * 8, "MoEForwardCounters layout: update mok_rt/_moe_params.py");
+
+// Expert parallelism (DESIGN.md §3 "Dispatch", "combine"): where this rank reaches every rank's
+// symmetric block.  Every block has the same layout (offsets below).  Peers write a block's
+// routed rows, slot rows and flags; everything else the kernels use is this rank's own memory.
+// Flags hold epochs (host-counted per launch, the same on every rank): flags[kind][s] = e means
+// "rank s finished its part of `kind` for epoch e" (st.release.sys by s, ld.acquire.sys here);
+// they only grow, so nothing peers signal is ever reset.
+constexpr int kMaxEpRanks = 64;
+enum PeerFlag : int {
+  kFlagFwdRows = 0,     // forward: the source pushed its token rows
+  kFlagFwdReturn = 1,   // forward: the destination returned its expert outputs
+  kFlagBwdRows = 2,     // backward: the source pushed its weighted d_out rows
+  kFlagBwdReturn = 3,   // backward: the destination returned its input gradients
+  kNumPeerFlags = 4,
+};
+
+struct MoEPeers {
+  unsigned long long base[kMaxEpRanks];  // every rank's block base, in this rank's address space
+  const unsigned long long* base_array;  // the same bases as a device array (the group barrier's)
+  unsigned long long routed_offset;      // bytes: [max_rows, H] bf16 rows received (x, then weighted d_out)
+  unsigned long long slot_offset;        // bytes: [slot_rows, H] bf16 rows returned per route (y, then dx)
+  unsigned long long flags_offset;       // bytes: int32 [kNumPeerFlags][kMaxEpRanks]
+  unsigned long long end_pad_offset;     // bytes: signal pad of the end-of-launch group barrier
+  int num_ranks;                         // 1: no expert parallelism (the rest is unused)
+  int rank;
+  int epoch;
+  int push_tasks;                        // tasks that push this rank's token rows (>= 1 with EP)
+  int slot_rows;                         // max_tokens * top_k
+  int pad_;
+};
+static_assert(sizeof(MoEPeers) == kMaxEpRanks * 8 + 5 * 8 + 6 * 4, "MoEPeers layout: update mok_rt/_moe_params.py");
 
 struct MoEForwardParams {
   MoESchedule sched;
@@ -84,10 +119,12 @@ struct MoEForwardParams {
   float* shared_y;            // [T, H] scratch: shared expert output
   int* err;                   // error word int32[4]
   MoEDims dims;
-  int context_only;           // 1: build the context only (no shared down, no combine)
+  int context_only;           // 1: build the context only (no shared down, no output)
   int pad_;
+  MoEPeers peers;
 };
-static_assert(sizeof(MoEForwardParams) == 7 * 8 + 6 * 8 + 6 * 8 + 6 * 8 + 5 * 8 + sizeof(MoEDims) + 8,
+static_assert(sizeof(MoEForwardParams) ==
+                  8 * 8 + 6 * 8 + 6 * 8 + 8 * 8 + 5 * 8 + sizeof(MoEDims) + 8 + sizeof(MoEPeers),
               "MoEForwardParams layout: update mok_rt/_moe_params.py");
 
 struct MoEBackwardCounters {
@@ -100,8 +137,10 @@ struct MoEBackwardCounters {
   int* expert_dgu_ready;   // [E_l] B3 tiles done for the expert
   int* token_dsgu_ready;   // [token_blocks] B2 tiles done for the token block
   int* token_dxs_ready;    // [token_blocks] B4 tiles done for the token block
+  int* push_done;          // [1] EP: push tasks finished
+  int* ctas_done;          // [1] EP: CTAs that left the task loop
 };
-static_assert(sizeof(MoEBackwardCounters) == 9 * 8, "MoEBackwardCounters layout: update mok_rt/_moe_params.py");
+static_assert(sizeof(MoEBackwardCounters) == 11 * 8, "MoEBackwardCounters layout: update mok_rt/_moe_params.py");
 
 struct MoEWeightGrads {  // fp32; overwritten, or added to when accumulate = 1
   float* dw_gate;   // [E_l, I, H]
@@ -124,18 +163,19 @@ struct MoEBackwardParams {
   const bf16* d_out;          // [T, H]
   bf16* dx;                   // [T, H]
   float* d_topk_weights;      // [T, k]
-  bf16* dy_routed;            // [max_rows, H] scratch: weighted d_out rows by expert
+  bf16* dy_routed;            // [max_rows, H] scratch: weighted d_out rows by expert (EP: this rank's routed rows)
   bf16* dgu;                  // [max_rows, 2I] scratch: d gate | d up
-  bf16* dx_slot;              // [T*k, H] scratch: input gradient of each route
+  bf16* dx_slot;              // [T*k, H] scratch: input gradient of each route (EP: this rank's slot rows)
   bf16* dsgu;                 // [T, 2I_s] scratch: shared d gate | d up
   float* dx_shared;           // [T, H] scratch: shared expert input gradient
   int* err;                   // error word int32[4]
   MoEDims dims;
   int accumulate;             // 1: add weight gradients into the existing fp32 contents
   int pad_;
+  MoEPeers peers;
 };
 static_assert(sizeof(MoEBackwardParams) ==
-                  7 * 8 + 6 * 8 + 6 * 8 + 9 * 8 + 6 * 8 + 11 * 8 + sizeof(MoEDims) + 8,
+                  8 * 8 + 6 * 8 + 6 * 8 + 11 * 8 + 6 * 8 + 11 * 8 + sizeof(MoEDims) + 8 + sizeof(MoEPeers),
               "MoEBackwardParams layout: update mok_rt/_moe_params.py");
 
 // Tiling shared by the kernels and the host (mok_rt/_moe_params.py mirrors these).

@@ -3,6 +3,10 @@
 // its experts, a scan turns the counts into per-chunk bases, and the place pass ranks routes
 // within a chunk with warp match + per-warp counts, so the order inside an expert is exactly
 // the global route order -- deterministic, no order-dependent atomics.
+// With expert parallelism a fourth launch comes first: schedule_exchange publishes this rank's
+// routing and meets every peer (see schedule_params.cuh); every rank then lays out the same
+// global routing, so every rank sees an expert id or capacity error of any rank.
+#include "comm/barrier.cuh"
 #include "common/errors.cuh"
 #include "moe/schedule_params.cuh"
 
@@ -14,7 +18,12 @@ namespace {
 __device__ int load_route_bases(const ScheduleParams& p, int* base /* [num_ranks+1] */) {
   if (threadIdx.x == 0) {
     int acc = 0;
-    for (int s = 0; s < p.num_ranks; ++s) { base[s] = acc; acc += p.src_tokens[s] * p.top_k; }
+    for (int s = 0; s < p.num_ranks; ++s) {
+      base[s] = acc;
+      // A peer's count is read through L2 (.cg): it was written by another GPU.
+      const int t = p.tokens_on_device ? __ldcg(reinterpret_cast<const int*>(p.src_tokens_at[s])) : p.src_tokens[s];
+      acc += t * p.top_k;
+    }
     base[p.num_ranks] = acc;
   }
   __syncthreads();
@@ -31,8 +40,8 @@ __device__ __forceinline__ int source_of(const int* base, int nranks, int g) {
 __device__ __forceinline__ int load_expert(const ScheduleParams& p, int s, int r) {
   long long id;
   const void* ids = reinterpret_cast<const void*>(p.src_ids[s]);
-  if (p.ids_int64) id = reinterpret_cast<const long long*>(ids)[r];
-  else id = reinterpret_cast<const int*>(ids)[r];
+  if (p.ids_int64) id = __ldcg(reinterpret_cast<const long long*>(ids) + r);
+  else id = __ldcg(reinterpret_cast<const int*>(ids) + r);
   if (id < 0 || id >= p.num_experts) {
     int shown = id > 0x7fffffffLL ? 0x7fffffff : (id < -0x7fffffffLL ? -0x7fffffff : (int)id);
     set_error(p.err, kErrExpertId, s, r / p.top_k, shown);
@@ -42,6 +51,26 @@ __device__ __forceinline__ int load_expert(const ScheduleParams& p, int s, int r
 }
 
 }  // namespace
+
+// Pass 0 (expert parallelism only; one CTA): publish this rank's token count and ids (saturated
+// to int32) into its routing area, then a group barrier with every peer.  The barrier releases
+// the area to the peers (system scope) and returns once every peer has published its own;
+// a peer that never arrives makes it record kErrTimeout naming that peer.
+extern "C" __global__ void __launch_bounds__(kScheduleThreads)
+schedule_exchange(const __grid_constant__ ExchangeParams p) {
+  if (error_set(p.err)) return;
+  unsigned char* area = reinterpret_cast<unsigned char*>(p.peer_bases[p.rank]) + p.area_offset;
+  int* ids_out = reinterpret_cast<int*>(area + kRoutingIdsOffset);
+  const int n = p.tokens * p.top_k;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    long long id = p.ids_int64 ? reinterpret_cast<const long long*>(p.ids)[i] : reinterpret_cast<const int*>(p.ids)[i];
+    id = id > 0x7fffffffLL ? 0x7fffffffLL : (id < -0x7fffffffLL ? -0x7fffffffLL : id);
+    ids_out[i] = (int)id;
+  }
+  if (threadIdx.x == 0) *reinterpret_cast<int*>(area) = p.tokens;
+  const GroupBarrier b{p.peer_bases, p.err, p.pad_offset, p.timeout_ns, p.rank, p.num_ranks};
+  cta_group_barrier(b);
+}
 
 // Pass 1: per-chunk expert histograms (and id validation).
 extern "C" __global__ void __launch_bounds__(kScheduleThreads)
@@ -89,7 +118,9 @@ schedule_scan(const __grid_constant__ ScheduleParams p) {
   __syncthreads();
   const int El = p.experts_per_rank;
   const int bm = p.block_m;
-  // One thread per destination rank: padded offsets of its experts.
+  // One thread per destination rank: padded offsets of its experts.  Every destination's row
+  // count is checked, so that with expert parallelism every rank reports an overflow anywhere
+  // (the same error on all ranks: nobody starts a layer that a peer cannot run).
   for (int d = threadIdx.x; d < p.num_ranks; d += blockDim.x) {
     long long off = 0;
     for (int le = 0; le < El; ++le) {
@@ -99,11 +130,11 @@ schedule_scan(const __grid_constant__ ScheduleParams p) {
       if (d == p.rank) { p.expert_count[le] = cnt; p.expert_offset[le] = (int)min(off, 0x7fffffffLL); }
       off += (long long)(cnt + bm - 1) / bm * bm;
     }
+    const int rows = (int)min(off, 0x7fffffffLL);
+    if (off > p.max_rows) set_error(p.err, kErrCapacity, d, rows, p.max_rows);
     if (d == p.rank) {
-      const int rows = (int)min(off, 0x7fffffffLL);
       p.expert_offset[El] = rows;
       if (off > p.max_rows) {
-        set_error(p.err, kErrCapacity, p.rank, rows, p.max_rows);
         p.totals[0] = 0; p.totals[1] = 0;
       } else {
         p.totals[0] = rows / bm; p.totals[1] = rows;
@@ -155,7 +186,10 @@ schedule_place(const __grid_constant__ ScheduleParams p) {
       int pos = run[e] + rank_in_warp;
       for (int w = 0; w < warp; ++w) pos += warp_count[w * E + e];
       const int row = p.expert_row_base[e] + pos;
-      if (s == p.rank) p.route_row[r] = row;
+      if (s == p.rank) {
+        p.route_row[r] = row;
+        if (p.route_rank != nullptr) p.route_rank[r] = e / p.experts_per_rank;
+      }
       if (e / p.experts_per_rank == p.rank) { p.row_src_rank[row] = s; p.row_slot[row] = r; }
     }
     __syncthreads();

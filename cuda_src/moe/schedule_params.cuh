@@ -24,6 +24,7 @@ struct ScheduleParams {
   int* row_src_rank;           // out [max_rows]: source rank of the route in each row, -1 for padding
   int* row_slot;               // out [max_rows]: slot t*top_k + j on the source, -1 for padding
   int* route_row;              // out [T_rank * top_k]: row of each of this rank's routes in its destination's space
+  int* route_rank;             // out [T_rank * top_k]: destination rank of each of this rank's routes (may be null)
   int num_ranks;
   int rank;
   int num_experts;
@@ -33,11 +34,34 @@ struct ScheduleParams {
   int max_rows;                // capacity of this rank's padded row space (multiple of block_m)
   int max_chunks;
   int ids_int64;               // 1: topk_ids are int64, 0: int32
-  int pad_;
+  int tokens_on_device;        // 1: read each source's token count at src_tokens_at[s] (expert parallelism)
   uint64_t src_ids[kMaxRanks];  // device pointer to each source rank's topk_ids [T_src, top_k]
-  int src_tokens[kMaxRanks];    // tokens of each source rank
+  int src_tokens[kMaxRanks];    // tokens of each source rank (tokens_on_device = 0)
+  uint64_t src_tokens_at[kMaxRanks];  // device pointer to each source rank's int32 token count (tokens_on_device = 1)
 };
-static_assert(sizeof(ScheduleParams) == 11 * 8 + 10 * 4 + kMaxRanks * 12,
+static_assert(sizeof(ScheduleParams) == 12 * 8 + 10 * 4 + kMaxRanks * 20,
               "ScheduleParams layout changed: update the ctypes mirror");
+
+// Expert parallelism: before the three passes, every rank publishes its routing into its own
+// symmetric block (the routing area: int32 token count at +0, int32 ids [T, k] at +16, ids
+// saturated to int32 so that a bad int64 id stays out of range) and meets every peer at a group
+// barrier; the passes then read every rank's area through the peer pointers.
+constexpr int kRoutingIdsOffset = 16;
+
+struct ExchangeParams {
+  const unsigned long long* peer_bases;  // [num_ranks] every rank's block base, in this rank's address space
+  const void* ids;                       // this rank's topk_ids [tokens, top_k] (int32 or int64)
+  int* err;                              // this rank's error word
+  unsigned long long area_offset;        // bytes from a block base to this call's routing area
+  unsigned long long pad_offset;         // bytes from a block base to the exchange barrier's signal pad
+  unsigned long long timeout_ns;
+  int tokens;
+  int top_k;
+  int ids_int64;
+  int rank;
+  int num_ranks;
+  int pad_;
+};
+static_assert(sizeof(ExchangeParams) == 6 * 8 + 6 * 4, "ExchangeParams layout changed: update the ctypes mirror");
 
 }  // namespace mok

@@ -1,0 +1,146 @@
+// Expert parallelism inside the MoE megakernels: pushing token rows to the ranks that own their
+// experts, returning expert rows to the ranks that own their tokens, the epoch flags that say a
+// peer is done, and the end-of-launch group barrier.  See MoEPeers (params.cuh) for the layout.
+//
+// Ordering across GPUs: a task that wrote peer memory fences at system scope on every thread,
+// then its CTA releases a local counter at system scope; one "notify" task acquires that counter
+// once every such task is done and stores the epoch into every rank's flag (st.release.sys); the
+// consumer's thread 0 acquires the flag (ld.acquire.sys) and its CTA reads the rows through L2.
+// Reuse of the symmetric buffers across launches is safe because every EP launch ends with a
+// group barrier: no rank starts its next launch before every rank has finished this one.
+#pragma once
+#include "comm/barrier.cuh"
+#include "common/mma.cuh"
+#include "moe/params.cuh"
+#include "moe/task_graph.cuh"
+
+namespace mok {
+namespace ep {
+
+// What a peer wait reports in the timeout's third info word.
+enum WaitStage : int { kStageFwdRows = 1, kStageFwdReturn = 2, kStageBwdRows = 3, kStageBwdReturn = 4 };
+
+__device__ __forceinline__ bool enabled(const MoEPeers& pe) { return pe.num_ranks > 1; }
+
+__device__ __forceinline__ bf16* routed_rows(const MoEPeers& pe, int r) {
+  return reinterpret_cast<bf16*>(pe.base[r] + pe.routed_offset);
+}
+__device__ __forceinline__ bf16* slot_rows(const MoEPeers& pe, int r) {
+  return reinterpret_cast<bf16*>(pe.base[r] + pe.slot_offset);
+}
+__device__ __forceinline__ int* flags(const MoEPeers& pe, int r, int kind) {
+  return reinterpret_cast<int*>(pe.base[r] + pe.flags_offset) + kind * kMaxEpRanks;
+}
+
+__device__ __forceinline__ int atom_add_acq_rel_gpu(int* p, int v) {
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+
+// After this CTA's peer stores: counter += 1, released at system scope.  All threads call it.
+__device__ __forceinline__ void signal_counter_sys(int* counter) {
+  fence_acq_rel_sys();  // this thread's stores to peer memory are ordered before the CTA's release
+  __syncthreads();
+  if (threadIdx.x == 0) red_release_sys(counter, 1);
+}
+
+// One thread: tell every rank (this one included) that this rank finished `kind` for the epoch.
+__device__ __forceinline__ void notify_all(const MoEPeers& pe, int kind) {
+  fence_acq_rel_sys();
+  for (int r = 0; r < pe.num_ranks; ++r) st_release_sys(flags(pe, r, kind) + pe.rank, pe.epoch);
+}
+
+// All threads of the CTA: true once every rank's `kind` flag in this rank's block reached the
+// epoch; false when the error word is set or the wait timed out (kErrTimeout names the first
+// rank still missing, so a peer that never launched is named).
+__device__ __forceinline__ bool wait_all(const MoEPeers& pe, int kind, const WaitCtx& w, int stage) {
+  int ok = 1;
+  if (threadIdx.x == 0) {
+    const int* f = flags(pe, pe.rank, kind);
+    uint64_t start = 0;
+    unsigned backoff = 32;
+    for (int s = 0; s < pe.num_ranks && ok; ++s) {
+      while (!epoch_reached(ld_acquire_sys(f + s), pe.epoch)) {
+        if (error_set(w.err)) { ok = 0; break; }
+        const uint64_t now = globaltimer_ns();
+        if (start == 0) {
+          start = now;
+        } else if (now - start > static_cast<uint64_t>(w.timeout_ns)) {
+          set_error(w.err, kErrTimeout, pe.rank, s, stage);
+          ok = 0;
+          break;
+        }
+        nanosleep(backoff);
+        backoff = backoff < 1024 ? backoff * 2 : 1024;
+      }
+    }
+  }
+  return __syncthreads_and(ok) != 0;
+}
+
+// Push this rank's token rows [t0, t1) of push task `task` to the routed buffers of their
+// destinations: route (t, j) goes to rank route_rank[t*k+j], row route_row[t*k+j], scaled by
+// weights[t*k+j] in fp32 when given (as the one-GPU gather does).  16-byte stores, a token's
+// chunks on adjacent threads; each source row is read once for its k routes.
+__device__ __forceinline__ void push_rows(const MoESchedule& s, const MoEDims& d, const MoEPeers& pe, int task,
+                                          const bf16* src, const float* weights, int* err) {
+  const long long T = d.tokens;
+  const int t0 = static_cast<int>(T * task / pe.push_tasks), t1 = static_cast<int>(T * (task + 1) / pe.push_tasks);
+  const int chunks = d.hidden / 8;
+  const long long n = static_cast<long long>(t1 - t0) * chunks;
+  for (long long idx = threadIdx.x; idx < n; idx += kThreads) {
+    const int t = t0 + static_cast<int>(idx / chunks), c = static_cast<int>(idx % chunks) * 8;
+    const uint4 v = *reinterpret_cast<const uint4*>(src + (size_t)t * d.hidden + c);
+    for (int j = 0; j < d.top_k; ++j) {
+      const int slot = t * d.top_k + j;
+      const int dst = s.route_rank[slot], row = s.route_row[slot];
+      if (dst < 0 || dst >= pe.num_ranks || row < 0 || row >= d.max_rows) {
+        set_error(err, kErrInternal, __LINE__, slot, row);  // corrupt schedule: never write past a buffer
+        continue;
+      }
+      uint4 u = v;
+      if (weights != nullptr) {
+        const float w = weights[slot];
+        float f[8];
+        unpack_bf16x8(v, f);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) f[i] *= w;
+        u = pack_bf16x8(f);
+      }
+      *reinterpret_cast<uint4*>(routed_rows(pe, dst) + (size_t)row * d.hidden + c) = u;
+    }
+  }
+}
+
+// Where a row block's output row goes with EP: the slot of its route on its source rank
+// (nullptr for padding rows).
+__device__ __forceinline__ bf16* return_row_ptr(const MoESchedule& s, const MoEPeers& pe, const MoEDims& d, int row,
+                                                int col0, int* err) {
+  const int slot = s.row_slot[row];
+  if (slot < 0) return nullptr;
+  const int src = s.row_src_rank[row];
+  if (src < 0 || src >= pe.num_ranks || slot >= pe.slot_rows) {
+    set_error(err, kErrInternal, __LINE__, row, slot);
+    return nullptr;
+  }
+  return slot_rows(pe, src) + (size_t)slot * d.hidden + col0;
+}
+
+// After the task loop (all threads of every CTA): the last CTA to finish meets every rank at a
+// group barrier, so that no rank's next launch reuses the symmetric buffers while a peer still
+// reads or writes them.  On an error the barrier is skipped (the peers time out naming us).
+__device__ __forceinline__ void end_of_launch(const MoEPeers& pe, int* ctas_done, int* err,
+                                              long long timeout_ns) {
+  __shared__ int last;
+  __syncthreads();
+  if (threadIdx.x == 0) last = atom_add_acq_rel_gpu(ctas_done, 1) == static_cast<int>(gridDim.x) - 1;
+  __syncthreads();
+  if (!last) return;
+  const GroupBarrier b{pe.base_array, err, pe.end_pad_offset, static_cast<unsigned long long>(timeout_ns), pe.rank,
+                       pe.num_ranks};
+  cta_group_barrier(b);
+}
+
+}  // namespace ep
+}  // namespace mok
