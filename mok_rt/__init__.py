@@ -14,12 +14,12 @@ from .group import CallableGroup, MPIGroup, SingleProcessGroup
 from .symmetric import SymmetricHeap, device_barrier
 from .layer import Context, Gradients, backward, forward, recompute_context, schedule
 from .tensor import Tensor
-from .workspace import Workspace
+from .workspace import Workspace, WorkspaceRank
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "MoEConfig", "Workspace", "SingleProcessGroup", "MPIGroup", "CallableGroup", "Tensor", "Context", "Gradients",
+    "MoEConfig", "Workspace", "WorkspaceRank", "SingleProcessGroup", "MPIGroup", "CallableGroup", "Tensor", "Context", "Gradients",
     "SymmetricHeap", "device_barrier", "schedule", "forward", "backward", "recompute_context",
     "MokError", "ArgumentError", "CudaDriverError", "NoCubinError", "DeviceError", "ExpertIdError",
     "CapacityError", "TokenCountError", "PeerTimeoutError",

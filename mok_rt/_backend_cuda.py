@@ -1,8 +1,10 @@
-"""The CUDA backend: the schedule kernels and the fused forward/backward megakernels on one GPU.
+"""The CUDA backend: the schedule kernels and the fused forward/backward megakernels of one rank.
 
 Every buffer a call writes is allocated per call from the device's stream-ordered memory pool
 (so a workspace can serve several layers, and a context lives exactly as long as the caller keeps
-it); nothing here waits for the GPU or reads a routing-dependent count.
+it); nothing here waits for the GPU or reads a routing-dependent count.  With expert parallelism
+(``ep``: a :class:`mok_rt._ep.EPRank`) the rows that travel between ranks go through the
+workspace's symmetric heap instead (see _ep.py); everything else stays per call and local.
 """
 from __future__ import annotations
 
@@ -15,8 +17,9 @@ from ._errorword import ErrorWord
 from .dlpack import check, from_dlpack
 from .device import activate
 from .errors import ArgumentError
+from .launch import multiprocessor_count
 from .layer import Context, Gradients
-from .routing import build_schedule
+from .routing import build_schedule, build_schedule_ep
 from .tensor import Tensor
 
 _WEIGHT_GRADS = ("dw_gate", "dw_up", "dw_down", "dws_gate", "dws_up", "dws_down")
@@ -32,15 +35,29 @@ class _ForwardState:
 
 
 class CudaBackend:
-    def __init__(self, ws):
+    def __init__(self, ws, ep=None):
         self.ws = ws
+        self.ep = ep
         cfg = ws.config
         if cfg.block_m != P.BLOCK_M:
             raise ArgumentError("block_m", f"the CUDA kernels use row blocks of {P.BLOCK_M}, got {cfg.block_m}")
         self.device_id = ws.device_id
         activate(self.device_id)
-        self.error = ErrorWord(self.device_id)
-        self.knobs = L.KernelKnobs(ctas_per_sm=cfg.ctas_per_sm, timeout_ns=int(cfg.timeout_s * 1e9))
+        max_ctas = None
+        if ep is None:
+            self.error = ErrorWord(self.device_id)
+        else:
+            self.error = ep.error   # the heap's, one per local rank
+            from .routing import prepare
+            prepare(self.device_id, cfg.num_experts)
+            L.prepare(self.device_id)
+            share = ep.shared.ranks_sharing_gpu(ep.rank)
+            if share > 1:
+                # Ranks sharing a GPU split its SMs, so that all their persistent grids are resident
+                # at once (a rank waiting for a peer that cannot start would only time out).
+                max_ctas = max(1, multiprocessor_count(self.device_id) * cfg.ctas_per_sm // share)
+        self.knobs = L.KernelKnobs(ctas_per_sm=cfg.ctas_per_sm, max_ctas=max_ctas,
+                                   timeout_ns=int(cfg.timeout_s * 1e9))
         self._streams: dict[int, object] = {}   # streams with mok_rt work since the last synchronize
 
     # -- lifetime / errors ---------------------------------------------------------------------
@@ -48,7 +65,8 @@ class CudaBackend:
         try:
             self._sync_streams()
         finally:
-            self.error.close()
+            if self.ep is None:   # an EP rank's error word belongs to the heap
+                self.error.close()
 
     def _used(self, stream) -> None:
         self._streams[int(stream.handle)] = stream
@@ -67,7 +85,9 @@ class CudaBackend:
         code = self.error.read()[0]
         if code:
             try:
-                self.error.raise_if_set(f"mok_rt (device {self.device_id})")
+                where = f"device {self.device_id}" if self.ep is None else \
+                    f"rank {self.ep.rank}, device {self.device_id}"
+                self.error.raise_if_set(f"mok_rt ({where})")
             finally:
                 self.error.clear()
 
@@ -86,24 +106,27 @@ class CudaBackend:
         return L.LayerDims(tokens=tokens, hidden=cfg.hidden, intermediate=cfg.intermediate, top_k=cfg.top_k,
                            local_experts=ws.experts_per_rank, capacity_rows=ws.capacity_rows,
                            shared_intermediate=cfg.shared_intermediate, swiglu_limit=cfg.swiglu_limit,
-                           rank=ws.rank)
+                           rank=ws.rank_id)
 
     @staticmethod
     def _sched_bufs(s) -> L.ScheduleBuffers:
         return L.ScheduleBuffers(expert_count=s.expert_count.ptr, expert_offset=s.expert_offset.ptr,
                                  num_blocks=s.totals.ptr, block_expert=s.block_expert.ptr,
                                  row_src_rank=s.row_src_rank.ptr, row_slot=s.row_slot.ptr,
-                                 route_row=s.route_row.ptr)
+                                 route_row=s.route_row.ptr, route_rank=s.route_rank.ptr)
 
     # -- the API -----------------------------------------------------------------------------------
     def schedule(self, ids, *, stream):
         self._used(stream)
         cfg, ws = self.ws.config, self.ws
         T = ids.shape[0]
-        s = build_schedule([ids.ptr], [T], ids_int64=ids.dtype == dtypes.int64, num_experts=cfg.num_experts,
-                           top_k=cfg.top_k, rank=ws.rank, block_m=cfg.block_m, max_rows=ws.capacity_rows,
-                           max_total_routes=max(T, 1) * cfg.top_k, device_id=self.device_id, stream=stream,
-                           err_ptr=self.error.device_ptr, poison=ws.poison_outputs)
+        common = dict(ids_int64=ids.dtype == dtypes.int64, num_experts=cfg.num_experts, top_k=cfg.top_k,
+                      rank=ws.rank_id, block_m=cfg.block_m, max_rows=ws.capacity_rows, device_id=self.device_id,
+                      stream=stream, err_ptr=self.error.device_ptr, poison=ws.poison_outputs)
+        if self.ep is None:
+            s = build_schedule([ids.ptr], [T], max_total_routes=max(T, 1) * cfg.top_k, **common)
+        else:
+            s = build_schedule_ep(ids.ptr, T, exchange=self.ep.exchange(), max_tokens=ws.max_tokens, **common)
         s._keep = ids
         return s
 
@@ -124,8 +147,9 @@ class CudaBackend:
             w_down=args.w_down.ptr, out=ptr(out), counters=counters.ptr, shared_y=shared_y.ptr,
             ws_gate=ptr(args.ws_gate), ws_up=ptr(args.ws_up), ws_down=ptr(args.ws_down),
             **{n: bufs[n].ptr for n in ctx_names})
+        peers = None if self.ep is None else self.ep.peers(T)
         L.launch_forward(fb, self._sched_bufs(sched), dims, stream=stream, err_ptr=self.error.device_ptr,
-                         device_id=self.device_id, knobs=self.knobs, context_only=context_only)
+                         device_id=self.device_id, knobs=self.knobs, context_only=context_only, peers=peers)
         state = _ForwardState(dims=dims, bufs=bufs, keep=(args, shared_y, counters))
         return out, state
 
@@ -169,8 +193,11 @@ class CudaBackend:
             returned[n] = caller if caller is not None else buf
         dx = self._empty((T, H), dtypes.bfloat16, stream)
         dtw = self._empty((T, k), dtypes.float32, stream)
+        # With EP the rows that travel (dy_routed in, dx_slot back) live in the symmetric heap.
+        travel = () if self.ep is None else ("dy_routed", "dx_slot")
         scratch = {n: self._bytes(sizes[n], stream, poison=False)
-                   for n in ("dy_routed", "dgu", "dx_slot", "dsgu", "dx_shared", "counters")}
+                   for n in ("dy_routed", "dgu", "dx_slot", "dsgu", "dx_shared", "counters") if n not in travel}
+        heap_rows = {} if self.ep is None else {"dy_routed": self.ep.routed_ptr(), "dx_slot": self.ep.slot_ptr()}
         ptr = lambda v: 0 if v is None else v.ptr  # noqa: E731
         b = state.bufs
         bb = L.BackwardBuffers(
@@ -180,10 +207,11 @@ class CudaBackend:
             dw_gate=grads["dw_gate"].ptr, dw_up=grads["dw_up"].ptr, dw_down=grads["dw_down"].ptr,
             ws_gate=ptr(args.ws_gate), ws_up=ptr(args.ws_up), ws_down=ptr(args.ws_down), sgu=ptr(b.get("sgu")),
             sact=ptr(b.get("sact")), dws_gate=ptr(grads["dws_gate"]), dws_up=ptr(grads["dws_up"]),
-            dws_down=ptr(grads["dws_down"]), **{n: scratch[n].ptr for n in scratch})
+            dws_down=ptr(grads["dws_down"]), **{n: scratch[n].ptr for n in scratch}, **heap_rows)
         if not cfg.has_shared:
             bb = L.BackwardBuffers(**{**bb.__dict__, "sgu": 0, "sact": 0})
+        peers = None if self.ep is None else self.ep.peers(T)
         L.launch_backward(bb, self._sched_bufs(sched), dims, stream=stream, err_ptr=self.error.device_ptr,
-                          device_id=self.device_id, knobs=self.knobs, accumulate=accumulate)
+                          device_id=self.device_id, knobs=self.knobs, accumulate=accumulate, peers=peers)
         dx._owner = (dx._owner, scratch, args, dout)   # keep inputs and scratch alive with the result
         return Gradients(dx=dx, d_topk_weights=dtw, **returned)

@@ -69,10 +69,10 @@ class ReferenceBackend:
         if bad.size:
             t, j = (int(v) for v in bad[0])
             raise ExpertIdError(f"topk_ids[{t}, {j}] = {ids[t, j]} is outside [0, {cfg.num_experts}) "
-                                f"(rank {ws.rank}, token {t})", code=1, info=(ws.rank, t, int(ids[t, j])))
+                                f"(rank {ws.rank_id}, token {t})", code=1, info=(ws.rank_id, t, int(ids[t, j])))
         try:
             layout = schedule_ref.schedule_reference([ids], num_experts=cfg.num_experts, num_ranks=ws.num_ranks,
-                                                     block_m=cfg.block_m, rank=ws.rank,
+                                                     block_m=cfg.block_m, rank=ws.rank_id,
                                                      capacity_rows=ws.capacity_rows)
         except ArgumentError as ex:
             if ex.argument != "capacity_rows":

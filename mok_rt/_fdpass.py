@@ -195,7 +195,11 @@ def _send(path: str, *, token: str, sender: int, ranks: list[int], fds: list[int
             _pid, peer_uid, _gid = peer_credentials(sock)
             if peer_uid != uid:
                 raise FdExchangeError(f"the listener at {path!r} runs as uid {peer_uid}, not {uid}: refused")
-            socket.send_fds(sock, [msg], fds)
+            try:
+                socket.send_fds(sock, [msg], fds)
+            except (BrokenPipeError, ConnectionResetError) as e:
+                # The listener closed the connection before reading: it refused us (wrong uid).
+                raise FdExchangeError(f"the listener at {path!r} closed the connection: refused ({e})") from e
             return
         finally:
             sock.close()

@@ -489,3 +489,15 @@ def launch_backward(bufs: BackwardBuffers, sched: ScheduleBuffers, dims: LayerDi
     kernel = get_kernel(_CUBIN, "moe_backward", device_id)
     launch(kernel, grid=_grid(kernel, device_id, knobs, num_tasks), block=P.THREADS, params=p, stream=stream,
            device_id=device_id, shared_mem=P.SMEM_BYTES)
+
+
+def prepare(device_id: int) -> None:
+    """Load both megakernels on ``device_id`` and set their launch attributes now.  Expert
+    parallelism needs this before the first launch: loading a module or changing a kernel's
+    attributes may wait for the device's running kernels, and a rank's kernel may already be
+    spinning for a peer whose launch would then wait behind it."""
+    from .launch import _ensure_shared_memory
+    for name in ("moe_forward", "moe_backward"):
+        kernel = get_kernel(_CUBIN, name, device_id)
+        _ctas_that_fit(kernel, device_id)
+        _ensure_shared_memory(kernel, device_id, P.SMEM_BYTES)

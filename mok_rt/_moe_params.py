@@ -20,10 +20,12 @@ BLOCK_M = 128          # rows per row block / token block; the schedule's block_
 THREADS = 256          # threads per CTA
 TILE_N = 128           # GEMM tile width
 GATE_UP_COLS = 64      # SwiGLU columns per fused gate|up forward tile
-_BK, _STAGES = 32, 4
-_PIPE_BYTES = _STAGES * 2 * max(BLOCK_M * (_BK + 8), _BK * (BLOCK_M + 8)) * 2
+# The wgmma engine's ring: 6 slots of a 128x64 A and a 128x64 B bf16 slice (128B-swizzled,
+# 1024-byte aligned: + 1024 bytes of slack); the fp32 C tile reuses it.  gemm_tile.cuh asserts it.
+_BK, _STAGES = 64, 6
+_RING_BYTES = _STAGES * 2 * BLOCK_M * _BK * 2
 _C_BYTES = BLOCK_M * (TILE_N + 8) * 4
-SMEM_BYTES = max(_PIPE_BYTES, _C_BYTES)   # dynamic shared memory per CTA (81920)
+SMEM_BYTES = max(_RING_BYTES + 1024, _C_BYTES)   # dynamic shared memory per CTA (197632)
 
 _ptr = ctypes.c_uint64
 
@@ -140,4 +142,4 @@ assert ctypes.sizeof(MoEBackwardCounters) == 11 * 8
 assert ctypes.sizeof(MoEWeightGrads) == 6 * 8
 assert ctypes.sizeof(MoEBackwardParams) == (8 * 8 + 6 * 8 + 6 * 8 + 11 * 8 + 6 * 8 + 11 * 8 + (8 + 12 * 4) + 8
                                             + _PEERS)
-assert SMEM_BYTES == 81920
+assert SMEM_BYTES == 197632

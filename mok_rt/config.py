@@ -29,7 +29,11 @@ class MoEConfig:
     Kernel knobs (defaults suit H100/H200):
       block_m       rows per GEMM row block; each expert's rows are padded to it (64 or 128).
       ctas_per_sm   persistent CTAs per SM (1 or 2).
-      comm_sms      SMs given to dispatch/combine when experts are spread over ranks.
+      comm_sms      with experts spread over ranks: how many tasks push this rank's token rows
+                    to their experts' ranks (forward and backward), hence at most how many CTAs
+                    (about one per SM) move rows at the start of a launch while the others
+                    already run shared-expert and local work.  Rows returning to their source
+                    ride the down / dgrad GEMM epilogues.  Any CTA may take a push task.
       timeout_s     how long a kernel waits for a dependency or a peer before it gives up and
                     reports a timeout (the error names what was missing).
       capacity_factor  None: every rank can hold the worst case (all routed rows of all ranks);

@@ -35,6 +35,12 @@ class Context:
     recomputed: bool = False
 
 
+def _rank(ws):
+    """The WorkspaceRank a call runs on (a single-rank Workspace stands for its rank)."""
+    from .workspace import as_rank
+    return as_rank(ws)
+
+
 def _stream(ws, stream):
     if stream is None or ws.backend == "reference":
         return ws.stream
@@ -43,19 +49,23 @@ def _stream(ws, stream):
 
 
 def _check_schedule(ws, sched):
-    if getattr(sched, "_workspace_id", None) != id(ws):
-        raise ArgumentError("sched", "was not made by mok_rt.schedule for this workspace")
+    if getattr(sched, "_rank_owner", None) is not ws:
+        raise ArgumentError("sched", "was not made by mok_rt.schedule for this workspace (rank)")
 
 
 def schedule(ws, topk_ids, *, stream=None):
     """Lay out this rank's routed rows from ``topk_ids`` [T, k] (int32 or int64 global expert
     ids), on the device.  Ids out of range are reported through :meth:`Workspace.synchronize`
-    (cuda) or raised at once (reference) as :class:`~mok_rt.ExpertIdError`."""
+    (cuda) or raised at once (reference) as :class:`~mok_rt.ExpertIdError`.
+
+    ``ws``: a Workspace driving one rank, or ``ws.rank(i)``.  With expert parallelism every rank
+    calls it (with its own tokens); the ranks exchange their routing on the device."""
+    ws = _rank(ws)
     impl = ws._backend()
     s = _stream(ws, stream)
     ids = import_ids(ws, topk_ids, stream=s)
     sched = impl.schedule(ids, stream=s)
-    sched._workspace_id = id(ws)
+    sched._rank_owner = ws
     return sched
 
 
@@ -64,6 +74,7 @@ def forward(ws, sched, x, topk_weights, w_gate, w_up, w_down, ws_gate=None, ws_u
     """``out[t] = shared(x[t]) + Σ_j topk_weights[t, j] · expert_{topk_ids[t, j]}(x[t])``.
 
     Returns ``(out, ctx)``: ``out`` [T, H] in x's dtype, ``ctx`` for :func:`backward`."""
+    ws = _rank(ws)
     impl = ws._backend()
     _check_schedule(ws, sched)
     s = _stream(ws, stream)
@@ -75,6 +86,7 @@ def forward(ws, sched, x, topk_weights, w_gate, w_up, w_down, ws_gate=None, ws_u
 def recompute_context(ws, sched, x, w_gate, w_up, ws_gate=None, ws_up=None, *, w_down=None, ws_down=None,
                       topk_weights=None, stream=None):
     """Rebuild the forward's context from ``x`` (activation checkpointing) without producing ``out``."""
+    ws = _rank(ws)
     impl = ws._backend()
     _check_schedule(ws, sched)
     s = _stream(ws, stream)
@@ -96,7 +108,9 @@ def backward(ws, sched, ctx, d_out, x, topk_weights, w_gate, w_up, w_down, ws_ga
     Weight gradients are fp32.  Pass caller-owned fp32 buffers (``dw_gate=...`` etc.) to have
     them written in place, or added into with ``accumulate=True`` (gradient accumulation across
     micro-batches without copies); the returned :class:`Gradients` then holds those buffers.
+    With expert parallelism ``dw_*`` are this rank's experts' gradients (from every rank's tokens).
     """
+    ws = _rank(ws)
     impl = ws._backend()
     _check_schedule(ws, sched)
     if not isinstance(ctx, Context) or ctx.schedule is not sched:

@@ -156,6 +156,18 @@ def build_schedule_ep(ids_ptr: int, tokens: int, *, ids_int64: bool, exchange: R
                     device_id=device_id, stream=stream, err_ptr=err_ptr, poison=poison)
 
 
+def prepare(device_id: int, num_experts: int) -> None:
+    """Load the schedule kernels on ``device_id`` and set their shared-memory limits now (see
+    ``_moe_launch.prepare``: with expert parallelism nothing may load once a peer wait runs)."""
+    from .launch import _ensure_shared_memory
+    for name in ("schedule_exchange", "schedule_count", "schedule_scan", "schedule_place"):
+        get_kernel(_CUBIN, name, device_id)
+    _ensure_shared_memory(get_kernel(_CUBIN, "schedule_place", device_id), device_id,
+                          (33 * num_experts + MAX_RANKS + 1) * 4)
+    _ensure_shared_memory(get_kernel(_CUBIN, "schedule_count", device_id), device_id,
+                          (num_experts + MAX_RANKS + 1) * 4)
+
+
 def _check_layout(num_ranks: int, num_experts: int, max_rows: int, block_m: int) -> None:
     if not 1 <= num_ranks <= MAX_RANKS:
         raise ArgumentError("topk_ids", f"between 1 and {MAX_RANKS} ranks are supported, got {num_ranks}")
@@ -203,7 +215,7 @@ def _enqueue(p: ScheduleParams, *, num_ranks: int, tokens: int, num_experts: int
 
     ints = 4
     smem_count = (num_experts + MAX_RANKS + 1) * ints
-    smem_scan = (MAX_RANKS + 1) * ints
+    smem_scan = (2 * MAX_RANKS + 1) * ints
     smem_place = (33 * num_experts + MAX_RANKS + 1) * ints
     common = dict(block=SCHEDULE_THREADS, params=p, stream=stream, device_id=device_id)
     launch(get_kernel(_CUBIN, "schedule_count", device_id), grid=max_chunks, shared_mem=smem_count, **common)

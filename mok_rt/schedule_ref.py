@@ -46,6 +46,7 @@ class Schedule:
     row_src_rank: np.ndarray    # [num_rows] source rank of the route in each row, -1 for padding
     row_slot: np.ndarray        # [num_rows] t*k+j on that source, -1 for padding
     route_row: np.ndarray       # [T_r*k] row of each of this rank's routes on its destination rank
+    route_rank: np.ndarray      # [T_r*k] destination rank of each of this rank's routes
 
     @property
     def experts_per_rank(self) -> int:
@@ -126,9 +127,14 @@ class _Global:
         e_local = self.num_experts // self.num_ranks
         off = self.offset[rank]
         num_rows = int(off[-1])
-        if capacity_rows is not None and num_rows > capacity_rows:
-            raise ArgumentError("capacity_rows", f"rank {rank} receives {num_rows} padded rows, "
-                                                 f"more than capacity_rows = {capacity_rows}")
+        if capacity_rows is not None:
+            # Every rank checks every destination (as the device does), so that with expert
+            # parallelism all ranks report an overflow anywhere, not only its victim.
+            over = np.nonzero(self.offset[:, -1] > capacity_rows)[0]
+            if over.size:
+                d = int(over[0])
+                raise ArgumentError("capacity_rows", f"rank {d} receives {int(self.offset[d, -1])} padded "
+                                                     f"rows, more than capacity_rows = {capacity_rows}")
         row_src_rank = np.full(num_rows, -1, dtype=np.int64)
         row_slot = np.full(num_rows, -1, dtype=np.int64)
         mine = self.dest == rank
@@ -136,6 +142,7 @@ class _Global:
         row_slot[self.row[mine]] = self.src_slot[mine]
         start = sum(self.route_counts[:rank])
         route_row = self.row[start:start + self.route_counts[rank]]
+        route_rank = self.dest[start:start + self.route_counts[rank]]
         block_expert = np.repeat(np.arange(e_local), (off[1:] - off[:-1]) // self.block_m)
         return Schedule(
             rank=rank, num_ranks=self.num_ranks, num_experts=self.num_experts,
@@ -143,7 +150,8 @@ class _Global:
             expert_count=_readonly_i32(self.count[rank]), expert_offset=_readonly_i32(off),
             num_rows=num_rows, num_blocks=num_rows // self.block_m,
             block_expert=_readonly_i32(block_expert), row_src_rank=_readonly_i32(row_src_rank),
-            row_slot=_readonly_i32(row_slot), route_row=_readonly_i32(route_row))
+            row_slot=_readonly_i32(row_slot), route_row=_readonly_i32(route_row),
+            route_rank=_readonly_i32(route_rank))
 
 
 def _check_capacity(capacity_rows) -> Optional[int]:

@@ -82,6 +82,14 @@ __device__ __forceinline__ uint64_t smem_desc_mnmajor_sw128(uint32_t addr, uint3
 // out of its 14 bits because shared addresses stay below 256 KB).
 __device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
 
+// ---- 128B swizzle (the byte layout TMA SWIZZLE_128B writes and the sw128 descriptors read) ----
+// Inside a 1024-byte aligned region of 128-byte lines, the 16-byte chunk `chunk` (0-7) of line
+// `line` lives at chunk position chunk ^ (line % 8): address bits 4-6 XOR bits 7-9.  Code that
+// fills such a tile itself (cp.async, st.shared) stores chunk (line, chunk) at this byte offset.
+__device__ __forceinline__ constexpr uint32_t sw128_offset(uint32_t line, uint32_t chunk) {
+  return line * 128u + ((chunk ^ (line & 7u)) << 4);
+}
+
 // ---- wgmma.mma_async m64nNk16, f32 accumulators, bf16 A and B from shared memory ------------------
 // d (+)= A * B: A is 64 x 16 (M x K), B is 16 x N (K x N), both described by descriptors.
 // accumulate = 0 ignores d's old values (D = A*B).  kTransA / kTransB: 0 K-major, 1 MN-major.

@@ -1,7 +1,6 @@
-// The GEMM engine of the MoE kernels: one CTA computes a kBM x kBN fp32 tile C = A * B over K
-// with bf16 tensor cores (mma.sync m16n8k16), ldmatrix and a kStages-deep cp.async ring, and
-// leaves C in shared memory for the caller's fused epilogue.  Replaceable as a unit (the
-// TMA + wgmma engine keeps this interface: operands in, staged fp32 tile out).
+// The GEMM engine of the MoE kernels: one CTA (kThreads = 256) computes a kBM x kBN (128 x 128)
+// fp32 tile C = A * B over K with bf16 tensor cores and leaves C in shared memory for the
+// caller's fused epilogue.  Replaceable as a unit: operands in, staged fp32 tile out.
 //
 // Operands live in global memory in either layout:
 //   A [M x K]: kKMajor  -> element (m, k) at row(m)[k]      (rows are the tile's M indices)
@@ -11,34 +10,46 @@
 // A row index o maps to seg0 + o*ld below `split` and to seg1 + (o - split)*ld above it, so a
 // fused [W_gate rows; W_up rows] operand needs no copy.  Loads outside the valid M/N/K range are
 // zero-filled (cp.async src-size 0); contiguous extents are multiples of 8 elements (host-checked).
+//
+// Engines (chosen at compile time, same interface and staged C tile):
+//   default                    wgmma (sm_90a): below, kSmemBytes = 197632 (6 stages).
+//   -DMOK_GEMM_ENGINE_MMA_SYNC mma.sync m16n8k16 + ldmatrix (moe/gemm_tile_mma.cuh), 81920 bytes;
+//                              also what any target other than sm_90a gets.
+//
+// The wgmma engine.  All 256 threads copy each 64-wide k-slice (A: 128 x 64, B: 128 x 64, 16 KB
+// each) with 16-byte cp.async into a kStages-slot ring, in exactly the 128B-swizzled byte layout
+// TMA SWIZZLE_128B produces for the TMA engine (moe/gemm_wgmma.cuh), so the same descriptors apply:
+//   K-major tile : 128 lines (tile rows) of 64 k (128 B); chunk (line, c) at sw128_offset(line, c).
+//   MN-major tile: 2 panels (tile columns 0-63, 64-127) of 8 KB; panel p holds 64 lines (k) of 64
+//                  M/N elements; chunk c of line k at p * 8192 + sw128_offset(k, c % 8).
+// Warpgroup w (threads 128w..128w+127) multiplies tile rows 64w..64w+63 by all 128 columns:
+// 4 x wgmma m64n128k16 per slice, fp32 accumulators in registers (64 per thread).
+// Pipeline, slice kt (slot kt % kStages):
+//   cp.async.wait_group (own copies of slice kt landed) -> fence.proxy.async.shared::cta (they are
+//   generic-proxy writes; wgmma reads through the async proxy) -> __syncthreads (everyone's copies
+//   of kt landed; both warpgroups retired slice kt-2) -> 4 wgmma on kt, commit -> cp.async of
+//   slice kt + kStages - 2 into slot (kt - 2) % kStages -> wgmma.wait_group 1 (slice kt-1 retired,
+//   kt keeps running).  So two slices are in the tensor cores and kStages - 2 in flight from memory.
+// The ring overlaps the staged C tile: tile_gemm starts and ends with __syncthreads.
 #pragma once
 #include <climits>
 #include "common/mma.cuh"
+#include "common/tma.cuh"
+#include "common/wgmma.cuh"
 #include "moe/params.cuh"
+
+#define MOK_GEMM_TILE_INTERFACE 1
 
 namespace mok {
 namespace gemm {
 
-constexpr int kBM = 128, kBN = 128, kBK = 32, kStages = 4;
-constexpr int kWarpsM = 2, kWarpsN = 4;                  // 8 warps, each a 64 x 32 sub-tile
-constexpr int kWM = kBM / kWarpsM, kWN = kBN / kWarpsN;
-constexpr int kMI = kWM / 16, kNI = kWN / 8;             // mma tiles per warp: 4 x 4
-static_assert(kWarpsM * kWarpsN * 32 == kThreads, "one warp per sub-tile");
+constexpr int kBM = 128, kBN = 128;
 static_assert(kBM == kBlockM, "a GEMM tile is one row block");
-
-// Shared-memory tiles, padded by 8 elements per row so that the 8 rows one ldmatrix reads hit
-// distinct banks (and rows stay 16-byte aligned for cp.async).
-constexpr int kLdK = kBK + 8;                            // K-major tile [128][kLdK]
-constexpr int kLdMN = kBM + 8;                           // MN-major tile [kBK][kLdMN]
-constexpr int kTileBytes = (kBM * kLdK > kBK * kLdMN ? kBM * kLdK : kBK * kLdMN) * 2;
-constexpr int kStageBytes = 2 * kTileBytes;              // A tile + B tile
-constexpr int kPipeBytes = kStages * kStageBytes;
-constexpr int kLdC = kBN + 8;                            // fp32 C tile [128][kLdC]
-constexpr int kCBytes = kBM * kLdC * 4;
-constexpr int kSmemBytes = kPipeBytes > kCBytes ? kPipeBytes : kCBytes;
 static_assert(kBM == kBN, "tile loaders assume square tiles");
+constexpr int kLdC = kBN + 8;                            // fp32 C tile [128][kLdC] (69632 bytes)
+constexpr int kCBytes = kBM * kLdC * 4;
 
-enum Layout : int { kKMajor = 0, kMNMajor = 1 };
+enum Layout : int { kKMajor = 0, kMNMajor = 1 };         // = the wgmma transpose immediates
 
 struct Operand {
   const bf16* seg0;
@@ -58,127 +69,191 @@ __device__ __forceinline__ Operand operand2(const bf16* p0, const bf16* p1, int 
   return Operand{p0, p1, split, ld, valid};
 }
 
-// Issues the cp.async copies of one kBK slice of an operand into a shared tile
-// (2 x 16-byte chunks per thread either way: 128 x 32 or 32 x 128 elements).
-template <int kLayout>
-__device__ __forceinline__ void load_slice(const Operand& op, int k0, int k_total, uint32_t tile) {
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int q = threadIdx.x + i * kThreads;
-    if (kLayout == kKMajor) {
-      const int o = q >> 2, kc = (q & 3) * 8, k = k0 + kc;
-      const bool ok = o < op.valid && k < k_total;
-      cp_async_16(tile + (o * kLdK + kc) * 2, ok ? op.row(o) + k : op.seg0, ok);
-    } else {
-      const int kr = q >> 4, c = (q & 15) * 8, k = k0 + kr;
-      const bool ok = k < k_total && c < op.valid;
-      cp_async_16(tile + (kr * kLdMN + c) * 2, ok ? op.row(k) + c : op.seg0, ok);
-    }
-  }
-}
+// wgmma exists only on sm_90a: other device targets get the mma.sync engine.
+#if !defined(MOK_GEMM_ENGINE_MMA_SYNC) && defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define MOK_GEMM_ENGINE_MMA_SYNC 1
+#endif
 
-// A fragments of the warp's kMI m16 tiles for the k16 step at ks.
-template <int kLayout>
-__device__ __forceinline__ void load_a_frags(uint32_t (&a)[kMI][4], uint32_t tile, int wm, int ks) {
-  const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int mi = 0; mi < kMI; ++mi) {
-    const int m = wm * kWM + mi * 16;
-    if (kLayout == kKMajor) {  // lanes 0-15: rows m..m+15 at k, lanes 16-31: same rows at k+8
-      ldmatrix_x4(a[mi], tile + ((m + (lane & 15)) * kLdK + ks + (lane >> 4) * 8) * 2);
-    } else {                   // stored [k][m]: matrix j = lane/8 is (m half j&1, k half j>>1)
-      const int k = ks + (lane & 7) + (lane >> 4) * 8;
-      ldmatrix_x4_trans(a[mi], tile + (k * kLdMN + m + ((lane >> 3) & 1) * 8) * 2);
-    }
-  }
-}
+#ifdef MOK_GEMM_ENGINE_MMA_SYNC
+constexpr bool kWgmmaEngine = false;
+#include "moe/gemm_tile_mma.cuh"
+#else
+constexpr bool kWgmmaEngine = true;
 
-// B fragments of the warp's kNI n8 tiles: b[ni][0] = k 0-7, b[ni][1] = k 8-15 of the step.
+#ifndef MOK_GEMM_TILE_STAGES
+#define MOK_GEMM_TILE_STAGES 6
+#endif
+constexpr int kBK = 64;                                  // one 128-byte swizzled line of bf16
+constexpr int kStages = MOK_GEMM_TILE_STAGES;
+static_assert(kStages >= 3, "two slots in the tensor cores plus at least one loading");
+constexpr int kTileBytes = kBM * kBK * 2;                // 16384: one operand's slice
+constexpr int kStageBytes = 2 * kTileBytes;              // A slice + B slice
+constexpr int kRingBytes = kStages * kStageBytes;
+constexpr int kPanelBytes = 64 * 128;                    // MN-major: 64 k-lines of one 64-wide panel
+constexpr int kStepK = 16 * 2;                           // k16 step, K-major: 16 elements along a line
+constexpr int kStepMN = 16 * 128;                        // k16 step, MN-major: 16 lines
+constexpr int kAccRegs = kBN / 2;                        // m64n128 f32 accumulators per thread
+// Ring + slack to align it to 1024 bytes (the dynamic buffer is only 128-aligned), or the C tile.
+constexpr int kSmemBytes = kRingBytes + 1024 > kCBytes ? kRingBytes + 1024 : kCBytes;   // 197632 at 6 stages
+static_assert(kSmemBytes <= 227 * 1024, "fits the opt-in shared memory of sm_90");
+static_assert(kStages != 6 || kSmemBytes == 197632, "mok_rt/_moe_params.py SMEM_BYTES mirrors this");
+static_assert(kThreads == 256, "two warpgroups of 64 tile rows; loaders deal 1024 chunks as 4 per thread");
+static_assert(kStageBytes % 1024 == 0 && kTileBytes % 1024 == 0, "slots stay 1024-byte aligned");
+
+// One thread's share (4 of the 1024 16-byte chunks) of copying a k-slice of an operand.
 template <int kLayout>
-__device__ __forceinline__ void load_b_frags(uint32_t (&b)[kNI][2], uint32_t tile, int wn, int ks) {
-  const int lane = threadIdx.x & 31, j = lane >> 3, r = lane & 7;
+struct SliceLoader;
+
+// K-major: thread t copies chunk c = t % 8 (k 8c..8c+7 of the slice) of tile rows t/8 + 32i.
+template <>
+struct SliceLoader<kKMajor> {
+  const bf16* rowp[4];  // row start + 8c (rows >= valid: unused, zero-filled)
+  const bf16* dummy;    // a mapped address for the zero-filling copies (nothing is read)
+  uint32_t dst;         // byte offset of chunk i = 0 in the tile; chunk i at dst + i * 4096
+  uint32_t row_ok;      // bit i: row t/8 + 32i < valid
+  int kc;
+  __device__ __forceinline__ explicit SliceLoader(const Operand& op) {
+    const int c = threadIdx.x & 7, r = threadIdx.x >> 3;
+    kc = 8 * c;
+    dummy = op.seg0;
+    row_ok = 0;
 #pragma unroll
-  for (int np = 0; np < kNI / 2; ++np) {  // one x4 load covers two n8 tiles
-    const int n = wn * kWN + np * 16 + (j >> 1) * 8;
-    uint32_t v[4];
-    if (kLayout == kKMajor) {
-      ldmatrix_x4(v, tile + ((n + r) * kLdK + ks + (j & 1) * 8) * 2);
-    } else {
-      ldmatrix_x4_trans(v, tile + ((ks + r + (j & 1) * 8) * kLdMN + n) * 2);
+    for (int i = 0; i < 4; ++i) {
+      const int o = r + 32 * i;
+      rowp[i] = op.row(o) + kc;  // address arithmetic only
+      row_ok |= (o < op.valid ? 1u : 0u) << i;
     }
-    b[2 * np][0] = v[0]; b[2 * np][1] = v[1];
-    b[2 * np + 1][0] = v[2]; b[2 * np + 1][1] = v[3];
+    dst = sw128_offset(r, c);  // (r + 32i) % 8 == r % 8: the other rows are 32 lines further
   }
+  __device__ __forceinline__ void load(int k0, int k_total, uint32_t tile) const {
+    const bool k_ok = k0 + kc < k_total;  // k_total is a multiple of 8: a chunk is all in or out
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const bool ok = k_ok && ((row_ok >> i) & 1u);
+      cp_async_16(tile + dst + i * (32 * 128), ok ? rowp[i] + k0 : dummy, ok);
+    }
+  }
+};
+
+// MN-major: thread t copies tile columns 8c..8c+7 (c = t % 16) of the k-lines t/16 + 16i; the
+// operand row of line l is k0 + l.  Row addresses are formed without branches as
+// base(k < split) + k * ld, base1 = seg1 - split * ld (integer arithmetic: never dereferenced
+// unless k >= split).
+template <>
+struct SliceLoader<kMNMajor> {
+  uint64_t base0, base1;  // byte addresses of column 8c in row 0 of segment 0 / (virtual) segment 1
+  const bf16* dummy;
+  uint32_t row_bytes;     // ld * 2
+  int split;
+  int line;               // t / 16
+  bool col_ok;            // valid is a multiple of 8: a chunk is all in or out
+  uint32_t dst;           // chunk i at dst + i * 2048 (16 lines further)
+  __device__ __forceinline__ explicit SliceLoader(const Operand& op) {
+    const int c = threadIdx.x & 15;
+    line = threadIdx.x >> 4;
+    split = op.split;
+    row_bytes = (uint32_t)op.ld * 2u;
+    col_ok = 8 * c < op.valid;
+    dummy = op.seg0;
+    base0 = reinterpret_cast<uint64_t>(op.seg0 + 8 * c);
+    base1 = reinterpret_cast<uint64_t>(op.seg1 + 8 * c) - (uint64_t)op.split * row_bytes;
+    dst = (c >> 3) * kPanelBytes + sw128_offset(line, c & 7);
+  }
+  __device__ __forceinline__ void load(int k0, int k_total, uint32_t tile) const {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int k = k0 + line + 16 * i;
+      const bool ok = col_ok && k < k_total;
+      const uint64_t src = (k < split ? base0 : base1) + (uint64_t)(uint32_t)k * row_bytes;
+      cp_async_16(tile + dst + i * (16 * 128), ok ? reinterpret_cast<const bf16*>(src) : dummy, ok);
+    }
+  }
+};
+
+// Descriptors of a slice before its k16 steps: this warpgroup's 64 A rows, all 128 B rows.
+template <int kLayout>
+__device__ __forceinline__ uint64_t a_desc(uint32_t tile, int wg) {
+  if constexpr (kLayout == kKMajor) return smem_desc_kmajor_sw128(tile + wg * 64 * 128);
+  else return smem_desc_mnmajor_sw128(tile + wg * kPanelBytes, kPanelBytes);
+}
+template <int kLayout>
+__device__ __forceinline__ uint64_t b_desc(uint32_t tile) {
+  if constexpr (kLayout == kKMajor) return smem_desc_kmajor_sw128(tile);
+  else return smem_desc_mnmajor_sw128(tile, kPanelBytes);
 }
 
 // C = A * B for one tile; on return the fp32 tile is in smem as [kBM][kLdC] (see c_tile) and
-// every thread of the CTA has passed a barrier after writing it.  Must be called by all threads.
+// every thread of the CTA has passed a barrier after writing it.  Must be called by all threads
+// (CTA-uniform arguments).
 template <int kALayout, int kBLayout>
 __device__ __forceinline__ void tile_gemm(const Operand& a, const Operand& b, int k_total, unsigned char* smem) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int wm = warp / kWarpsN, wn = warp % kWarpsN;
-  const uint32_t base = smem_addr(smem);
-  const int nk = (k_total + kBK - 1) / kBK;
+  constexpr uint32_t a_step = kALayout == kKMajor ? kStepK : kStepMN;
+  constexpr uint32_t b_step = kBLayout == kKMajor ? kStepK : kStepMN;
+  const uint32_t ring = (smem_addr(smem) + 1023u) & ~1023u;
+  const int wg = threadIdx.x >> 7;
+  const int nk = k_total > 0 ? (k_total + kBK - 1) / kBK : 0;
+  const SliceLoader<kALayout> la(a);
+  const SliceLoader<kBLayout> lb(b);
 
-  float acc[kMI][kNI][4];
+  float acc[kAccRegs];
 #pragma unroll
-  for (int mi = 0; mi < kMI; ++mi)
-#pragma unroll
-    for (int ni = 0; ni < kNI; ++ni)
-#pragma unroll
-      for (int q = 0; q < 4; ++q) acc[mi][ni][q] = 0.f;
+  for (int i = 0; i < kAccRegs; ++i) acc[i] = 0.f;
+  wgmma_fence_operand(acc);
 
-  // Prologue: slices 0 .. kStages-2, one commit group each (empty groups keep the count uniform).
+  __syncthreads();  // the previous epilogue has read the C tile the ring overlaps
+  // Prologue: slices 0 .. kStages-3, one commit group each (empty groups keep the count uniform).
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
+  for (int s = 0; s < kStages - 2; ++s) {
     if (s < nk) {
-      const uint32_t st = base + s * kStageBytes;
-      load_slice<kALayout>(a, s * kBK, k_total, st);
-      load_slice<kBLayout>(b, s * kBK, k_total, st + kTileBytes);
+      la.load(s * kBK, k_total, ring + s * kStageBytes);
+      lb.load(s * kBK, k_total, ring + s * kStageBytes + kTileBytes);
     }
     cp_async_commit();
   }
 
+  int slot = 0, fill = kStages - 2;
   for (int kt = 0; kt < nk; ++kt) {
-    // Slice kt has landed once at most kStages-2 younger groups are pending; the barrier also
-    // tells everyone that slot (kt-1) % kStages, read in the previous iteration, is free.
-    cp_async_wait<kStages - 2>();
+    // kStages - 2 + kt groups are committed and slice kt is group kt: at most kStages - 3 younger.
+    cp_async_wait<kStages - 3>();
+    fence_proxy_async_shared();
     __syncthreads();
-    const int pre = kt + kStages - 1;
+
+    wgmma_fence();  // accumulator writes (zeroing) come before the first MMA
+    const uint32_t sa = ring + slot * kStageBytes;
+    const uint64_t da = a_desc<kALayout>(sa, wg), db = b_desc<kBLayout>(sa + kTileBytes);
+#pragma unroll
+    for (int ks = 0; ks < kBK / 16; ++ks)
+      wgmma_bf16<kBN, kALayout, kBLayout>(acc, desc_advance(da, ks * a_step), desc_advance(db, ks * b_step), 1);
+    wgmma_commit();
+
+    // Refill the slot of slice kt-2: both warpgroups retired it before the barrier above.
+    const int pre = kt + kStages - 2;
     if (pre < nk) {
-      const uint32_t st = base + (pre % kStages) * kStageBytes;
-      load_slice<kALayout>(a, pre * kBK, k_total, st);
-      load_slice<kBLayout>(b, pre * kBK, k_total, st + kTileBytes);
+      const uint32_t sf = ring + fill * kStageBytes;
+      la.load(pre * kBK, k_total, sf);
+      lb.load(pre * kBK, k_total, sf + kTileBytes);
     }
     cp_async_commit();
 
-    const uint32_t sa = base + (kt % kStages) * kStageBytes, sb = sa + kTileBytes;
-#pragma unroll
-    for (int ks = 0; ks < kBK; ks += 16) {
-      uint32_t af[kMI][4], bf[kNI][2];
-      load_a_frags<kALayout>(af, sa, wm, ks);
-      load_b_frags<kBLayout>(bf, sb, wn, ks);
-#pragma unroll
-      for (int mi = 0; mi < kMI; ++mi)
-#pragma unroll
-        for (int ni = 0; ni < kNI; ++ni) mma_bf16_16816(acc[mi][ni], af[mi], bf[ni][0], bf[ni][1]);
-    }
+    wgmma_wait<1>();  // slice kt-1 retired (its slot is refilled next iteration); kt keeps running
+    wgmma_fence_operand(acc);
+    slot = slot + 1 == kStages ? 0 : slot + 1;
+    fill = fill + 1 == kStages ? 0 : fill + 1;
   }
+  wgmma_wait<0>();
+  wgmma_fence_operand(acc);
   cp_async_wait<0>();
-  __syncthreads();  // the ring is drained and read: the C tile may overwrite it
+  __syncthreads();  // no MMA or copy still uses the ring: the C tile may overwrite it
 
   float* c = reinterpret_cast<float*>(smem);
-  const int g = lane >> 2, t2 = (lane & 3) * 2;
+  WgmmaAccCoord co = WgmmaAccCoord::of_thread(threadIdx.x & 127);
+  co.row0 += 64 * wg;
 #pragma unroll
-  for (int mi = 0; mi < kMI; ++mi)
-#pragma unroll
-    for (int ni = 0; ni < kNI; ++ni) {
-      const int row = wm * kWM + mi * 16 + g, col = wn * kWN + ni * 8 + t2;
-      *reinterpret_cast<float2*>(c + row * kLdC + col) = make_float2(acc[mi][ni][0], acc[mi][ni][1]);
-      *reinterpret_cast<float2*>(c + (row + 8) * kLdC + col) = make_float2(acc[mi][ni][2], acc[mi][ni][3]);
-    }
+  for (int i = 0; i < kAccRegs; i += 2)
+    *reinterpret_cast<float2*>(c + co.row(i) * kLdC + co.col(i)) = make_float2(acc[i], acc[i + 1]);
   __syncthreads();
 }
+#endif  // MOK_GEMM_ENGINE_MMA_SYNC
 
 // The staged fp32 tile left by tile_gemm: element (r, c) at c_tile(smem)[r * kLdC + c].
 __device__ __forceinline__ const float* c_tile(const unsigned char* smem) {

@@ -102,6 +102,7 @@ extern "C" __global__ void __launch_bounds__(kScheduleThreads)
 schedule_scan(const __grid_constant__ ScheduleParams p) {
   extern __shared__ int smem[];
   int* base = smem;                         // [num_ranks + 1]
+  int* dest_rows = smem + kMaxRanks + 1;    // [num_ranks] padded rows each destination receives
   if (error_set(p.err)) return;
   const int total = load_route_bases(p, base);
   const int nchunks = max(1, (total + kScheduleChunk - 1) / kScheduleChunk);
@@ -131,7 +132,7 @@ schedule_scan(const __grid_constant__ ScheduleParams p) {
       off += (long long)(cnt + bm - 1) / bm * bm;
     }
     const int rows = (int)min(off, 0x7fffffffLL);
-    if (off > p.max_rows) set_error(p.err, kErrCapacity, d, rows, p.max_rows);
+    dest_rows[d] = rows;
     if (d == p.rank) {
       p.expert_offset[El] = rows;
       if (off > p.max_rows) {
@@ -139,6 +140,12 @@ schedule_scan(const __grid_constant__ ScheduleParams p) {
       } else {
         p.totals[0] = rows / bm; p.totals[1] = rows;
       }
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {  // the first overflowing destination, so that every rank reports the same one
+    for (int d = 0; d < p.num_ranks; ++d) {
+      if (dest_rows[d] > p.max_rows) { set_error(p.err, kErrCapacity, d, dest_rows[d], p.max_rows); break; }
     }
   }
   __syncthreads();

@@ -1,0 +1,355 @@
+"""Expert parallelism (issue 5) with the ranks sharing one GPU: both process models against the
+float64 reference with EP simulated, bitwise determinism, EP = P against EP = 1 on the same global
+problem, the capacity error on every rank, a peer that never calls, kernels that are not resident
+together.  The ``check_*`` functions take the ranks' devices so that test_ep_multigpu.py runs the
+same checks across GPUs.
+
+Every output is poisoned with NaN before the kernels run (an unwritten element fails); inputs are
+fresh random bf16 values; errors are relative Frobenius norms (mpi_ep_check.compare).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+cp = pytest.importorskip("cupy")
+
+import mok_rt as mok  # noqa: E402
+from mpi_ep_check import (CASES, compare, config, digest, enqueue, rank_inputs, reference_results,  # noqa: E402
+                          rel_err, run_one_process, run_rank, to_device, to_numpy)
+from test_group import assert_ok, run_ranks  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SEED = 3
+REPORT: list[str] = []
+_DIGESTS: dict = {}
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks shared with the multi-GPU tests
+# ---------------------------------------------------------------------------------------------
+
+def check_schedule_matches_twin(devices, tokens, num_experts: int, k: int) -> None:
+    """Every rank's device schedule (routing exchanged on the device) equals the NumPy twin."""
+    from mok_rt.schedule_ref import schedule_reference
+    P = len(devices)
+    rng = np.random.default_rng(sum(tokens))
+    ids = [rng.integers(0, num_experts, size=(t, k)).astype(np.int64 if r % 2 else np.int32)
+           for r, t in enumerate(tokens)]
+    cfg = mok.MoEConfig(hidden=64, intermediate=64, num_experts=num_experts, top_k=k)
+    dev_ids = []
+    for r in range(P):
+        with cp.cuda.Device(devices[r]):
+            dev_ids.append(cp.asarray(ids[r]))
+    for r in set(devices):
+        cp.cuda.Device(r).synchronize()
+    with mok.Workspace(cfg, mok.SingleProcessGroup(devices), max_tokens=max(max(tokens), 1),
+                       poison_outputs=True) as ws:
+        for _ in range(3):   # consecutive schedules alternate routing areas
+            scheds = [mok.schedule(ws.rank(r), dev_ids[r]) for r in range(P)]
+            ws.synchronize()
+            for r in range(P):
+                got = scheds[r].to_numpy()
+                ref = schedule_reference(ids, num_experts=num_experts, num_ranks=P, block_m=128, rank=r)
+                for n in ("expert_count", "expert_offset", "block_expert", "row_src_rank", "row_slot", "route_row",
+                          "route_rank"):
+                    np.testing.assert_array_equal(got[n], getattr(ref, n), err_msg=f"rank {r} {n}")
+                assert got["num_rows"] == ref.num_rows
+
+
+def check_one_process_matches_reference(case: str, devices) -> list[dict]:
+    t0 = time.monotonic()
+    got = run_one_process(case, SEED, devices)
+    took = time.monotonic() - t0
+    ref = reference_results(case, SEED, len(devices))
+    problems = []
+    for r in range(len(devices)):
+        errs, bad = compare(got[r], ref[r])
+        REPORT.append(f"{case} devices={list(devices)} rank {r} (one process): "
+                      + " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
+        problems += [f"rank {r}: {p}" for p in bad]
+    print("\n".join(REPORT[-len(devices):]), f"\n(GPU part {took:.1f} s)")
+    _DIGESTS[(case, tuple(devices))] = [digest(g) for g in got]
+    assert not problems, problems
+    return got
+
+
+def _rank_worker(ctx, case, devices):
+    group = ctx.group(device_id=devices[ctx.rank])
+    return digest(run_rank(group, case, SEED))
+
+
+def check_two_processes_match_one_process(case: str, devices) -> None:
+    """One process per rank (CallableGroup over a test all-gather) gives the same bits as one
+    process driving every rank, which is checked against the reference."""
+    got = assert_ok(run_ranks(_rank_worker, len(devices), case, devices, timeout=900))
+    key = (case, tuple(devices))
+    if key not in _DIGESTS:
+        check_one_process_matches_reference(case, devices)
+    want = _DIGESTS[key]
+    for r in range(len(devices)):
+        differ = sorted(n for n in want[r] if got[r].get(n) != want[r][n])
+        assert not differ, f"rank {r}: {differ} differ between the two process models"
+    REPORT.append(f"{case} devices={list(devices)}: one process per rank == one process for all ranks (bitwise)")
+
+
+def check_deterministic(case: str, devices) -> None:
+    a = run_one_process(case, SEED + 1, devices, recompute=False)
+    b = run_one_process(case, SEED + 1, devices, recompute=False)
+    for r in range(len(devices)):
+        for n in a[r]:
+            np.testing.assert_array_equal(a[r][n].view(np.uint8), b[r][n].view(np.uint8), err_msg=f"rank {r} {n}")
+
+
+def _global_problem(hs: list[dict]) -> dict:
+    cat = lambda n: np.concatenate([h[n] for h in hs])  # noqa: E731
+    return {"x": cat("x"), "tw": cat("tw"), "d_out": cat("d_out"), "ids": cat("ids"), "w_gate": cat("w_gate"),
+            "w_up": cat("w_up"), "w_down": cat("w_down"), "shared": hs[0]["shared"]}
+
+
+def check_ep_against_one_rank(case: str, devices) -> dict:
+    """The same global problem on P ranks and on one rank; returns the relative differences."""
+    P = len(devices)
+    hs = [rank_inputs(case, SEED, r, P) for r in range(P)]
+    ep = run_one_process(case, SEED, devices, recompute=False, inputs=hs)
+    glob = _global_problem(hs)
+    T = [h["x"].shape[0] for h in hs]
+    with mok.Workspace(config(case), mok.SingleProcessGroup([devices[0]]), max_tokens=max(sum(T), 1),
+                       poison_outputs=True) as ws:
+        pending = enqueue(ws, to_device(glob, devices[0]), recompute=False)
+        ws.synchronize()
+        one = to_numpy(pending)
+    diffs, identical = {}, {}
+    for n in one:
+        if n in ("out", "dx", "d_topk_weights"):     # per token: rank r's rows of the global problem
+            a = np.concatenate([ep[r][n] for r in range(P)])
+        elif n.startswith("dws"):                   # shared expert: every rank's own tokens, summed
+            a = sum(ep[r][n].astype(np.float64) for r in range(P))
+        else:                                       # routed experts: rank r holds experts r*E_l ...
+            a = np.concatenate([ep[r][n] for r in range(P)])
+        b = one[n]
+        assert a.shape == b.shape, n
+        diffs[n] = rel_err(a, b)
+        identical[n] = a.dtype == b.dtype and np.array_equal(np.asarray(a).view(np.uint8), b.view(np.uint8))
+        assert diffs[n] <= 1e-2, (n, diffs[n])
+    REPORT.append(f"{case} EP={P} vs EP=1 on the same global problem: "
+                  + " ".join(f"{n}={'bitwise' if identical[n] else f'{diffs[n]:.1e}'}" for n in diffs))
+    print(REPORT[-1])
+    return diffs
+
+
+def check_capacity_error_on_every_rank(devices) -> None:
+    P = len(devices)
+    case = "e6_1000_37"
+    cfg = config(case, capacity_factor=0.75)
+    T = CASES[case][1]
+    hs = [rank_inputs(case, SEED, r, P, ids=np.tile([0, 1, 2], (T[r], 1))) for r in range(P)]  # all on rank 0
+    ds = [to_device(hs[r], devices[r]) for r in range(P)]
+    with mok.Workspace(cfg, mok.SingleProcessGroup(devices), max_tokens=max(T)) as ws:
+        assert ws.capacity_rows < sum(T) * 3
+        for r in range(P):
+            mok.schedule(ws.rank(r), ds[r]["ids"])
+        for r in range(P):
+            with pytest.raises(mok.CapacityError) as e:
+                ws.rank(r).synchronize()
+            assert e.value.info[0] == 0, f"rank {r} blames rank {e.value.info[0]}, not the overflowing rank 0"
+        # the workspace works again once every rank has reported it
+        ok = [rank_inputs(case, SEED, r, P) for r in range(P)]
+        pending = [enqueue(ws.rank(r), to_device(ok[r], devices[r]), recompute=False) for r in range(P)]
+        ws.synchronize()
+        ref = reference_results(case, SEED, P)
+        for r in range(P):
+            _, bad = compare(to_numpy(pending[r]), ref[r])
+            assert not bad, (r, bad)
+
+
+def check_dead_peer_times_out(devices) -> None:
+    """One rank skips the forward: the others raise PeerTimeoutError naming it, within bounds."""
+    P = len(devices)
+    case = "e6_1000_37"
+    cfg = config(case, timeout_s=1.0)
+    hs = [rank_inputs(case, SEED, r, P) for r in range(P)]
+    ds = [to_device(hs[r], devices[r]) for r in range(P)]
+    missing = P - 1
+    with mok.Workspace(cfg, mok.SingleProcessGroup(devices), max_tokens=1000) as ws:
+        scheds = [mok.schedule(ws.rank(r), ds[r]["ids"]) for r in range(P)]
+        t0 = time.monotonic()
+        for r in range(missing):
+            d = ds[r]
+            mok.forward(ws.rank(r), scheds[r], d["x"], d["tw"], d["w_gate"], d["w_up"], d["w_down"])
+        for r in range(missing):
+            with pytest.raises(mok.PeerTimeoutError) as e:
+                ws.rank(r).synchronize()
+            assert e.value.rank == missing and e.value.info[:2] == (r, missing), str(e.value)
+        assert time.monotonic() - t0 < 10
+        ws.rank(missing).synchronize()
+    # a rank that skips the schedule: its peers' routing exchange times out naming it
+    with mok.Workspace(cfg, mok.SingleProcessGroup(devices), max_tokens=1000) as ws:
+        for r in range(missing):
+            mok.schedule(ws.rank(r), ds[r]["ids"])
+        for r in range(missing):
+            with pytest.raises(mok.PeerTimeoutError) as e:
+                ws.rank(r).synchronize()
+            assert e.value.rank == missing
+
+
+def _dead_peer_worker(ctx, devices):
+    group = ctx.group(device_id=devices[ctx.rank])
+    case = "e6_1000_37"
+    cfg = config(case, timeout_s=1.0)
+    d = to_device(rank_inputs(case, SEED, ctx.rank, group.size), devices[ctx.rank])
+    missing = group.size - 1
+    out = None
+    with mok.Workspace(cfg, group, max_tokens=1000) as ws:
+        sched = mok.schedule(ws, d["ids"])
+        ws.synchronize()
+        if ctx.rank != missing:
+            t0 = time.monotonic()
+            mok.forward(ws, sched, d["x"], d["tw"], d["w_gate"], d["w_up"], d["w_down"])
+            try:
+                ws.synchronize()
+            except mok.PeerTimeoutError as e:
+                out = (e.rank, e.info, time.monotonic() - t0)
+        group.barrier()   # the skipping rank keeps its memory mapped until the others are done
+    return out
+
+
+def check_dead_peer_two_processes(devices) -> None:
+    res = assert_ok(run_ranks(_dead_peer_worker, len(devices), devices, timeout=300))
+    missing = len(devices) - 1
+    for r in range(missing):
+        assert res[r] is not None, f"rank {r} did not time out"
+        rank, info, took = res[r]
+        assert rank == missing and info[:2] == (r, missing) and took < 10, res[r]
+
+
+def check_mismatched_configs_raise_on_every_rank(devices) -> None:
+    res = run_ranks(_mismatch_worker, len(devices), devices, timeout=300)
+    for r, v in enumerate(res):
+        assert getattr(v, "type_name", None) == "ArgumentError" and "num_experts" in v.message, (r, v)
+
+
+def _mismatch_worker(ctx, devices):
+    group = ctx.group(device_id=devices[ctx.rank])
+    cfg = mok.MoEConfig(hidden=256, intermediate=128, num_experts=4 if ctx.rank == 0 else 8, top_k=2)
+    mok.Workspace(cfg, group, max_tokens=64).close()
+
+
+# ---------------------------------------------------------------------------------------------
+# One GPU, ranks sharing it
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("devices,tokens,E,k", [([0, 0], (1000, 37), 6, 3), ([0, 0], (0, 300), 4, 2),
+                                                ([0, 0, 0], (5, 0, 700), 12, 5), ([0] * 8, (50,) * 8, 64, 8)])
+def test_schedule_matches_twin(devices, tokens, E, k):
+    check_schedule_matches_twin(devices, tokens, E, k)
+
+
+@pytest.mark.parametrize("case", ["e6_1000_37", "e6_shared_limit", "empty_rank", "qwen3_4096x2"])
+def test_one_process_two_ranks_match_reference(case):
+    check_one_process_matches_reference(case, [0, 0])
+
+
+@pytest.mark.parametrize("case", ["e6_1000_37", "qwen3_4096x2"])
+def test_two_processes_on_one_gpu_match_one_process(case):
+    check_two_processes_match_one_process(case, [0, 0])
+
+
+def test_three_ranks_on_one_gpu():
+    # P = 3 (neither 2 nor a power of two): two experts per rank, token counts 1000, 37, 1000
+    check_one_process_matches_reference("e6_shared_limit", [0, 0, 0])
+
+
+def test_deterministic():
+    check_deterministic("e6_shared_limit", [0, 0])
+
+
+def test_ep2_against_ep1_on_the_same_problem():
+    check_ep_against_one_rank("e6_1000_37", [0, 0])
+    check_ep_against_one_rank("qwen3_4096x2", [0, 0])
+
+
+def test_capacity_error_on_every_rank():
+    check_capacity_error_on_every_rank([0, 0])
+
+
+def test_dead_peer_times_out_naming_it():
+    check_dead_peer_times_out([0, 0])
+
+
+def test_dead_peer_two_processes():
+    check_dead_peer_two_processes([0, 0])
+
+
+def test_mismatched_configs_raise_on_every_rank():
+    check_mismatched_configs_raise_on_every_rank([0, 0])
+
+
+def test_not_resident_together_times_out_instead_of_hanging(monkeypatch):
+    """Full-size grids for both ranks of one GPU: the first kernel may fill the GPU; the run must
+    then end in a timeout (or, if the second kernel found room after all, in correct results)."""
+    from mok_rt import _ep
+    monkeypatch.setattr(_ep.EPShared, "ranks_sharing_gpu", lambda self, rank: 1)
+    case = "e6_1000_37"
+    t0 = time.monotonic()
+    try:
+        got = run_one_process(case, SEED, [0, 0], cfg=config(case, timeout_s=1.0), recompute=False)
+    except mok.PeerTimeoutError as e:
+        REPORT.append(f"not co-resident: timed out as expected ({e})")
+    else:
+        ref = reference_results(case, SEED, 2)
+        for r in range(2):
+            _, bad = compare(got[r], ref[r])
+            assert not bad, bad
+        REPORT.append("not co-resident: the second grid found room; results correct")
+    assert time.monotonic() - t0 < 60
+
+
+def test_api_misuse_is_named():
+    case = "empty_rank"
+    hs = [rank_inputs(case, SEED, r, 2) for r in range(2)]
+    ds = [to_device(h, 0) for h in hs]
+    with mok.Workspace(config(case), mok.SingleProcessGroup([0, 0]), max_tokens=300) as ws:
+        with pytest.raises(mok.ArgumentError) as e:
+            mok.schedule(ws, ds[0]["ids"])          # which rank? the workspace drives two
+        assert e.value.argument == "ws"
+        with pytest.raises(mok.ArgumentError) as e:
+            ws.rank(2)
+        assert e.value.argument == "rank"
+        with pytest.raises(mok.ArgumentError) as e:
+            mok.schedule(ws.rank(1), cp.zeros((301, 2), dtype=cp.int32))
+        assert e.value.argument == "topk_ids"
+        s = [mok.schedule(ws.rank(r), ds[r]["ids"]) for r in range(2)]
+        with pytest.raises(mok.ArgumentError) as e:  # rank 0's schedule handed to rank 1
+            mok.forward(ws.rank(1), s[0], ds[1]["x"], ds[1]["tw"], ds[1]["w_gate"], ds[1]["w_up"], ds[1]["w_down"])
+        assert e.value.argument == "sched"
+        ws.synchronize()
+
+
+def test_mpi_script_under_mpirun():
+    mpirun = shutil.which("mpirun")
+    if mpirun is None or importlib.util.find_spec("mpi4py") is None:
+        pytest.skip("needs mpirun and mpi4py")
+    cmd = [mpirun, "-np", "2", "--oversubscribe"]
+    if os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    cmd += [sys.executable, os.path.join(HERE, "mpi_ep_check.py")]
+    env = dict(os.environ, OMPI_MCA_btl_vader_single_copy_mechanism="none")
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    text = out.stdout + out.stderr
+    print(text)
+    assert out.returncode == 0, text
+    assert "ALL PASS" in text and "FAIL " not in text
+    assert text.count("PASS ") >= 2 * 4
+
+
+def teardown_module(module):
+    print("\n".join(["", "expert parallelism, relative Frobenius errors vs the float64 reference:"] + REPORT))
