@@ -159,8 +159,11 @@ class CudaBackend:
 
     def recompute(self, sched, args, *, stream):
         if args.w_down is None or (self.ws.config.has_shared and args.ws_down is None):
-            raise ArgumentError("w_down", "the CUDA backend rebuilds the whole context, expert outputs included: "
-                                          "pass w_down= (and ws_down= with a shared expert)")
+            # DESIGN §4's recompute_context gets no w_down, and the context holds the experts' outputs
+            # (for d_topk_weights), which need it.  So the rebuild runs at the start of the backward,
+            # which gets w_down: the same work, done just before it is needed -- which is when
+            # activation checkpointing recomputes anyway.
+            return Context(schedule=sched, tokens=sched.tokens, data=None, recomputed=True)
         _, state = self._run_forward(sched, args, stream, context_only=True)
         return Context(schedule=sched, tokens=sched.tokens, data=state, recomputed=True)
 
@@ -176,6 +179,8 @@ class CudaBackend:
     def backward(self, sched, ctx, dout, args, *, out, accumulate, stream):
         self._used(stream)
         state: _ForwardState = ctx.data
+        if state is None:   # a deferred recompute_context (called without w_down): rebuild it now
+            _, state = self._run_forward(sched, args, stream, context_only=True)
         dims = state.dims
         cfg = self.ws.config
         T, H, I, Is, El, k = dims.tokens, dims.hidden, dims.intermediate, dims.shared_intermediate, \

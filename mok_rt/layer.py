@@ -85,7 +85,10 @@ def forward(ws, sched, x, topk_weights, w_gate, w_up, w_down, ws_gate=None, ws_u
 
 def recompute_context(ws, sched, x, w_gate, w_up, ws_gate=None, ws_up=None, *, w_down=None, ws_down=None,
                       topk_weights=None, stream=None):
-    """Rebuild the forward's context from ``x`` (activation checkpointing) without producing ``out``."""
+    """Rebuild the forward's context from ``x`` (activation checkpointing) without producing ``out``.
+
+    With ``w_down=`` (and ``ws_down=``) the rebuild is enqueued now; without them (DESIGN §4's
+    signature) it is enqueued at the start of :func:`backward`, which receives them."""
     ws = _rank(ws)
     impl = ws._backend()
     _check_schedule(ws, sched)

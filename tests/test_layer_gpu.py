@@ -165,6 +165,25 @@ def test_zero_tokens():
         assert np.array_equal(got[n], np.zeros_like(got[n])), n
 
 
+def test_recompute_context_without_w_down():
+    """DESIGN §4's signature (no w_down): the rebuild is deferred into the backward; same bits."""
+    cfg = mok.MoEConfig(hidden=512, intermediate=256, num_experts=8, top_k=2, shared_intermediate=256)
+    h = make_problem(14, T=300, H=512, I=256, E=8, k=2, Is=256)
+    d = _to_dev(h)
+    with mok.Workspace(cfg, mok.SingleProcessGroup(devices=[0]), max_tokens=300, poison_outputs=True) as ws:
+        sched = mok.schedule(ws, d["ids"])
+        _, ctx = mok.forward(ws, sched, d["x"], d["tw"], d["w_gate"], d["w_up"], d["w_down"], *d["shared"])
+        a = mok.backward(ws, sched, ctx, d["d_out"], d["x"], d["tw"], d["w_gate"], d["w_up"], d["w_down"],
+                         *d["shared"])
+        ctx2 = mok.recompute_context(ws, sched, d["x"], d["w_gate"], d["w_up"], d["shared"][0], d["shared"][1])
+        b = mok.backward(ws, sched, ctx2, d["d_out"], d["x"], d["tw"], d["w_gate"], d["w_up"], d["w_down"],
+                         *d["shared"])
+        ws.synchronize()
+        for n in GRADS:
+            np.testing.assert_array_equal(getattr(a, n).to_numpy().view(np.uint8),
+                                          getattr(b, n).to_numpy().view(np.uint8), err_msg=n)
+
+
 def test_bitwise_deterministic():
     cfg = mok.MoEConfig(hidden=1024, intermediate=512, num_experts=16, top_k=4, shared_intermediate=512)
     h = make_problem(11, T=1500, H=1024, I=512, E=16, k=4, Is=512)
