@@ -7,15 +7,13 @@ capacity) raise at once here.
 """
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 
 from . import reference, schedule_ref
 from .dlpack import TensorView
 from .errors import ArgumentError, ExpertIdError
 from .layer import Context, Gradients
-from .tensor import Tensor
+from .tensor import Tensor, _host_array
 
 
 class _RefSchedule:
@@ -26,23 +24,11 @@ class _RefSchedule:
 
 
 def host_array(view: TensorView) -> np.ndarray:
-    """A NumPy array over a host view's memory (zero copy; contiguous views only)."""
+    """A NumPy array over a host view's memory (zero copy); the array keeps the view alive."""
     keep = view._keepalive
     if isinstance(keep, np.ndarray) and keep.shape == view.shape and keep.dtype == view.dtype.numpy:
         return keep
-    if view.size == 0:
-        return np.zeros(view.shape, dtype=view.dtype.numpy)
-    buf = (ctypes.c_byte * view.nbytes).from_address(view.ptr)
-    arr = np.frombuffer(buf, dtype=view.dtype.numpy).reshape(view.shape)
-    # keep the producer alive as long as the array
-    return _Owned(arr, view)
-
-
-class _Owned(np.ndarray):
-    def __new__(cls, arr, owner):
-        obj = arr.view(cls)
-        obj._owner = owner
-        return obj
+    return _host_array(view.ptr, view.shape, view.strides, view.dtype, view)
 
 
 def _np(view):
@@ -97,7 +83,7 @@ class ReferenceBackend:
 
     def forward(self, sched, args, *, stream):
         out, rctx = self._run_forward(sched, args)
-        out_t = Tensor.from_numpy(np.ascontiguousarray(out.astype(host_array(args.x).dtype)))
+        out_t = Tensor.from_numpy(np.ascontiguousarray(out.astype(args.x.dtype.numpy)))
         return out_t, Context(schedule=sched, tokens=sched.tokens, data=rctx)
 
     def recompute(self, sched, args, *, stream):
@@ -107,8 +93,7 @@ class ReferenceBackend:
     def backward(self, sched, ctx, dout_view, args, *, out, accumulate, stream):
         _, rctx = self._run_forward(sched, args)   # the backward's own inputs define the point
         g = reference.backward(rctx, _np(dout_view))
-        x_dtype = host_array(args.x).dtype
-        tw_dtype = host_array(args.topk_weights).dtype
+        x_dtype, tw_dtype = args.x.dtype.numpy, args.topk_weights.dtype.numpy
         result = {"dx": Tensor.from_numpy(np.ascontiguousarray(g.dx.astype(x_dtype))),
                   "d_topk_weights": Tensor.from_numpy(np.ascontiguousarray(g.d_topk_weights.astype(tw_dtype)))}
         for name in ("dw_gate", "dw_up", "dw_down", "dws_gate", "dws_up", "dws_down"):
