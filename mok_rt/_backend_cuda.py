@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from . import _moe_launch as L
 from . import _moe_params as P
 from . import dtypes
-from ._errorword import ErrorWord
+from ._errorword import ErrorWord, device_error
 from .dlpack import check, from_dlpack
 from .device import activate
 from .errors import ArgumentError
@@ -82,14 +82,23 @@ class CudaBackend:
         self.check()
 
     def check(self) -> None:
-        code = self.error.read()[0]
-        if code:
-            try:
-                where = f"device {self.device_id}" if self.ep is None else \
-                    f"rank {self.ep.rank}, device {self.device_id}"
-                self.error.raise_if_set(f"mok_rt ({where})")
-            finally:
-                self.error.clear()
+        code, a, b, c = self.error.read()
+        if not code:
+            return
+        try:
+            where = f"device {self.device_id}" if self.ep is None else f"rank {self.ep.rank}, device {self.device_id}"
+            err = device_error(code, (a, b, c), f"mok_rt ({where})")
+            if self.ep is not None:
+                note = self.ep.shared.health.record(code, str(err))
+                err = device_error(code, (a, b, c), f"mok_rt ({where})", note=note)
+        finally:
+            self.error.clear()
+        raise err
+
+    def _check_usable(self) -> None:
+        """With expert parallelism: refuse new calls once the state shared with the peers is undefined."""
+        if self.ep is not None:
+            self.ep.shared.health.check(self.ep.rank)
 
     # -- helpers -----------------------------------------------------------------------------------
     def _empty(self, shape, dtype, stream, *, poison=True):
@@ -117,6 +126,7 @@ class CudaBackend:
 
     # -- the API -----------------------------------------------------------------------------------
     def schedule(self, ids, *, stream):
+        self._check_usable()
         self._used(stream)
         cfg, ws = self.ws.config, self.ws
         T = ids.shape[0]
@@ -131,6 +141,7 @@ class CudaBackend:
         return s
 
     def _run_forward(self, sched, args, stream, *, context_only: bool):
+        self._check_usable()
         self._used(stream)
         T = sched.tokens
         dims = self._dims(T)
@@ -177,6 +188,7 @@ class CudaBackend:
         return v, given
 
     def backward(self, sched, ctx, dout, args, *, out, accumulate, stream):
+        self._check_usable()
         self._used(stream)
         state: _ForwardState = ctx.data
         if state is None:   # a deferred recompute_context (called without w_down): rebuild it now

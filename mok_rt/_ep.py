@@ -15,6 +15,13 @@ signal before every rank has zeroed its own); nothing peers signal is ever reset
 Every launch that talks to peers gets an epoch, counted on the host: every rank makes the same
 sequence of calls, so the ranks agree on it without talking.  Buffers are reused across launches
 safely because every expert-parallel launch ends with a group barrier (ep.cuh).
+
+After an error (:class:`EPHealth`): an expert-id or capacity error is found by every rank in the
+schedule, from the same all-gathered routing, so every rank skips the same launches and the
+epochs stay in step: the workspace stays usable.  After a timeout or an internal error some
+rank skipped a call or a barrier that its peers made (or a late peer may still write into this
+rank's memory), so the shared state is undefined: the workspace refuses further calls, and the
+ranks must close it and create a new one.
 """
 from __future__ import annotations
 
@@ -22,13 +29,14 @@ import dataclasses
 from dataclasses import dataclass
 
 from . import _driver
+from ._errorword import ERR_CAPACITY, ERR_EXPERT_ID
 from ._moe_launch import PeerSpec
 from ._moe_params import MAX_EP_RANKS, NUM_PEER_FLAGS
-from .errors import ArgumentError
+from .errors import ArgumentError, MokError
 from .group import ProcessGroup, collective_step
 from .routing import RoutingExchange, routing_area_bytes
 
-__all__ = ["HeapLayout", "EPShared", "EPRank", "check_same_config"]
+__all__ = ["HeapLayout", "EPHealth", "EPShared", "EPRank", "check_same_config"]
 
 _ALIGN = 256
 _PAD_BYTES = 4 * (1 + MAX_EP_RANKS)   # pad_words(size) in barrier.cuh, for the largest group
@@ -96,6 +104,39 @@ def check_same_config(group: ProcessGroup, config, max_tokens, backend: str = "c
                                           f"{first[name]!r}: every rank must pass the same {name}")
 
 
+# Device errors that every rank of the group detects alike (in the schedule, from the same global
+# routing): every rank skips the same launches, so the workspace remains usable.
+GROUP_CONSISTENT_ERRORS = (ERR_CAPACITY, ERR_EXPERT_ID)
+
+
+class EPHealth:
+    """Whether the state a workspace's ranks share is still defined (one per process's workspace).
+
+    :meth:`record` is told every device error a local rank reports; an error that not every rank
+    sees alike (a timeout, an internal error) breaks the workspace, and :meth:`check` then refuses
+    every further call with the reason."""
+
+    RECREATE = ("close this workspace and create a new one on every rank (collectively): after a "
+                "timeout a rank may have skipped a call or a barrier that its peers made, or may "
+                "still be writing into this rank's memory")
+
+    def __init__(self):
+        self.broken: str | None = None
+
+    def record(self, code: int, message: str) -> str:
+        """Note a device error; returns what to append to its message ("" when it is harmless)."""
+        if code in GROUP_CONSISTENT_ERRORS:
+            return ""
+        if self.broken is None:
+            self.broken = message
+        return f"; the expert-parallel state is now undefined: {self.RECREATE}"
+
+    def check(self, rank: int) -> None:
+        if self.broken is not None:
+            raise MokError(f"mok_rt (rank {rank}): this workspace cannot run expert-parallel calls any more "
+                           f"(earlier: {self.broken}); {self.RECREATE}")
+
+
 class EPShared:
     """The heap and layout of one workspace's expert-parallel group (collective to create)."""
 
@@ -106,6 +147,7 @@ class EPShared:
         self.group = group
         self.layout = HeapLayout.make(max_tokens=max_tokens, top_k=config.top_k, hidden=config.hidden,
                                       capacity_rows=capacity_rows)
+        self.health = EPHealth()
         self.heap = SymmetricHeap(group, self.layout.nbytes)
         try:
             collective_step(group, "Workspace: zero the peer flags", self._zero_control)

@@ -15,7 +15,7 @@ from . import _driver
 from .errors import (ArgumentError, CapacityError, DeviceError, ExpertIdError, MokError, PeerTimeoutError,
                      TokenCountError)
 
-__all__ = ["ErrorWord", "PrimaryContext"]
+__all__ = ["ErrorWord", "PrimaryContext", "device_error"]
 
 # Mirrors mok::ErrorCode in cuda_src/common/errors.cuh.
 ERR_NONE, ERR_EXPERT_ID, ERR_CAPACITY, ERR_TIMEOUT, ERR_TOKENS, ERR_INTERNAL = range(6)
@@ -95,28 +95,13 @@ class ErrorWord:
             self._api.call("cuMemsetD32Async", self.device_ptr, 0, _WORDS, self._stream)
             self._api.call("cuStreamSynchronize", self._stream)
 
-    def raise_if_set(self, context: str = "kernel") -> None:
-        """Raise the :class:`DeviceError` subclass for the recorded code, if any."""
+    def raise_if_set(self, context: str = "kernel", *, note: str = "") -> None:
+        """Raise the :class:`DeviceError` subclass for the recorded code, if any (``note`` is
+        appended to the message)."""
         code, a, b, c = self.read()
         if code == ERR_NONE:
             return
-        info = (a, b, c)
-        if code == ERR_TIMEOUT:
-            who = "an unknown rank" if b < 0 else f"rank {b}"
-            raise PeerTimeoutError(f"{context}: rank {a} timed out waiting for {who} (epoch/stage {c}); "
-                                   f"did every rank launch it?", code=code, info=info, rank=b)
-        if code == ERR_EXPERT_ID:
-            raise ExpertIdError(f"{context}: rank {a}, token {b}: expert id {c} is out of range",
-                                code=code, info=info)
-        if code == ERR_CAPACITY:
-            raise CapacityError(f"{context}: rank {a} received {b} rows, more than its capacity of {c}",
-                                code=code, info=info)
-        if code == ERR_TOKENS:
-            raise TokenCountError(f"{context}: rank {a} has {b} tokens, more than the maximum {c}",
-                                  code=code, info=info)
-        if code == ERR_INTERNAL:
-            raise DeviceError(f"{context}: internal error at line {a} ({b}, {c})", code=code, info=info)
-        raise DeviceError(f"{context}: unknown device error code {code} {info}", code=code, info=info)
+        raise device_error(code, (a, b, c), context, note=note)
 
     def _check_open(self) -> None:
         if not self.device_ptr:
@@ -153,3 +138,33 @@ class ErrorWord:
     def __repr__(self) -> str:
         state = "closed" if self.closed else str(self.read())
         return f"ErrorWord(device_id={self.device_id}, {state})"
+
+
+def device_error(code: int, info: tuple, context: str, *, note: str = "") -> DeviceError:
+    """The :class:`DeviceError` subclass for an error word ``code`` with ``info`` (a, b, c)."""
+    e = _device_error(code, tuple(info), context)
+    if note:
+        e.args = (f"{e.args[0]}{note}",) + e.args[1:]
+    return e
+
+
+def _device_error(code: int, info: tuple, context: str) -> DeviceError:
+    a, b, c = info
+    if code == ERR_TIMEOUT:
+        # A local wait reports -1: one of its rank's own tasks never finished (most likely
+        # blocked behind a peer whose own wait reported first, or a kernel fault).
+        who = "an unknown rank" if b < 0 else f"rank {b}"
+        return PeerTimeoutError(f"{context}: rank {a} timed out waiting for {who} (epoch/stage {c}); "
+                                f"did every rank launch it?", code=code, info=info, rank=b)
+    if code == ERR_EXPERT_ID:
+        return ExpertIdError(f"{context}: rank {a}, token {b}: expert id {c} is out of range",
+                             code=code, info=info)
+    if code == ERR_CAPACITY:
+        return CapacityError(f"{context}: rank {a} received {b} rows, more than its capacity of {c}",
+                             code=code, info=info)
+    if code == ERR_TOKENS:
+        return TokenCountError(f"{context}: rank {a} has {b} tokens, more than the maximum {c}",
+                               code=code, info=info)
+    if code == ERR_INTERNAL:
+        return DeviceError(f"{context}: internal error at line {a} ({b}, {c})", code=code, info=info)
+    return DeviceError(f"{context}: unknown device error code {code} {info}", code=code, info=info)

@@ -166,6 +166,12 @@ def prepare(device_id: int, num_experts: int) -> None:
                           (33 * num_experts + MAX_RANKS + 1) * 4)
     _ensure_shared_memory(get_kernel(_CUBIN, "schedule_count", device_id), device_id,
                           (num_experts + MAX_RANKS + 1) * 4)
+    _ensure_shared_memory(get_kernel(_CUBIN, "schedule_scan", device_id), device_id, scan_shared_bytes(num_experts))
+
+
+def scan_shared_bytes(num_experts: int) -> int:
+    """Dynamic shared memory of schedule_scan: int64 prefix [E + 1], int32 counts [E], route bases."""
+    return 8 * (num_experts + 1) + 4 * num_experts + 4 * (MAX_RANKS + 1)
 
 
 def _check_layout(num_ranks: int, num_experts: int, max_rows: int, block_m: int) -> None:
@@ -215,7 +221,7 @@ def _enqueue(p: ScheduleParams, *, num_ranks: int, tokens: int, num_experts: int
 
     ints = 4
     smem_count = (num_experts + MAX_RANKS + 1) * ints
-    smem_scan = (2 * MAX_RANKS + 1) * ints
+    smem_scan = scan_shared_bytes(num_experts)
     smem_place = (33 * num_experts + MAX_RANKS + 1) * ints
     common = dict(block=SCHEDULE_THREADS, params=p, stream=stream, device_id=device_id)
     launch(get_kernel(_CUBIN, "schedule_count", device_id), grid=max_chunks, shared_mem=smem_count, **common)

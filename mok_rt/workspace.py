@@ -89,10 +89,15 @@ class Workspace:
     ``recompute_context`` / ``backward`` calls, each rank's calls ordered on one stream; the
     kernels meet their peers on the device (no host synchronisation).  A rank that does not make
     a call makes its peers raise :class:`~mok_rt.PeerTimeoutError` naming it after
-    ``cfg.timeout_s``; the workspace must then be recreated.  With one process per rank
+    ``cfg.timeout_s``; the workspace then refuses further calls (the state the ranks share is
+    undefined) and must be closed and recreated on every rank.  An expert-id or capacity error
+    is reported by every rank alike and leaves the workspace usable.  With one process per rank
     (MPIGroup, CallableGroup) pass the workspace itself to the API; when one process drives
     several ranks (``SingleProcessGroup(devices=[0, 1])``, or ``[0, 0]``: ranks sharing a GPU
-    split its SMs) pass ``ws.rank(i)``.
+    split its SMs) pass ``ws.rank(i)``, and issue one step's calls of every rank before waiting
+    for any of them: nothing that synchronises the device (``cudaDeviceSynchronize``, a copy on
+    the legacy default stream, ``ws.rank(i).synchronize()``) may come between rank 0's call and
+    rank 1's, since rank 0's kernels wait on the device for rank 1's (they would time out).
     """
 
     def __init__(self, config: MoEConfig, group=None, *, max_tokens: int, backend: str = "cuda", stream=None,

@@ -242,17 +242,24 @@ def _checks(group) -> list[tuple[str, object]]:
     def capacity():
         cfg = config("e6_1000_37", capacity_factor=0.75)
         h = rank_inputs("e6_1000_37", seed, group.rank, group.size,
-                        ids=np.tile([0, 1, 2], (CASES["e6_1000_37"][1][group.rank], 1)))  # everything on rank 0
+                        ids=np.tile([0, 1, 2], (CASES["e6_1000_37"][1][group.rank % 2], 1)))  # everything on rank 0
         d = to_device(h, group.device)
+        good = to_device(rank_inputs("e6_1000_37", seed, group.rank, group.size), group.device)
         with mok.Workspace(cfg, group, max_tokens=1000) as ws:
-            mok.schedule(ws, d["ids"])
+            enqueue(ws, d, recompute=False)   # the forward and backward are skipped alike on every rank
             try:
                 ws.synchronize()
             except mok.CapacityError as e:
                 if e.info[0] != 0:
                     raise AssertionError(f"the error names rank {e.info[0]}, not the overflowing rank 0") from None
-                return
-            raise AssertionError("no CapacityError")
+            else:
+                raise AssertionError("no CapacityError")
+            for _ in range(2):   # usable again, epochs in step
+                res = enqueue(ws, good, recompute=False)
+                ws.synchronize()
+                _, problems = compare(to_numpy(res), reference_results("e6_1000_37", seed, group.size)[group.rank])
+                if problems:
+                    raise AssertionError("after the capacity error: " + "; ".join(problems))
 
     def dead_peer():
         cfg = config("e6_1000_37", timeout_s=1.0)
@@ -267,9 +274,16 @@ def _checks(group) -> list[tuple[str, object]]:
                     ws.synchronize()
                 except mok.PeerTimeoutError as e:
                     if e.rank != missing:
-                        raise AssertionError(f"the timeout names rank {e.rank}, not {missing}") from None
+                        raise AssertionError(f"the timeout names rank {e.rank}, not {missing}: {e}") from None
                 else:
                     raise AssertionError("no PeerTimeoutError")
+                try:
+                    mok.schedule(ws, d["ids"])
+                except mok.MokError as e:
+                    if "create a new one" not in str(e):
+                        raise
+                else:
+                    raise AssertionError("the workspace accepted a call after a peer timed out")
             else:
                 ws.synchronize()
             group.barrier()

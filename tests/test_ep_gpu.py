@@ -147,32 +147,46 @@ def check_ep_against_one_rank(case: str, devices) -> dict:
 
 
 def check_capacity_error_on_every_rank(devices) -> None:
+    """Every rank raises CapacityError naming the overflowing rank (the forward and backward
+    enqueued behind the overflowing schedule are skipped alike on every rank), then the same
+    workspace runs correct steps again."""
     P = len(devices)
     case = "e6_1000_37"
     cfg = config(case, capacity_factor=0.75)
     T = CASES[case][1]
-    hs = [rank_inputs(case, SEED, r, P, ids=np.tile([0, 1, 2], (T[r], 1))) for r in range(P)]  # all on rank 0
+    hs = [rank_inputs(case, SEED, r, P, ids=np.tile([0, 1, 2], (T[r % len(T)], 1))) for r in range(P)]  # all on rank 0
+    # Every input is on the device before the first call: to_device synchronises the device, which
+    # must never happen between two ranks' calls of one step (rank 0's kernels wait for rank 1's).
     ds = [to_device(hs[r], devices[r]) for r in range(P)]
+    ok = [to_device(rank_inputs(case, SEED, r, P), devices[r]) for r in range(P)]
     with mok.Workspace(cfg, mok.SingleProcessGroup(devices), max_tokens=max(T)) as ws:
         assert ws.capacity_rows < sum(T) * 3
         for r in range(P):
-            mok.schedule(ws.rank(r), ds[r]["ids"])
+            enqueue(ws.rank(r), ds[r], recompute=False)
         for r in range(P):
             with pytest.raises(mok.CapacityError) as e:
                 ws.rank(r).synchronize()
             assert e.value.info[0] == 0, f"rank {r} blames rank {e.value.info[0]}, not the overflowing rank 0"
-        # the workspace works again once every rank has reported it
-        ok = [rank_inputs(case, SEED, r, P) for r in range(P)]
-        pending = [enqueue(ws.rank(r), to_device(ok[r], devices[r]), recompute=False) for r in range(P)]
-        ws.synchronize()
+        # the workspace works again once every rank has reported it (twice: the epochs stay in step)
         ref = reference_results(case, SEED, P)
-        for r in range(P):
-            _, bad = compare(to_numpy(pending[r]), ref[r])
-            assert not bad, (r, bad)
+        for _ in range(2):
+            pending = [enqueue(ws.rank(r), ok[r], recompute=False) for r in range(P)]
+            ws.synchronize()
+            for r in range(P):
+                _, bad = compare(to_numpy(pending[r]), ref[r])
+                assert not bad, (r, bad)
+
+
+def _assert_refuses_calls(ws, rank: int, ids) -> None:
+    """After a timeout the workspace says it must be recreated (instead of running on undefined state)."""
+    with pytest.raises(mok.MokError, match="create a new one"):
+        mok.schedule(ws.rank(rank), ids)
 
 
 def check_dead_peer_times_out(devices) -> None:
-    """One rank skips the forward: the others raise PeerTimeoutError naming it, within bounds."""
+    """One rank (the last) skips the forward: the others raise PeerTimeoutError naming it, within
+    bounds (with P = 3 a live rank behind on its return because it waits for the dead one is not
+    the one named)."""
     P = len(devices)
     case = "e6_1000_37"
     cfg = config(case, timeout_s=1.0)
@@ -189,8 +203,10 @@ def check_dead_peer_times_out(devices) -> None:
             with pytest.raises(mok.PeerTimeoutError) as e:
                 ws.rank(r).synchronize()
             assert e.value.rank == missing and e.value.info[:2] == (r, missing), str(e.value)
+            assert "create a new one" in str(e.value)
         assert time.monotonic() - t0 < 10
         ws.rank(missing).synchronize()
+        _assert_refuses_calls(ws, 0, ds[0]["ids"])
     # a rank that skips the schedule: its peers' routing exchange times out naming it
     with mok.Workspace(cfg, mok.SingleProcessGroup(devices), max_tokens=1000) as ws:
         for r in range(missing):
@@ -199,6 +215,33 @@ def check_dead_peer_times_out(devices) -> None:
             with pytest.raises(mok.PeerTimeoutError) as e:
                 ws.rank(r).synchronize()
             assert e.value.rank == missing
+
+
+def check_dead_peer_in_backward(devices) -> None:
+    """Every rank runs the forward, the last one skips the backward: the others name it."""
+    P = len(devices)
+    case = "e6_shared_limit"
+    cfg = config(case, timeout_s=1.0)
+    hs = [rank_inputs(case, SEED, r, P) for r in range(P)]
+    ds = [to_device(hs[r], devices[r]) for r in range(P)]
+    missing = P - 1
+    with mok.Workspace(cfg, mok.SingleProcessGroup(devices), max_tokens=1000) as ws:
+        scheds = [mok.schedule(ws.rank(r), ds[r]["ids"]) for r in range(P)]
+        fw = [mok.forward(ws.rank(r), scheds[r], ds[r]["x"], ds[r]["tw"], ds[r]["w_gate"], ds[r]["w_up"],
+                          ds[r]["w_down"], *ds[r]["shared"]) for r in range(P)]
+        ws.synchronize()
+        t0 = time.monotonic()
+        for r in range(missing):
+            d = ds[r]
+            mok.backward(ws.rank(r), scheds[r], fw[r][1], d["d_out"], d["x"], d["tw"], d["w_gate"], d["w_up"],
+                         d["w_down"], *d["shared"])
+        for r in range(missing):
+            with pytest.raises(mok.PeerTimeoutError) as e:
+                ws.rank(r).synchronize()
+            assert e.value.rank == missing and e.value.info[:2] == (r, missing), str(e.value)
+        assert time.monotonic() - t0 < 10
+        ws.rank(missing).synchronize()
+        _assert_refuses_calls(ws, missing, ds[missing]["ids"])
 
 
 def _dead_peer_worker(ctx, devices):
@@ -283,6 +326,18 @@ def test_capacity_error_on_every_rank():
 
 def test_dead_peer_times_out_naming_it():
     check_dead_peer_times_out([0, 0])
+
+
+def test_dead_peer_among_three_ranks_is_the_one_named():
+    check_dead_peer_times_out([0, 0, 0])
+
+
+def test_dead_peer_in_backward_times_out_naming_it():
+    check_dead_peer_in_backward([0, 0])
+
+
+def test_capacity_error_on_every_rank_of_three():
+    check_capacity_error_on_every_rank([0, 0, 0])
 
 
 def test_dead_peer_two_processes():

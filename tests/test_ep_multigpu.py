@@ -3,7 +3,8 @@ process per GPU).  Written to run unchanged on a two-GPU machine."""
 from __future__ import annotations
 
 import pytest
-from test_ep_gpu import (REPORT, check_capacity_error_on_every_rank, check_dead_peer_times_out,  # noqa: F401
+from test_ep_gpu import (REPORT, check_capacity_error_on_every_rank, check_dead_peer_in_backward,  # noqa: F401
+                         check_dead_peer_times_out,
                          check_dead_peer_two_processes, check_deterministic, check_ep_against_one_rank,
                          check_mismatched_configs_raise_on_every_rank, check_one_process_matches_reference,
                          check_schedule_matches_twin, check_two_processes_match_one_process, teardown_module)
@@ -43,6 +44,7 @@ def test_capacity_error_on_every_gpu():
 
 def test_dead_peer_across_gpus():
     check_dead_peer_times_out([0, 1])
+    check_dead_peer_in_backward([0, 1])
     check_dead_peer_two_processes([0, 1])
 
 

@@ -125,3 +125,25 @@ def test_capacity_exceeded_raises(err, stream):
     with pytest.raises(CapacityError):
         _run(err, stream, [ids], num_experts=4, rank=0, capacity=256)
     err.clear()
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_more_experts_than_scan_threads_and_a_hot_expert(err, stream, ranks):
+    # E = 1536 > the scan's 1024 threads (two experts per thread), most experts empty, one expert
+    # with many row blocks, an empty expert right before and after it.
+    rng = np.random.default_rng(ranks)
+    E = 1536
+    probs = np.zeros(E)
+    probs[700] = 0.5
+    probs[rng.choice(np.r_[0:699, 702:E], size=40, replace=False)] = 0.5 / 40
+    ids = [rng.choice(E, size=(t, 4), p=probs) for t in (3000, 17, 900)[:ranks]]
+    _check(err, stream, ids, num_experts=E)
+
+
+def test_capacity_names_the_first_overflowing_rank(err, stream):
+    # three sources given together, every route on rank 2's experts: rank 0's schedule names rank 2
+    ids = [np.full((200, 2), 5, dtype=np.int32) for _ in range(3)]
+    with pytest.raises(CapacityError) as info:
+        _run(err, stream, ids, num_experts=6, rank=0, capacity=256)
+    assert info.value.info == (2, 1280, 256)
+    err.clear()

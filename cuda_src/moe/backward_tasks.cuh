@@ -86,7 +86,11 @@ struct BackwardTasks {
   int num_blocks;        // row blocks in use (device count)
   unsigned char* smem;
 
-  __device__ WaitCtx wait_ctx() const { return WaitCtx{p.err, p.dims.timeout_ns, p.dims.rank}; }
+  // Local waits (task counters) and peer waits (ep::wait_all): see ep::local_timeout_ns.
+  __device__ WaitCtx wait_ctx() const {
+    return WaitCtx{p.err, ep::local_timeout_ns(p.peers, p.dims.timeout_ns), p.dims.rank};
+  }
+  __device__ WaitCtx peer_wait_ctx() const { return WaitCtx{p.err, p.dims.timeout_ns, p.dims.rank}; }
   __device__ int token_rows(int tb) const { return min_int(kBlockM, p.dims.tokens - tb * kBlockM); }
   __device__ static int tile_extent(int total, int tile) { return min_int(gemm::kBN, total - tile * gemm::kBN); }
 
@@ -98,7 +102,7 @@ struct BackwardTasks {
     const int e = p.sched.block_expert[b];
     if (!valid_expert(e, b, p.dims, p.err)) return;
     if (ep_on()) {
-      if (!ep::wait_all(p.peers, kFlagBwdRows, wait_ctx(), ep::kStageBwdRows)) return;
+      if (!ep::wait_all(p.peers, kFlagBwdRows, -1, peer_wait_ctx(), ep::kStageBwdRows)) return;
       const MoEDims& d = p.dims;
       const int chunks = d.hidden / 8;
       for (int idx = threadIdx.x; idx < kBlockM * chunks; idx += kThreads) {
@@ -281,7 +285,7 @@ struct BackwardTasks {
   __device__ void combine(int tb, int task) const {
     const MoEDims& d = p.dims;
     if (ep_on()) {  // dx_slot is this rank's slot rows, written by every destination
-      if (!ep::wait_all(p.peers, kFlagBwdReturn, wait_ctx(), ep::kStageBwdReturn)) return;
+      if (!ep::wait_all(p.peers, kFlagBwdReturn, kFlagBwdRows, peer_wait_ctx(), ep::kStageBwdReturn)) return;
     } else if (!wait_counter(p.cnt.dx_done, num_blocks * plan.h_tiles, wait_ctx(), task)) {
       return;
     }

@@ -51,29 +51,67 @@ __device__ __forceinline__ void notify_all(const MoEPeers& pe, int kind) {
   for (int r = 0; r < pe.num_ranks; ++r) st_release_sys(flags(pe, r, kind) + pe.rank, pe.epoch);
 }
 
+// Deadlines.  A peer wait gives up after timeout_ns and names the peer.  A wait on this rank's
+// own work (a task counter, this rank's own flag) gives up only after kLocalTimeoutFactor times
+// that: whatever it waits on is, at worst, blocked by a peer wait that started no later (tasks
+// are grabbed in index order and wait only on lower indices), which then reports first, naming
+// the peer, instead of a local wait reporting "unknown rank" (-1) in a race with it.
+constexpr long long kLocalTimeoutFactor = 2;
+__device__ __forceinline__ long long local_timeout_ns(const MoEPeers& pe, long long timeout_ns) {
+  return enabled(pe) ? kLocalTimeoutFactor * timeout_ns : timeout_ns;
+}
+
+// The peer to name when a wait for `kind` times out: the first rank (not this one) whose `kind`
+// flag is behind, preferring one that is also behind on `earlier` (the same launch's earlier
+// flag, -1: none) -- a rank that never even pushed its rows is the cause, while a live rank
+// can be behind on its return only because it waits for that one (P > 2).
+__device__ __forceinline__ int peer_to_blame(const MoEPeers& pe, int kind, int earlier) {
+  const int* f = flags(pe, pe.rank, kind);
+  int first = -1;
+  for (int s = 0; s < pe.num_ranks; ++s) {
+    if (s == pe.rank || epoch_reached(ld_acquire_sys(f + s), pe.epoch)) continue;
+    if (first < 0) first = s;
+    if (earlier < 0 || !epoch_reached(ld_acquire_sys(flags(pe, pe.rank, earlier) + s), pe.epoch)) return s;
+  }
+  return first;
+}
+
 // All threads of the CTA: true once every rank's `kind` flag in this rank's block reached the
-// epoch; false when the error word is set or the wait timed out (kErrTimeout names the first
-// rank still missing, so a peer that never launched is named).
-__device__ __forceinline__ bool wait_all(const MoEPeers& pe, int kind, const WaitCtx& w, int stage) {
+// epoch; false when the error word is set or a deadline passed.  The peers are awaited first,
+// against the peer deadline (kErrTimeout info: this rank, the peer to blame, `stage`); then this
+// rank's own flag, which only this rank's own tasks set, against the local deadline (peer -1).
+__device__ __forceinline__ bool wait_all(const MoEPeers& pe, int kind, int earlier, const WaitCtx& w, int stage) {
   int ok = 1;
   if (threadIdx.x == 0) {
     const int* f = flags(pe, pe.rank, kind);
-    uint64_t start = 0;
+    const uint64_t start = globaltimer_ns();
     unsigned backoff = 32;
-    for (int s = 0; s < pe.num_ranks && ok; ++s) {
-      while (!epoch_reached(ld_acquire_sys(f + s), pe.epoch)) {
-        if (error_set(w.err)) { ok = 0; break; }
-        const uint64_t now = globaltimer_ns();
-        if (start == 0) {
-          start = now;
-        } else if (now - start > static_cast<uint64_t>(w.timeout_ns)) {
-          set_error(w.err, kErrTimeout, pe.rank, s, stage);
+    int s = 0;  // ranks below s have arrived (flags only grow)
+    for (;;) {
+      while (s < pe.num_ranks && (s == pe.rank || epoch_reached(ld_acquire_sys(f + s), pe.epoch))) ++s;
+      if (s == pe.num_ranks) break;
+      if (error_set(w.err)) { ok = 0; break; }
+      if (globaltimer_ns() - start > static_cast<uint64_t>(w.timeout_ns)) {
+        const int who = peer_to_blame(pe, kind, earlier);
+        if (who >= 0) {  // (else the last one arrived just now)
+          set_error(w.err, kErrTimeout, pe.rank, who, stage);
           ok = 0;
           break;
         }
-        nanosleep(backoff);
-        backoff = backoff < 1024 ? backoff * 2 : 1024;
       }
+      nanosleep(backoff);
+      backoff = backoff < 1024 ? backoff * 2 : 1024;
+    }
+    const uint64_t local_ns = static_cast<uint64_t>(local_timeout_ns(pe, w.timeout_ns));
+    while (ok && !epoch_reached(ld_acquire_sys(f + pe.rank), pe.epoch)) {
+      if (error_set(w.err)) { ok = 0; break; }
+      if (globaltimer_ns() - start > local_ns) {
+        set_error(w.err, kErrTimeout, pe.rank, -1, stage);
+        ok = 0;
+        break;
+      }
+      nanosleep(backoff);
+      backoff = backoff < 1024 ? backoff * 2 : 1024;
     }
   }
   return __syncthreads_and(ok) != 0;

@@ -174,14 +174,18 @@ struct ForwardTasks {
   int num_blocks;        // row blocks in use (device count)
   unsigned char* smem;
 
-  __device__ WaitCtx wait_ctx() const { return WaitCtx{p.err, p.dims.timeout_ns, p.dims.rank}; }
+  // Local waits (task counters) and peer waits (ep::wait_all): see ep::local_timeout_ns.
+  __device__ WaitCtx wait_ctx() const {
+    return WaitCtx{p.err, ep::local_timeout_ns(p.peers, p.dims.timeout_ns), p.dims.rank};
+  }
+  __device__ WaitCtx peer_wait_ctx() const { return WaitCtx{p.err, p.dims.timeout_ns, p.dims.rank}; }
 
   __device__ bool ep_on() const { return ep::enabled(p.peers); }
 
   // F0: gather the token rows of row block b (EP: copy the rows the sources pushed).
   __device__ void dispatch(int b, int task) const {
     if (ep_on()) {
-      if (!ep::wait_all(p.peers, kFlagFwdRows, wait_ctx(), ep::kStageFwdRows)) return;
+      if (!ep::wait_all(p.peers, kFlagFwdRows, -1, peer_wait_ctx(), ep::kStageFwdRows)) return;
       const MoEDims& d = p.dims;
       const bf16* rows = ep::routed_rows(p.peers, p.peers.rank);
       const int chunks = d.hidden / 8;
@@ -282,7 +286,7 @@ struct ForwardTasks {
     const MoEDims& d = p.dims;
     const bool ep = ep_on();
     if (ep) {
-      if (!ep::wait_all(p.peers, kFlagFwdReturn, wait_ctx(), ep::kStageFwdReturn)) return;
+      if (!ep::wait_all(p.peers, kFlagFwdReturn, kFlagFwdRows, peer_wait_ctx(), ep::kStageFwdReturn)) return;
     } else if (!wait_counter(p.cnt.down_done, num_blocks * plan.h_tiles, wait_ctx(), task)) {
       return;
     }

@@ -14,21 +14,56 @@ using namespace mok;
 
 namespace {
 
-// Prefix of routes per source rank, in shared memory; returns the total number of routes.
+// Prefix of routes per source rank, in shared memory; returns the total number of routes.  One
+// thread per source loads its count (independent loads, not a dependent chain on one thread).
 __device__ int load_route_bases(const ScheduleParams& p, int* base /* [num_ranks+1] */) {
+  for (int s = threadIdx.x; s < p.num_ranks; s += blockDim.x) {
+    // A peer's count is read through L2 (.cg): it was written by another GPU.
+    const int t = p.tokens_on_device ? __ldcg(reinterpret_cast<const int*>(p.src_tokens_at[s])) : p.src_tokens[s];
+    base[s + 1] = t * p.top_k;
+  }
+  __syncthreads();
   if (threadIdx.x == 0) {
     int acc = 0;
     for (int s = 0; s < p.num_ranks; ++s) {
+      const int n = base[s + 1];
       base[s] = acc;
-      // A peer's count is read through L2 (.cg): it was written by another GPU.
-      const int t = p.tokens_on_device ? __ldcg(reinterpret_cast<const int*>(p.src_tokens_at[s])) : p.src_tokens[s];
-      acc += t * p.top_k;
+      acc += n;
     }
     base[p.num_ranks] = acc;
   }
   __syncthreads();
   return base[p.num_ranks];
 }
+
+// Exclusive prefix sum of one 64-bit value per thread over the whole CTA (fixed order: the
+// result does not depend on timing).  `warp_sums` holds 32 values of shared memory.
+__device__ long long block_exclusive_scan(long long v, long long* warp_sums) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+  long long incl = v;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const long long n = __shfl_up_sync(0xffffffffu, incl, off);
+    if (lane >= off) incl += n;
+  }
+  if (lane == 31) warp_sums[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    long long w = lane < warps ? warp_sums[lane] : 0;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const long long n = __shfl_up_sync(0xffffffffu, w, off);
+      if (lane >= off) w += n;
+    }
+    if (lane < warps) warp_sums[lane] = w;  // inclusive over warps
+  }
+  __syncthreads();
+  const long long before = warp == 0 ? 0 : warp_sums[warp - 1];
+  __syncthreads();  // warp_sums may be reused by the caller
+  return before + incl - v;
+}
+
+__device__ __forceinline__ int saturate_int(long long v) { return (int)min(v, 0x7fffffffLL); }
 
 __device__ __forceinline__ int source_of(const int* base, int nranks, int g) {
   int s = 0;
@@ -97,64 +132,100 @@ schedule_count(const __grid_constant__ ScheduleParams p) {
 }
 
 // Pass 2 (one CTA): chunk bases per expert, per-rank padded offsets, block -> expert map,
-// padding rows, capacity check.
-extern "C" __global__ void __launch_bounds__(kScheduleThreads)
+// padding rows, capacity check.  Every step is spread over the CTA's threads: a scan over the
+// experts' padded counts in shared memory (not one thread walking E_l experts with dependent
+// global loads), then one thread per expert, row block or padding row.
+extern "C" __global__ void __launch_bounds__(kScheduleThreads, 1)
 schedule_scan(const __grid_constant__ ScheduleParams p) {
-  extern __shared__ int smem[];
-  int* base = smem;                         // [num_ranks + 1]
-  int* dest_rows = smem + kMaxRanks + 1;    // [num_ranks] padded rows each destination receives
+  extern __shared__ __align__(8) int smem[];
+  const int E = p.num_experts;
+  long long* pre = reinterpret_cast<long long*>(smem);  // [E + 1] exclusive prefix of padded counts
+  int* cnt = reinterpret_cast<int*>(pre + E + 1);       // [E] routes per global expert
+  int* base = cnt + E;                                  // [num_ranks + 1]
+  __shared__ long long warp_sums[32];
+  __shared__ int first_over;
   if (error_set(p.err)) return;
   const int total = load_route_bases(p, base);
   const int nchunks = max(1, (total + kScheduleChunk - 1) / kScheduleChunk);
-  for (int e = threadIdx.x; e < p.num_experts; e += blockDim.x) {
+  if (threadIdx.x == 0) first_over = 0x7fffffff;
+  // Chunk counts -> exclusive chunk bases, per expert.  Loads first, in groups, so that they are
+  // in flight together (the stores could alias them otherwise).
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
     int run = 0;
-    for (int c = 0; c < nchunks; ++c) {
-      int* cell = p.chunk_count + (size_t)c * p.num_experts + e;
-      const int v = *cell;
-      *cell = run;
-      run += v;
+    constexpr int kGroup = 8;
+    for (int c0 = 0; c0 < nchunks; c0 += kGroup) {
+      int v[kGroup];
+#pragma unroll
+      for (int i = 0; i < kGroup; ++i) v[i] = c0 + i < nchunks ? p.chunk_count[(size_t)(c0 + i) * E + e] : 0;
+#pragma unroll
+      for (int i = 0; i < kGroup; ++i) {
+        if (c0 + i < nchunks) p.chunk_count[(size_t)(c0 + i) * E + e] = run;
+        run += v[i];
+      }
     }
     p.expert_total[e] = run;
+    cnt[e] = run;
   }
   __syncthreads();
   const int El = p.experts_per_rank;
-  const int bm = p.block_m;
-  // One thread per destination rank: padded offsets of its experts.  Every destination's row
-  // count is checked, so that with expert parallelism every rank reports an overflow anywhere
-  // (the same error on all ranks: nobody starts a layer that a peer cannot run).
-  for (int d = threadIdx.x; d < p.num_ranks; d += blockDim.x) {
-    long long off = 0;
-    for (int le = 0; le < El; ++le) {
-      const int e = d * El + le;
-      const int cnt = p.expert_total[e];
-      p.expert_row_base[e] = (int)min(off, 0x7fffffffLL);
-      if (d == p.rank) { p.expert_count[le] = cnt; p.expert_offset[le] = (int)min(off, 0x7fffffffLL); }
-      off += (long long)(cnt + bm - 1) / bm * bm;
-    }
-    const int rows = (int)min(off, 0x7fffffffLL);
-    dest_rows[d] = rows;
-    if (d == p.rank) {
-      p.expert_offset[El] = rows;
-      if (off > p.max_rows) {
-        p.totals[0] = 0; p.totals[1] = 0;
-      } else {
-        p.totals[0] = rows / bm; p.totals[1] = rows;
-      }
-    }
+  const long long bm = p.block_m;
+  // Every expert's padded row count, scanned over all experts in global order; destination d's
+  // offsets are then differences within its segment [d*El, (d+1)*El).
+  {
+    const int per = (E + blockDim.x - 1) / blockDim.x;
+    const int i0 = min(E, (int)threadIdx.x * per), i1 = min(E, i0 + per);
+    long long sum = 0;
+    for (int i = i0; i < i1; ++i) sum += (cnt[i] + bm - 1) / bm * bm;
+    long long at = block_exclusive_scan(sum, warp_sums);
+    for (int i = i0; i < i1; ++i) { pre[i] = at; at += (cnt[i] + bm - 1) / bm * bm; }
+    if (threadIdx.x == blockDim.x - 1) pre[E] = at;
   }
   __syncthreads();
-  if (threadIdx.x == 0) {  // the first overflowing destination, so that every rank reports the same one
-    for (int d = 0; d < p.num_ranks; ++d) {
-      if (dest_rows[d] > p.max_rows) { set_error(p.err, kErrCapacity, d, dest_rows[d], p.max_rows); break; }
-    }
+  const long long mine0 = pre[p.rank * El];
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    const int d = e / El, le = e - d * El;
+    const long long off = pre[e] - pre[d * El];
+    p.expert_row_base[e] = saturate_int(off);
+    if (d == p.rank) { p.expert_count[le] = cnt[e]; p.expert_offset[le] = saturate_int(off); }
+  }
+  // Every destination's row count is checked, so that with expert parallelism every rank
+  // reports an overflow anywhere (the same error on all ranks: nobody starts a layer that a
+  // peer cannot run); the first overflowing destination is named, on every rank the same.
+  for (int d = threadIdx.x; d < p.num_ranks; d += blockDim.x) {
+    if (pre[(d + 1) * El] - pre[d * El] > p.max_rows) atomicMin(&first_over, d);
+  }
+  const long long rows = pre[(p.rank + 1) * El] - mine0;
+  if (threadIdx.x == 0) {
+    p.expert_offset[El] = saturate_int(rows);
+    const bool fits = rows <= p.max_rows;
+    p.totals[0] = fits ? (int)(rows / bm) : 0;
+    p.totals[1] = fits ? (int)rows : 0;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0 && first_over != 0x7fffffff) {
+    const int d = first_over;
+    set_error(p.err, kErrCapacity, d, saturate_int(pre[(d + 1) * El] - pre[d * El]), p.max_rows);
   }
   __syncthreads();
   if (error_set(p.err)) return;
-  // Block -> expert and padding rows, one local expert per thread.
-  for (int le = threadIdx.x; le < El; le += blockDim.x) {
-    const int off = p.expert_offset[le], next = p.expert_offset[le + 1];
-    for (int b = off / bm; b < next / bm; ++b) p.block_expert[b] = le;
-    for (int row = off + p.expert_count[le]; row < next; ++row) { p.row_src_rank[row] = -1; p.row_slot[row] = -1; }
+  // This rank's layout fits (rows <= max_rows): 32-bit offsets from here on.
+  const long long* own = pre + p.rank * El;  // own[le] - mine0: padded offset of local expert le
+  const int nb = (int)(rows / bm);
+  for (int b = threadIdx.x; b < nb; b += blockDim.x) {
+    // The last local expert whose offset is <= the block's first row (empty experts share an
+    // offset with their successor, so the last one is the one that owns the row).
+    const long long row = (long long)b * bm + mine0;
+    int lo = 0, hi = El - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (own[mid] <= row) lo = mid; else hi = mid - 1;
+    }
+    p.block_expert[b] = lo;
+  }
+  for (int idx = threadIdx.x; idx < El * p.block_m; idx += blockDim.x) {
+    const int le = idx / p.block_m, i = idx - le * p.block_m;
+    const int row = (int)(own[le] - mine0) + cnt[p.rank * El + le] + i;
+    if (row < (int)(own[le + 1] - mine0)) { p.row_src_rank[row] = -1; p.row_slot[row] = -1; }
   }
 }
 
