@@ -38,11 +38,11 @@ __device__ __forceinline__ int atom_add_acq_rel_gpu(int* p, int v) {
   return old;
 }
 
-// After this CTA's peer stores: counter += 1, released at system scope.  All threads call it.
+// After the workers' peer stores: counter += 1, released at system scope.  All workers call it.
 __device__ __forceinline__ void signal_counter_sys(int* counter) {
   fence_acq_rel_sys();  // this thread's stores to peer memory are ordered before the CTA's release
-  __syncthreads();
-  if (threadIdx.x == 0) red_release_sys(counter, 1);
+  workers_sync();
+  if (worker_tid() == 0) red_release_sys(counter, 1);
 }
 
 // One thread: tell every rank (this one included) that this rank finished `kind` for the epoch.
@@ -51,31 +51,33 @@ __device__ __forceinline__ void notify_all(const MoEPeers& pe, int kind) {
   for (int r = 0; r < pe.num_ranks; ++r) st_release_sys(flags(pe, r, kind) + pe.rank, pe.epoch);
 }
 
-// All threads of the CTA: true once every rank's `kind` flag in this rank's block reached the
-// epoch; false when the error word is set or the wait timed out (kErrTimeout names the first
-// rank still missing, so a peer that never launched is named).
-__device__ __forceinline__ bool wait_all(const MoEPeers& pe, int kind, const WaitCtx& w, int stage) {
-  int ok = 1;
-  if (threadIdx.x == 0) {
-    const int* f = flags(pe, pe.rank, kind);
-    uint64_t start = 0;
-    unsigned backoff = 32;
-    for (int s = 0; s < pe.num_ranks && ok; ++s) {
-      while (!epoch_reached(ld_acquire_sys(f + s), pe.epoch)) {
-        if (error_set(w.err)) { ok = 0; break; }
-        const uint64_t now = globaltimer_ns();
-        if (start == 0) {
-          start = now;
-        } else if (now - start > static_cast<uint64_t>(w.timeout_ns)) {
-          set_error(w.err, kErrTimeout, pe.rank, s, stage);
-          ok = 0;
-          break;
-        }
-        nanosleep(backoff);
-        backoff = backoff < 1024 ? backoff * 2 : 1024;
+// One thread: true once every rank's `kind` flag in this rank's block reached the epoch; false
+// when the error word is set or the wait timed out (kErrTimeout names the first rank still
+// missing, so a peer that never launched is named).
+__device__ __forceinline__ bool wait_all_thread(const MoEPeers& pe, int kind, const WaitCtx& w, int stage) {
+  const int* f = flags(pe, pe.rank, kind);
+  uint64_t start = 0;
+  unsigned backoff = 32;
+  for (int s = 0; s < pe.num_ranks; ++s) {
+    while (!epoch_reached(ld_acquire_sys(f + s), pe.epoch)) {
+      if (error_set(w.err)) return false;
+      const uint64_t now = globaltimer_ns();
+      if (start == 0) {
+        start = now;
+      } else if (now - start > static_cast<uint64_t>(w.timeout_ns)) {
+        set_error(w.err, kErrTimeout, pe.rank, s, stage);
+        return false;
       }
+      nanosleep(backoff);
+      backoff = backoff < 1024 ? backoff * 2 : 1024;
     }
   }
+  return true;
+}
+
+// The same for the whole CTA (one-engine kernel): thread 0 waits, the barrier broadcasts.
+__device__ __forceinline__ bool wait_all(const MoEPeers& pe, int kind, const WaitCtx& w, int stage) {
+  const int ok = threadIdx.x == 0 ? wait_all_thread(pe, kind, w, stage) : 1;
   return __syncthreads_and(ok) != 0;
 }
 
@@ -89,7 +91,7 @@ __device__ __forceinline__ void push_rows(const MoESchedule& s, const MoEDims& d
   const int t0 = static_cast<int>(T * task / pe.push_tasks), t1 = static_cast<int>(T * (task + 1) / pe.push_tasks);
   const int chunks = d.hidden / 8;
   const long long n = static_cast<long long>(t1 - t0) * chunks;
-  for (long long idx = threadIdx.x; idx < n; idx += kThreads) {
+  for (long long idx = worker_tid(); idx < n; idx += kThreads) {
     const int t = t0 + static_cast<int>(idx / chunks), c = static_cast<int>(idx % chunks) * 8;
     const uint4 v = *reinterpret_cast<const uint4*>(src + (size_t)t * d.hidden + c);
     for (int j = 0; j < d.top_k; ++j) {
@@ -127,19 +129,19 @@ __device__ __forceinline__ bf16* return_row_ptr(const MoESchedule& s, const MoEP
   return slot_rows(pe, src) + (size_t)slot * d.hidden + col0;
 }
 
-// After the task loop (all threads of every CTA): the last CTA to finish meets every rank at a
+// After the task loop (all workers of every CTA): the last CTA to finish meets every rank at a
 // group barrier, so that no rank's next launch reuses the symmetric buffers while a peer still
 // reads or writes them.  On an error the barrier is skipped (the peers time out naming us).
 __device__ __forceinline__ void end_of_launch(const MoEPeers& pe, int* ctas_done, int* err,
                                               long long timeout_ns) {
   __shared__ int last;
-  __syncthreads();
-  if (threadIdx.x == 0) last = atom_add_acq_rel_gpu(ctas_done, 1) == static_cast<int>(gridDim.x) - 1;
-  __syncthreads();
+  workers_sync();  // the CTA's earlier writes come before warp 0's release in the barrier
+  if (worker_tid() == 0) last = atom_add_acq_rel_gpu(ctas_done, 1) == static_cast<int>(gridDim.x) - 1;
+  workers_sync();
   if (!last) return;
   const GroupBarrier b{pe.base_array, err, pe.end_pad_offset, static_cast<unsigned long long>(timeout_ns), pe.rank,
                        pe.num_ranks};
-  cta_group_barrier(b);
+  if (worker_tid() < 32) warp_group_barrier(b);
 }
 
 }  // namespace ep

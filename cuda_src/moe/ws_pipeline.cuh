@@ -1,0 +1,293 @@
+// The warp-specialised persistent loop of the TMA + wgmma MoE kernels (moe_layer_tma.cu).
+//
+// CTA: 384 threads.  Warpgroup 0 gives its registers away (setmaxnreg.dec) and keeps one thread,
+// the producer: it grabs task indices, decodes each into a Job, does every dependency wait of
+// the task (acquire, then fence.proxy.async.global because TMA reads through the async proxy),
+// publishes the Job in a 2-entry queue in shared memory and, for a GEMM, issues the TMA loads of
+// all its k-tiles into the 4-slot ring (moe/gemm_wgmma.cuh).  Warpgroups 1-2 are the workers
+// (kThreads = 256, the task bodies' thread count): they take Jobs in order, run wgmma over the
+// ring plus a fused epilogue straight from the accumulator registers, or a non-GEMM body, and
+// signal the task's counters.  So the producer fetches task t+1's operands during task t's
+// epilogue, and dependency spins never hold the tensor cores' warps.
+//
+// Deadlock freedom (as in task_graph.cuh): a task waits only on lower-index tasks.  The producer
+// has issued everything of task t before it waits on t+1's dependencies, and the workers need
+// nothing more from the producer to finish t, so a dependency of t+1 on t resolves.
+//
+// Failure: only the producer's dependency waits look at the error word (they fail fast and the
+// producer publishes kJobStop).  Queue and ring waits depend on this CTA alone, so they never
+// give up on someone else's error (watch_err = false): a GEMM that was published is always
+// drained, and no CTA exits with a TMA load in flight.  They are still bounded (a bug reports
+// kErrTimeout instead of hanging); every worker decision is made uniform with workers_any.
+#pragma once
+#include <climits>
+#include "common/mma.cuh"
+#include "moe/gemm_wgmma.cuh"
+#include "moe/task_graph.cuh"
+
+namespace mok {
+namespace ws {
+
+static_assert(kWorkerThread0 == 128, "moe_layer_tma.cu defines MOK_WORKER_THREAD0=128 before its includes");
+constexpr int kBN = 256;                       // tile: 128 rows x 256 columns
+constexpr int kStages = 4;                     // 4 x 48 KB ring
+constexpr int kCtaThreads = 128 + kThreads;    // producer warpgroup + workers
+static_assert(kCtaThreads == wg::kThreads, "the engine's CTA layout");
+constexpr int kAccRegs = kBN / 2;              // fp32 accumulators per worker thread
+constexpr int kQueue = 2;                      // Jobs in flight between producer and workers
+// Register split (setmaxnreg): the producer decodes tasks (~50 live values in the backward), the
+// workers need 128 accumulators + an epilogue (ptxas uses ~200).  At launch the CTA holds
+// 384 x 168 registers (__launch_bounds__(384, 1)); the split must fit in that pool or
+// setmaxnreg.inc waits forever.
+constexpr int kProducerRegs = 56;
+constexpr int kWorkerRegs = 224;
+static_assert(128 * kProducerRegs + kThreads * kWorkerRegs <= 384 * 168, "the CTA's register pool");
+
+template <int kAMajor, int kBMajor>
+using Engine = wg::Engine<kBN, kStages, kAMajor, kBMajor>;
+using Geometry = Engine<wg::kKMajor, wg::kKMajor>;  // the ring's layout does not depend on the majors
+
+// A decoded task (kind 0 = stop).  The meaning of a..e is per kind (see the kernels' headers).
+struct Job {
+  int kind;
+  int gemm;     // 1: the producer loads k_tiles stages for it
+  int k_tiles;
+  int a, b, c, d, e;
+};
+static_assert(sizeof(Job) == 32, "two Jobs per 64 bytes");
+
+constexpr int kQueueBarrierBytes = 2 * kQueue * 8;
+// Dynamic shared memory: ring (1024-aligned, + slack) + ring barriers + queue barriers + Jobs.
+constexpr int kSmemBytes = Geometry::kRingBytes + 1024 + Geometry::kBarrierBytes + kQueueBarrierBytes +
+                           kQueue * static_cast<int>(sizeof(Job));
+static_assert(kSmemBytes == 197792, "mok_rt/_moe_params.py TMA_SMEM_BYTES mirrors this");
+static_assert(kSmemBytes <= 227 * 1024, "fits the opt-in shared memory of sm_90");
+
+struct Shared {
+  Geometry::Ring ring;
+  uint32_t queue_bars;  // job_full[q] at +8q, job_empty[q] at +8(kQueue + q)
+  Job* jobs;
+  __device__ __forceinline__ uint32_t job_full(int q) const { return queue_bars + 8u * q; }
+  __device__ __forceinline__ uint32_t job_empty(int q) const { return queue_bars + 8u * (kQueue + q); }
+};
+
+__device__ __forceinline__ Shared layout(unsigned char* smem) {
+  Shared s;
+  s.ring = Geometry::ring(smem);
+  s.queue_bars = s.ring.bars + Geometry::kBarrierBytes;
+  s.jobs = reinterpret_cast<Job*>(smem + (s.queue_bars + kQueueBarrierBytes - smem_u32(smem)));
+  return s;
+}
+
+// Thread 0 initialises every barrier; the caller then passes __syncthreads before any use.
+__device__ __forceinline__ void init(const Shared& s) {
+  if (threadIdx.x == 0) {
+    for (int q = 0; q < kQueue; ++q) {
+      mbar_init(s.job_full(q), 1);
+      mbar_init(s.job_empty(q), kThreads / 32);  // one arrival per worker warp
+    }
+  }
+  Geometry::init(s.ring);  // thread 0; ends with fence.mbarrier_init
+}
+
+// ---- operand loads (producer) -------------------------------------------------------------------
+// Where the k-tiles of one operand come from.  K-major: one box of `kRows` rows from `map`, or,
+// with map2, two boxes of kRows/2 rows (gate rows from map, up rows from map2, same row0) into
+// the two halves of the tile.  MN-major: kRows/64 panels of 64 rows; k-tiles [0, k_switch) from
+// `map`, the later ones from `map2` restarting at k0 (dX's K = [gate | up]).
+struct LoadSrc {
+  const TensorMap* map;
+  const TensorMap* map2;
+  int row0;      // first tile row (M for A, N for B) inside the group
+  int k0;        // K coordinate of k-tile 0 (a wgrad's first row of the expert)
+  int group;     // outermost map coordinate (the expert)
+  int k_switch;
+  int major;     // wg::kKMajor or wg::kMNMajor
+};
+
+__device__ __forceinline__ LoadSrc kmajor(const TensorMap* m, int row0, int group = 0, const TensorMap* m2 = nullptr) {
+  return LoadSrc{m, m2, row0, 0, group, INT_MAX, wg::kKMajor};
+}
+__device__ __forceinline__ LoadSrc mnmajor(const TensorMap* m, int row0, int k0 = 0, int group = 0,
+                                           const TensorMap* m2 = nullptr, int k_switch = INT_MAX) {
+  return LoadSrc{m, m2, row0, k0, group, k_switch, wg::kMNMajor};
+}
+
+template <int kRows>
+__device__ __forceinline__ void load_tile(const LoadSrc& s, int kt, uint32_t dst, uint32_t bar) {
+  if (s.major == wg::kKMajor) {
+    const int k = s.k0 + kt * wg::kBK;
+    if (s.map2 == nullptr) {
+      tma_load_3d(dst, s.map, bar, k, s.row0, s.group);
+    } else {
+      tma_load_3d(dst, s.map, bar, k, s.row0, s.group);
+      tma_load_3d(dst + (kRows / 2) * wg::kLineBytes, s.map2, bar, k, s.row0, s.group);
+    }
+  } else {
+    const bool first = kt < s.k_switch;
+    const TensorMap* m = first ? s.map : s.map2;
+    const int k = s.k0 + (first ? kt : kt - s.k_switch) * wg::kBK;
+#pragma unroll
+    for (int p = 0; p < kRows / 64; ++p) tma_load_3d(dst + p * wg::kPanelBytes, m, bar, s.row0 + 64 * p, k, s.group);
+  }
+}
+
+// Issues the k_tiles stages of one GEMM (every box credits its full size, zero-filled or not).
+__device__ __forceinline__ bool produce(const Shared& s, wg::PipeState& ps, const LoadSrc& a, const LoadSrc& b,
+                                        int k_tiles, const MbarWaitCtx& w) {
+  for (int kt = 0; kt < k_tiles; ++kt) {
+    if (!mbar_wait(s.ring.empty(ps.slot), ps.phase ^ 1u, w)) return false;
+    const uint32_t full = s.ring.full(ps.slot);
+    mbar_arrive_expect_tx(full, Geometry::kStageBytes);
+    load_tile<wg::kBM>(a, kt, s.ring.a_tile(ps.slot), full);
+    load_tile<kBN>(b, kt, s.ring.b_tile(ps.slot), full);
+    ps.advance(kStages);
+  }
+  return true;
+}
+
+// ---- the Job queue ---------------------------------------------------------------------------------
+struct QueueState {
+  int slot = 0;
+  uint32_t phase = 0;
+  __device__ __forceinline__ void advance() {
+    if (++slot == kQueue) { slot = 0; phase ^= 1u; }
+  }
+};
+
+// Producer thread: wait for a free entry, write the Job, release it (mbarrier arrive = release.cta).
+__device__ __forceinline__ bool publish(const Shared& s, QueueState& qs, const Job& job, const MbarWaitCtx& w) {
+  if (!mbar_wait(s.job_empty(qs.slot), qs.phase ^ 1u, w)) return false;
+  s.jobs[qs.slot] = job;
+  mbar_arrive(s.job_full(qs.slot));
+  qs.advance();
+  return true;
+}
+
+// Workers: the next Job (try_wait acquires the producer's writes); kind 0 on a timeout, for all.
+__device__ __forceinline__ Job take(const Shared& s, QueueState& qs, const MbarWaitCtx& w) {
+  const bool ok = mbar_wait(s.job_full(qs.slot), qs.phase, w);
+  Job job = s.jobs[qs.slot];
+  __syncwarp();  // every lane has read the entry before lane 0 frees it
+  if ((threadIdx.x & 31) == 0) mbar_arrive(s.job_empty(qs.slot));
+  qs.advance();
+  if (workers_any(!ok)) job.kind = 0;
+  return job;
+}
+
+// ---- the two roles -----------------------------------------------------------------------------------
+// K (the kernel's task set) provides
+//   int  prepare(int task, Job&, LoadSrc& a, LoadSrc& b) const   producer: decode + wait;
+//        1 = publish the Job, 0 = nothing for the workers (done or skipped), -1 = stop (error)
+//   bool run(const Job&, const Shared&, wg::PipeState&, float (&acc)[kAccRegs], int consumer) const
+//        workers: false = stop (every worker returns the same verdict)
+template <class K>
+__device__ __forceinline__ void producer_loop(const K& k, const Shared& s, int* task_next, int num_tasks,
+                                              const WaitCtx& wc) {
+  const MbarWaitCtx w{wc.err, wc.timeout_ns, wc.rank, -1, false};
+  wg::PipeState ps;
+  QueueState qs;
+  for (;;) {
+    const int task = error_set(wc.err) ? num_tasks : atom_add_relaxed_gpu(task_next, 1);
+    if (task >= num_tasks) break;
+    Job job;
+    LoadSrc a, b;
+    const int r = k.prepare(task, job, a, b);
+    if (r < 0) break;
+    if (r == 0) continue;
+    if (!publish(s, qs, job, w)) return;
+    if (job.gemm && job.k_tiles > 0) {
+      fence_proxy_async_global();  // what the waits acquired (generic-proxy writes) -> TMA reads
+      MbarWaitCtx wt = w;
+      wt.what = task;
+      if (!produce(s, ps, a, b, job.k_tiles, wt)) return;
+    }
+  }
+  Job stop{};
+  publish(s, qs, stop, w);
+}
+
+template <class K>
+__device__ __forceinline__ void worker_loop(const K& k, const Shared& s, const WaitCtx& wc) {
+  const int consumer = worker_tid() >> 7;
+  // A producer dependency wait may last up to timeout_ns (twice for some tasks) before it
+  // publishes a stop, so the workers' own bound is longer.
+  const MbarWaitCtx wq{wc.err, 4 * wc.timeout_ns, wc.rank, -2, false};
+  const MbarWaitCtx wr{wc.err, wc.timeout_ns, wc.rank, -3, false};
+  wg::PipeState ps;
+  QueueState qs;
+  float acc[kAccRegs];
+  for (;;) {
+    const Job job = take(s, qs, wq);
+    if (job.kind == 0) return;
+    if (!k.run(job, s, ps, acc, consumer, wr)) return;
+  }
+}
+
+// ---- GEMM + epilogue helpers (workers) -----------------------------------------------------------
+// acc = this warpgroup's 64 rows of the tile; true for every worker when both warpgroups
+// finished (a ring wait can only fail on a bug: then every worker returns false together).
+template <int kAMajor, int kBMajor>
+__device__ __forceinline__ bool gemm(const Shared& s, wg::PipeState& ps, float (&acc)[kAccRegs], int k_tiles,
+                                     int consumer, const MbarWaitCtx& w) {
+  using E = Engine<kAMajor, kBMajor>;
+  const typename E::Ring r{s.ring.data, s.ring.bars};
+  const bool ok = E::consume(r, ps, acc, k_tiles, consumer, w);
+  return !workers_any(!ok);
+}
+
+// Accumulator register 4j + 2h + {0, 1} of a worker holds tile row row(h) = row0 + 8h, columns
+// col(j) = col0 + 8j + {0, 1}.
+struct Frag {
+  int row0, col0;
+  __device__ __forceinline__ static Frag of(int consumer) {
+    const WgmmaAccCoord c = Geometry::acc_coord(consumer);
+    return Frag{c.row0, c.col0};
+  }
+};
+
+// Tile rows r < rows to bf16 rows dst_row(r) (nullptr: dropped), columns [0, cols); dst_row
+// already points at the tile's column 0.  4-byte stores: a quad writes 16 contiguous bytes.
+template <class RowPtr>
+__device__ __forceinline__ void store_rows_bf16(const float (&acc)[kAccRegs], const Frag& f, int rows, int cols,
+                                                RowPtr&& dst_row) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = f.row0 + 8 * h;
+    bf16* d = r < rows ? dst_row(r) : nullptr;
+    if (d == nullptr) continue;
+#pragma unroll
+    for (int j = 0; j < kAccRegs / 4; ++j) {
+      const int c = f.col0 + 8 * j;
+      if (c < cols) *reinterpret_cast<uint32_t*>(d + c) = pack_bf16x2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+    }
+  }
+}
+
+// Tile rows r < rows, columns c < cols to fp32 dst[r * ld + c], optionally added to what is
+// there (one writer per element: deterministic).  A quad writes 32 contiguous bytes.
+__device__ __forceinline__ void store_f32(const float (&acc)[kAccRegs], const Frag& f, float* dst, int ld, int rows,
+                                          int cols, bool accumulate) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = f.row0 + 8 * h;
+    if (r >= rows) continue;
+    float* d = dst + (size_t)r * ld;
+#pragma unroll
+    for (int j = 0; j < kAccRegs / 4; ++j) {
+      const int c = f.col0 + 8 * j;
+      if (c >= cols) continue;
+      float2 v = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+      float2* p = reinterpret_cast<float2*>(d + c);
+      if (accumulate) {
+        const float2 o = *p;
+        v.x += o.x;
+        v.y += o.y;
+      }
+      *p = v;
+    }
+  }
+}
+
+}  // namespace ws
+}  // namespace mok
