@@ -41,6 +41,7 @@ __device__ __forceinline__ int atom_add_acq_rel_gpu(int* p, int v) {
 // After the workers' peer stores: counter += 1, released at system scope.  All workers call it.
 __device__ __forceinline__ void signal_counter_sys(int* counter) {
   fence_acq_rel_sys();  // this thread's stores to peer memory are ordered before the CTA's release
+  proxy_fence_for_tma();
   workers_sync();
   if (worker_tid() == 0) red_release_sys(counter, 1);
 }

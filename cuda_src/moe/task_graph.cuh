@@ -79,12 +79,21 @@ __device__ __forceinline__ bool wait_counter(const int* counter, int target, con
   return __syncthreads_and(ok) != 0;
 }
 
+// The TMA kernels read data produced inside the launch through the async proxy.  The reader
+// (producer thread) fences after its acquire; writers also order their generic stores before
+// their release with a proxy fence (cheap, once per task; a no-op in the one-engine kernel).
+__device__ __forceinline__ void proxy_fence_for_tma() {
+  if constexpr (kWorkerThread0 != 0) asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
 // Publishes everything the workers wrote for this task: counter += add.
 __device__ __forceinline__ void signal_counter(int* counter, int add = 1) {
+  proxy_fence_for_tma();
   workers_sync();
   if (worker_tid() == 0) red_release_gpu(counter, add);
 }
 __device__ __forceinline__ void signal_counters(int* c0, int* c1) {
+  proxy_fence_for_tma();
   workers_sync();
   if (worker_tid() == 0) { red_release_gpu(c0, 1); red_release_gpu(c1, 1); }
 }
