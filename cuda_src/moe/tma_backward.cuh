@@ -23,9 +23,9 @@ enum BackwardJob : int {
   kBwdDispatch,          // a = row block, b = expert
   kBwdDWeights,          // a = token block
   kBwdSharedDA,          // a = token block, b = intermediate tile
-  kBwdRoutedDA,          // a = row block, b = intermediate tile, c = expert
+  kBwdRoutedDA,          // a = row block, b = intermediate tile, c = expert, e = upper half idle
   kBwdSharedDX,          // a = token block, b = hidden tile
-  kBwdRoutedDX,          // a = row block, b = hidden tile, c = expert
+  kBwdRoutedDX,          // a = row block, b = hidden tile, c = expert, e = upper half idle
   kBwdWgradDown,         // a = expert, b = hidden row tile (128), c = intermediate tile (256)
   kBwdWgradGateUp,       // a = expert, b = up, c = intermediate row tile (128), d = hidden tile (256)
   kBwdSharedWgradDown,   // b = hidden row tile, c = intermediate tile
@@ -111,7 +111,7 @@ struct TmaBackward {
       const int e = p.sched.block_expert[blk];
       if (!valid_expert(e, blk, d, p.err)) return -1;
       if (!wait_counter_thread(p.cnt.block_dy_ready + blk, 1, w, task)) return -1;
-      job = ws::Job{kBwdRoutedDA, 1, d.hidden / wg::kBK, blk, n, e};
+      job = ws::Job{kBwdRoutedDA, 1, d.hidden / wg::kBK, blk, n, e, 0, ws::upper_half_idle(p.sched, blk, e)};
       a = ws::kmajor(&m.dy_routed_k, blk * kBlockM);
       b = ws::mnmajor(&m.w_down_mn, n * ws::kBN, 0, e);
       return 1;
@@ -130,7 +130,7 @@ struct TmaBackward {
       const int e = p.sched.block_expert[blk];
       if (!valid_expert(e, blk, d, p.err)) return -1;
       if (!wait_counter_thread(p.cnt.block_dgu_ready + blk, plan.i_tiles, w, task)) return -1;
-      job = ws::Job{kBwdRoutedDX, 1, 2 * d.inter / wg::kBK, blk, h, e};
+      job = ws::Job{kBwdRoutedDX, 1, 2 * d.inter / wg::kBK, blk, h, e, 0, ws::upper_half_idle(p.sched, blk, e)};
       a = ws::kmajor(&m.dgu_k, blk * kBlockM);
       b = ws::mnmajor(&m.w_gate_mn, h * ws::kBN, 0, e, &m.w_up_mn, d.inter / wg::kBK);
       return 1;
@@ -228,7 +228,7 @@ struct TmaBackward {
         return true;
       }
       case kBwdRoutedDA: {
-        if (!ws::gemm<wg::kKMajor, wg::kMNMajor>(s, ps, acc, job.k_tiles, consumer, w)) return false;
+        if (!ws::gemm<wg::kKMajor, wg::kMNMajor>(s, ps, acc, job.k_tiles, consumer, w, job.e)) return false;
         const int i0 = job.b * ws::kBN;
         const size_t off = (size_t)job.a * kBlockM * 2 * d.inter;
         swiglu_bwd_epilogue_regs(acc, f, kBlockM, min_int(ws::kBN, d.inter - i0), p.ctx.gu + off, p.dgu + off,
@@ -245,7 +245,7 @@ struct TmaBackward {
         return true;
       }
       case kBwdRoutedDX: {
-        if (!ws::gemm<wg::kKMajor, wg::kMNMajor>(s, ps, acc, job.k_tiles, consumer, w)) return false;
+        if (!ws::gemm<wg::kKMajor, wg::kMNMajor>(s, ps, acc, job.k_tiles, consumer, w, job.e)) return false;
         const int row0 = job.a * kBlockM, h0 = job.b * ws::kBN, cols = min_int(ws::kBN, d.hidden - h0);
         if (ep_on()) {  // rows go straight to their source rank's slot rows
           ws::store_rows_bf16(acc, f, kBlockM, cols, [&](int r) {

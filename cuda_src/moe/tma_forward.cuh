@@ -20,9 +20,9 @@ enum ForwardJob : int {
   kFwdPush,        // a = push task
   kFwdDispatch,    // a = row block
   kFwdSharedGU,    // a = token block, b = gate|up tile
-  kFwdRoutedGU,    // a = row block, b = gate|up tile, c = expert
+  kFwdRoutedGU,    // a = row block, b = gate|up tile, c = expert, e = upper half idle
   kFwdSharedDown,  // a = token block, b = hidden tile
-  kFwdRoutedDown,  // a = row block, b = hidden tile, c = expert
+  kFwdRoutedDown,  // a = row block, b = hidden tile, c = expert, e = upper half idle
   kFwdCombine,     // a = token block
 };
 
@@ -105,7 +105,7 @@ struct TmaForward {
       const int e = p.sched.block_expert[blk];
       if (!valid_expert(e, blk, d, p.err)) return -1;
       if (!wait_counter_thread(p.cnt.block_ready + blk, 1, w, task)) return -1;
-      job = ws::Job{kFwdRoutedGU, 1, d.hidden / wg::kBK, blk, n, e};
+      job = ws::Job{kFwdRoutedGU, 1, d.hidden / wg::kBK, blk, n, e, 0, ws::upper_half_idle(p.sched, blk, e)};
       a = ws::kmajor(&m.x_routed_k, blk * kBlockM);
       b = ws::kmajor(&m.w_gate_k, n * kTmaGateUpCols, e, &m.w_up_k);
       return 1;
@@ -124,7 +124,7 @@ struct TmaForward {
       const int e = p.sched.block_expert[blk];
       if (!valid_expert(e, blk, d, p.err)) return -1;
       if (!wait_counter_thread(p.cnt.block_act_ready + blk, plan.gu_tiles, w, task)) return -1;
-      job = ws::Job{kFwdRoutedDown, 1, d.inter / wg::kBK, blk, h, e};
+      job = ws::Job{kFwdRoutedDown, 1, d.inter / wg::kBK, blk, h, e, 0, ws::upper_half_idle(p.sched, blk, e)};
       a = ws::kmajor(&m.act_k, blk * kBlockM);
       b = ws::kmajor(&m.w_down_k, h * ws::kBN, e);
       return 1;
@@ -175,7 +175,7 @@ struct TmaForward {
         return true;
       }
       case kFwdRoutedGU: {
-        if (!ws::gemm<wg::kKMajor, wg::kKMajor>(s, ps, acc, job.k_tiles, consumer, w)) return false;
+        if (!ws::gemm<wg::kKMajor, wg::kKMajor>(s, ps, acc, job.k_tiles, consumer, w, job.e)) return false;
         const size_t row0 = (size_t)job.a * kBlockM;
         swiglu_epilogue_regs(acc, f, kBlockM, p.ctx.gu + row0 * 2 * d.inter, p.ctx.act + row0 * d.inter, d.inter,
                              job.b * kTmaGateUpCols, make_swiglu(d));
@@ -191,7 +191,7 @@ struct TmaForward {
         return true;
       }
       case kFwdRoutedDown: {
-        if (!ws::gemm<wg::kKMajor, wg::kKMajor>(s, ps, acc, job.k_tiles, consumer, w)) return false;
+        if (!ws::gemm<wg::kKMajor, wg::kKMajor>(s, ps, acc, job.k_tiles, consumer, w, job.e)) return false;
         const int row0 = job.a * kBlockM, h0 = job.b * ws::kBN, cols = min_int(ws::kBN, d.hidden - h0);
         if (ep_on()) {  // rows go straight to their source rank's slot rows
           ws::store_rows_bf16(acc, f, kBlockM, cols, [&](int r) {

@@ -47,7 +47,8 @@ template <int kAMajor, int kBMajor>
 using Engine = wg::Engine<kBN, kStages, kAMajor, kBMajor>;
 using Geometry = Engine<wg::kKMajor, wg::kKMajor>;  // the ring's layout does not depend on the majors
 
-// A decoded task (kind 0 = stop).  The meaning of a..e is per kind (see the kernels' headers).
+// A decoded task (kind 0 = stop).  The meaning of a..d is per kind (see the kernels' headers);
+// e = 1 on a routed row block whose rows 64..127 are padding (see gemm()).
 struct Job {
   int kind;
   int gemm;     // 1: the producer loads k_tiles stages for it
@@ -225,15 +226,41 @@ __device__ __forceinline__ void worker_loop(const K& k, const Shared& s, const W
 }
 
 // ---- GEMM + epilogue helpers (workers) -----------------------------------------------------------
+// A warpgroup whose 64 tile rows are all padding: acc = 0 without touching the tensor cores (the
+// other warpgroup then has them to itself, about twice as fast).  It still waits for each stage
+// to land before releasing it, so a slot is refilled only when both warpgroups are done with it.
+__device__ __forceinline__ bool drain(const Shared& s, wg::PipeState& ps, float (&acc)[kAccRegs], int k_tiles,
+                                      const MbarWaitCtx& w) {
+#pragma unroll
+  for (int i = 0; i < kAccRegs; ++i) acc[i] = 0.f;
+  bool failed = false;
+  for (int kt = 0; kt < k_tiles; ++kt) {
+    if (!failed) failed = !mbar_wait(s.ring.full(ps.slot), ps.phase, w);
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) mbar_arrive(s.ring.empty(ps.slot));
+    ps.advance(kStages);
+  }
+  return !failed;
+}
+
 // acc = this warpgroup's 64 rows of the tile; true for every worker when both warpgroups
 // finished (a ring wait can only fail on a bug: then every worker returns false together).
+// idle_hi: tile rows 64..127 are padding (an expert's last row block holds <= 64 rows).
 template <int kAMajor, int kBMajor>
 __device__ __forceinline__ bool gemm(const Shared& s, wg::PipeState& ps, float (&acc)[kAccRegs], int k_tiles,
-                                     int consumer, const MbarWaitCtx& w) {
+                                     int consumer, const MbarWaitCtx& w, bool idle_hi = false) {
   using E = Engine<kAMajor, kBMajor>;
   const typename E::Ring r{s.ring.data, s.ring.bars};
-  const bool ok = E::consume(r, ps, acc, k_tiles, consumer, w);
+  const bool ok = idle_hi && consumer == 1 ? drain(s, ps, acc, k_tiles, w)
+                                           : E::consume(r, ps, acc, k_tiles, consumer, w);
   return !workers_any(!ok);
+}
+
+// Producer: whether rows 64..127 of row block b (expert e) are all padding.  A schedule that
+// does not add up (never expected) simply gets the full computation.
+__device__ __forceinline__ int upper_half_idle(const MoESchedule& sc, int b, int e) {
+  const int rows = sc.expert_offset[e] + sc.expert_count[e] - b * kBlockM;
+  return rows > 0 && rows <= kBlockM / 2 ? 1 : 0;
 }
 
 // Accumulator register 4j + 2h + {0, 1} of a worker holds tile row row(h) = row0 + 8h, columns
