@@ -21,6 +21,16 @@ __device__ __forceinline__ bool start(const int* err, int num_blocks, const MoED
   return true;
 }
 
+// The descriptors into the TMA unit's cache before the first loads need them (unused views are
+// all zeros: skipped).
+template <class Maps>
+__device__ __forceinline__ void prefetch_maps(const Maps& m) {
+  const TensorMap* first = reinterpret_cast<const TensorMap*>(&m);
+  for (int i = 0; i < static_cast<int>(sizeof(Maps) / sizeof(TensorMap)); ++i) {
+    if ((first[i].opaque[0] | first[i].opaque[1]) != 0) tma_prefetch_map(first + i);
+  }
+}
+
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(ws::kCtaThreads, 1)
@@ -38,7 +48,10 @@ extern "C" __global__ void __launch_bounds__(ws::kCtaThreads, 1)
   const WaitCtx wc{p.err, p.dims.timeout_ns, p.dims.rank};
   if (threadIdx.x < 128) {
     setmaxnreg_dec<ws::kProducerRegs>();
-    if (threadIdx.x == 0) ws::producer_loop(k, s, p.cnt.task_next, plan.total, wc);
+    if (threadIdx.x == 0) {
+      prefetch_maps(tp.maps);
+      ws::producer_loop(k, s, p.cnt.task_next, plan.total, wc);
+    }
     return;
   }
   setmaxnreg_inc<ws::kWorkerRegs>();
@@ -61,7 +74,10 @@ extern "C" __global__ void __launch_bounds__(ws::kCtaThreads, 1)
   const WaitCtx wc{p.err, p.dims.timeout_ns, p.dims.rank};
   if (threadIdx.x < 128) {
     setmaxnreg_dec<ws::kProducerRegs>();
-    if (threadIdx.x == 0) ws::producer_loop(k, s, p.cnt.task_next, plan.total, wc);
+    if (threadIdx.x == 0) {
+      prefetch_maps(tp.maps);
+      ws::producer_loop(k, s, p.cnt.task_next, plan.total, wc);
+    }
     return;
   }
   setmaxnreg_inc<ws::kWorkerRegs>();
