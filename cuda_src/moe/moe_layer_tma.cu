@@ -39,12 +39,16 @@ extern "C" __global__ void __launch_bounds__(ws::kCtaThreads, 1)
   const MoEForwardParams& p = tp.p;
   const int num_blocks = p.sched.num_blocks[0];
   const ws::Shared s = ws::layout(smem);
-  // The plan lives in shared memory: the producer's 40 registers could not hold it.
+  // The plan and task order live in shared memory: the producer's registers could not hold them.
   __shared__ ForwardPlan plan;
-  if (threadIdx.x == 0) plan = ForwardPlan::make(p.dims, p.context_only != 0, p.peers, kTmaForwardTiles);
+  __shared__ ws::AheadOrder order;
+  if (threadIdx.x == 0) {
+    plan = ForwardPlan::make(p.dims, p.context_only != 0, p.peers, kTmaForwardTiles);
+    order = TmaForward::make_order(plan);
+  }
   if (!start(p.err, num_blocks, p.dims, p.err, s)) return;
   const ForwardTasks tasks{p, plan, num_blocks, smem};
-  const TmaForward k{tp.maps, p, plan, tasks, num_blocks};
+  const TmaForward k{tp.maps, p, plan, tasks, order, num_blocks};
   const WaitCtx wc{p.err, p.dims.timeout_ns, p.dims.rank};
   if (threadIdx.x < 128) {
     setmaxnreg_dec<ws::kProducerRegs>();
@@ -65,12 +69,16 @@ extern "C" __global__ void __launch_bounds__(ws::kCtaThreads, 1)
   const MoEBackwardParams& p = tp.p;
   const int num_blocks = p.sched.num_blocks[0];
   const ws::Shared s = ws::layout(smem);
-  // The plan lives in shared memory: the producer's 40 registers could not hold it.
+  // The plan and task order live in shared memory: the producer's registers could not hold them.
   __shared__ BackwardPlan plan;
-  if (threadIdx.x == 0) plan = BackwardPlan::make(p.dims, p.peers, kTmaBackwardCols);
+  __shared__ ws::AheadOrder order;
+  if (threadIdx.x == 0) {
+    plan = BackwardPlan::make(p.dims, p.peers, kTmaBackwardCols);
+    order = TmaBackward::make_order(plan);
+  }
   if (!start(p.err, num_blocks, p.dims, p.err, s)) return;
   const BackwardTasks tasks{p, plan, num_blocks, smem};
-  const TmaBackward k{tp.maps, p, plan, tasks, num_blocks};
+  const TmaBackward k{tp.maps, p, plan, tasks, order, num_blocks};
   const WaitCtx wc{p.err, p.dims.timeout_ns, p.dims.rank};
   if (threadIdx.x < 128) {
     setmaxnreg_dec<ws::kProducerRegs>();

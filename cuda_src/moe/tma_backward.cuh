@@ -64,14 +64,21 @@ struct TmaBackward {
   const MoEBackwardParams& p;
   const BackwardPlan& plan;
   const BackwardTasks& tasks;  // the non-GEMM bodies
+  const ws::AheadOrder& order;
   int num_blocks;
+
+  // d_weights (B1) waits on nothing and nothing waits on it: it trails, overlapping GEMMs.
+  __device__ static ws::AheadOrder make_order(const BackwardPlan& f) {
+    return ws::AheadOrder::make(f.shared_da, f.dispatch, f.routed_da, f.d_weights, f.i_tiles);
+  }
 
   __device__ WaitCtx wait_ctx() const { return WaitCtx{p.err, p.dims.timeout_ns, p.dims.rank}; }
   __device__ bool ep_on() const { return ep::enabled(p.peers); }
   __device__ static int k_tiles_of(int k) { return ceil_div(k, wg::kBK); }
 
   // ---- producer -----------------------------------------------------------------------------------
-  __device__ int prepare(int task, ws::Job& job, ws::LoadSrc& a, ws::LoadSrc& b) const {
+  __device__ int prepare(int grabbed, ws::Job& job, ws::LoadSrc& a, ws::LoadSrc& b) const {
+    const int task = order.map(grabbed);
     const MoEDims& d = p.dims;
     const WaitCtx w = wait_ctx();
     job = ws::Job{};

@@ -64,13 +64,19 @@ struct TmaForward {
   const MoEForwardParams& p;
   const ForwardPlan& plan;
   const ForwardTasks& tasks;  // the non-GEMM bodies
+  const ws::AheadOrder& order;
   int num_blocks;
+
+  __device__ static ws::AheadOrder make_order(const ForwardPlan& f) {
+    return ws::AheadOrder::make(f.shared_gu, f.dispatch, f.routed_gu, PhaseRange{f.dispatch.begin, 0}, f.gu_tiles);
+  }
 
   __device__ WaitCtx wait_ctx() const { return WaitCtx{p.err, p.dims.timeout_ns, p.dims.rank}; }
   __device__ bool ep_on() const { return ep::enabled(p.peers); }
 
   // ---- producer -----------------------------------------------------------------------------------
-  __device__ int prepare(int task, ws::Job& job, ws::LoadSrc& a, ws::LoadSrc& b) const {
+  __device__ int prepare(int grabbed, ws::Job& job, ws::LoadSrc& a, ws::LoadSrc& b) const {
+    const int task = order.map(grabbed);
     const MoEDims& d = p.dims;
     const WaitCtx w = wait_ctx();
     job = ws::Job{};

@@ -176,6 +176,49 @@ __device__ __forceinline__ Job take(const Shared& s, QueueState& qs, const MbarW
   return job;
 }
 
+// ---- task order ----------------------------------------------------------------------------------
+// The plans put every row block's dispatch (memory-bound) before the first GEMM tile that needs
+// one, so all SMs copy rows at once and the tensor cores wait.  The TMA kernels walk that part
+// of the index space in another order (a permutation: same tasks, same results):
+//   [lead GEMMs (shared expert)] [dispatch 0 .. D-1]
+//   [dispatch b + D, GEMM tiles of block b] for each block b  (the last D blocks: tiles only)
+//   [trail (tasks nothing waits on)]
+// D = two waves of tasks ahead, so a block's rows are in place before its tiles are grabbed.
+// Every task still comes after everything it waits on (tiles of b after dispatch b; the lead
+// and trail phases wait on nothing here), so the task-graph argument holds unchanged.
+struct AheadOrder {
+  int begin, end;                // the reordered index range (contiguous phases)
+  PhaseRange lead, dispatch, gemm, trail;
+  int per_block, ahead;
+
+  __device__ static AheadOrder make(const PhaseRange& lead, const PhaseRange& dispatch, const PhaseRange& gemm,
+                                    const PhaseRange& trail, int per_block) {
+    AheadOrder o{0, 0, lead, dispatch, gemm, trail, per_block, 0};
+    o.begin = min_int(min_int(lead.begin, dispatch.begin), trail.count > 0 ? trail.begin : dispatch.begin);
+    o.end = o.begin + lead.count + dispatch.count + gemm.count + trail.count;
+    o.ahead = min_int(dispatch.count, ceil_div(2 * static_cast<int>(gridDim.x), per_block + 1));
+    return o;
+  }
+  // The plan index of the task grabbed at position t.
+  __device__ int map(int t) const {
+    if (t < begin || t >= end) return t;
+    int u = t - begin;
+    if (u < lead.count) return lead.begin + u;
+    u -= lead.count;
+    const int blocks = dispatch.count, g = per_block, d = ahead;
+    if (u < d) return dispatch.begin + u;
+    u -= d;
+    const int mid = (blocks - d) * (g + 1);
+    if (u < mid) {
+      const int b = u / (g + 1), r = u - b * (g + 1);
+      return r == 0 ? dispatch.begin + b + d : gemm.begin + b * g + (r - 1);
+    }
+    u -= mid;
+    if (u < d * g) return gemm.begin + (blocks - d) * g + u;
+    return trail.begin + (u - d * g);
+  }
+};
+
 // ---- the two roles -----------------------------------------------------------------------------------
 // K (the kernel's task set) provides
 //   int  prepare(int task, Job&, LoadSrc& a, LoadSrc& b) const   producer: decode + wait;
