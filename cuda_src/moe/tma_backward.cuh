@@ -33,28 +33,30 @@ enum BackwardJob : int {
   kBwdCombine,           // a = token block
 };
 
-// SwiGLU backward epilogue from registers: the tile holds dA for intermediate columns col0 + c
-// (c < cols); reads the saved pre-activations gu (ld 2*inter, gate | up) and writes dgu.
+// SwiGLU backward epilogue: the tile holds dA for intermediate columns col0 + c (c < cols); reads
+// the saved pre-activations gu (ld 2*inter, gate | up) and writes dgu, 16 bytes at a time (dA is
+// quad-transposed to the 8-column chunk each lane then owns; see ws_pipeline.cuh).
 __device__ __forceinline__ void swiglu_bwd_epilogue_regs(const float (&acc)[ws::kAccRegs], const ws::Frag& f,
                                                          int rows, int cols, const bf16* gu, bf16* dgu, int inter,
                                                          int col0, const SwiGLU& sw) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = f.row0 + 8 * h;
-    if (r >= rows) continue;
     const size_t row_at = (size_t)r * 2 * inter + col0;
 #pragma unroll
-    for (int j = 0; j < ws::kAccRegs / 4; ++j) {
-      const int c = f.col0 + 8 * j;
-      if (c >= cols) continue;
-      const size_t at = row_at + c;
-      const float2 g = unpack_bf16x2(*reinterpret_cast<const uint32_t*>(gu + at));
-      const float2 u = unpack_bf16x2(*reinterpret_cast<const uint32_t*>(gu + at + inter));
-      float dg0, du0, dg1, du1;
-      sw.grad(g.x, u.x, acc[4 * j + 2 * h], dg0, du0);
-      sw.grad(g.y, u.y, acc[4 * j + 2 * h + 1], dg1, du1);
-      *reinterpret_cast<uint32_t*>(dgu + at) = pack_bf16x2(dg0, dg1);
-      *reinterpret_cast<uint32_t*>(dgu + at + inter) = pack_bf16x2(du0, du1);
+    for (int q = 0; q < ws::kGroups; ++q) {
+      if (32 * q >= cols) break;  // warp-uniform
+      float da[8];
+      ws::group_f32(acc, q, h, da);
+      if (r >= rows) continue;
+      const size_t at = row_at + f.chunk_col(q);
+      float g[8], u[8], dg[8], du[8];
+      unpack_bf16x8(*reinterpret_cast<const uint4*>(gu + at), g);
+      unpack_bf16x8(*reinterpret_cast<const uint4*>(gu + at + inter), u);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) sw.grad(g[i], u[i], da[i], dg[i], du[i]);
+      *reinterpret_cast<uint4*>(dgu + at) = pack_bf16x8(dg);
+      *reinterpret_cast<uint4*>(dgu + at + inter) = pack_bf16x8(du);
     }
   }
 }

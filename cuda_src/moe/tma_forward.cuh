@@ -29,32 +29,43 @@ enum ForwardJob : int {
 // SwiGLU epilogue of a 128 x 256 gate|up tile from registers: column c < 128 is gate and 128 + c
 // up for intermediate column col0 + c, i.e. registers 4j.. and 4(j + 16).. of the same thread.
 // Writes gu (bf16, ld 2*inter: gate | up) and act (bf16, ld inter) for rows < rows, columns
-// col0 + c < inter; same values as swiglu_epilogue (forward_tasks.cuh).
+// col0 + c < inter; same values as swiglu_epilogue (forward_tasks.cuh).  Values are computed in
+// the accumulator layout and quad-transposed (ws::quad_transpose) for 16-byte stores.
 __device__ __forceinline__ void swiglu_epilogue_regs(const float (&acc)[ws::kAccRegs], const ws::Frag& f, int rows,
                                                      bf16* gu, bf16* act, int inter, int col0, const SwiGLU& sw) {
-  constexpr int kHalf = ws::kAccRegs / 8;  // 16 register quads per half
+  constexpr int kHalf = ws::kAccRegs / 8;  // 16 register quads (8-column chunks) per half
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = f.row0 + 8 * h;
-    if (r >= rows) continue;
     bf16* gu_row = gu + (size_t)r * 2 * inter;
     bf16* act_row = act + (size_t)r * inter;
 #pragma unroll
-    for (int j = 0; j < kHalf; ++j) {
-      const int c = col0 + f.col0 + 8 * j;
-      if (c >= inter) continue;
-      float g0 = acc[4 * j + 2 * h], g1 = acc[4 * j + 2 * h + 1];
-      float u0 = acc[4 * (j + kHalf) + 2 * h], u1 = acc[4 * (j + kHalf) + 2 * h + 1];
-      const float a0 = sw.act(g0, u0), a1 = sw.act(g1, u1);
-      if (sw.limited) {
-        g0 = bf16_keep_clamp_side(g0, sw.limit, false);
-        g1 = bf16_keep_clamp_side(g1, sw.limit, false);
-        u0 = bf16_keep_clamp_side(u0, sw.limit, true);
-        u1 = bf16_keep_clamp_side(u1, sw.limit, true);
+    for (int q = 0; q < kHalf / 4; ++q) {
+      if (col0 + 32 * q >= inter) break;  // warp-uniform (see ws_pipeline.cuh)
+      uint32_t gw[4], uw[4], aw[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int j = 4 * q + k;
+        float g0 = acc[4 * j + 2 * h], g1 = acc[4 * j + 2 * h + 1];
+        float u0 = acc[4 * (j + kHalf) + 2 * h], u1 = acc[4 * (j + kHalf) + 2 * h + 1];
+        aw[k] = pack_bf16x2(sw.act(g0, u0), sw.act(g1, u1));
+        if (sw.limited) {
+          g0 = bf16_keep_clamp_side(g0, sw.limit, false);
+          g1 = bf16_keep_clamp_side(g1, sw.limit, false);
+          u0 = bf16_keep_clamp_side(u0, sw.limit, true);
+          u1 = bf16_keep_clamp_side(u1, sw.limit, true);
+        }
+        gw[k] = pack_bf16x2(g0, g1);
+        uw[k] = pack_bf16x2(u0, u1);
       }
-      *reinterpret_cast<uint32_t*>(gu_row + c) = pack_bf16x2(g0, g1);
-      *reinterpret_cast<uint32_t*>(gu_row + inter + c) = pack_bf16x2(u0, u1);
-      *reinterpret_cast<uint32_t*>(act_row + c) = pack_bf16x2(a0, a1);
+      ws::quad_transpose(gw);
+      ws::quad_transpose(uw);
+      ws::quad_transpose(aw);
+      if (r >= rows) continue;
+      const int c = col0 + f.chunk_col(q);
+      *reinterpret_cast<uint4*>(gu_row + c) = make_uint4(gw[0], gw[1], gw[2], gw[3]);
+      *reinterpret_cast<uint4*>(gu_row + inter + c) = make_uint4(uw[0], uw[1], uw[2], uw[3]);
+      *reinterpret_cast<uint4*>(act_row + c) = make_uint4(aw[0], aw[1], aw[2], aw[3]);
     }
   }
 }
