@@ -111,7 +111,7 @@ def test_engines_agree(stream):
 
 def test_engine_timing(stream):
     """ENGINE <name> fwd <ms> bwd <ms>: a mid-size shape (qwen3-like widths, fewer tokens)."""
-    pb = Problem(seed=21, tokens=4096, hidden=2048, inter=768, experts=32, top_k=8, shared_inter=0, limit=None)
+    pb = Problem(seed=21, tokens=2048, hidden=2048, inter=768, experts=16, top_k=8, shared_inter=0, limit=None)
     for name, knobs in (("tile", TILE), ("tma", TMA)):
         fwd = pb.forward(stream, knobs=knobs)
         bwd = pb.backward(stream, fwd, knobs=knobs)
