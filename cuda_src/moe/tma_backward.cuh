@@ -62,7 +62,7 @@ __device__ __forceinline__ void swiglu_bwd_epilogue_regs(const float (&acc)[ws::
 }
 
 struct TmaBackward {
-  const MoEBackwardMaps& m;
+  const MoEBackwardMaps& maps;
   const MoEBackwardParams& p;
   const BackwardPlan& plan;
   const BackwardTasks& tasks;  // the non-GEMM bodies
@@ -81,6 +81,7 @@ struct TmaBackward {
   // ---- producer -----------------------------------------------------------------------------------
   __device__ int prepare(int grabbed, ws::Job& job, ws::LoadSrc& a, ws::LoadSrc& b) const {
     const int task = order.map(grabbed);
+    const MoEBackwardMaps& m = ws::late(maps);
     const MoEDims& d = p.dims;
     const WaitCtx w = wait_ctx();
     job = ws::Job{};
@@ -119,8 +120,9 @@ struct TmaBackward {
       if (blk >= num_blocks) return 0;
       const int e = p.sched.block_expert[blk];
       if (!valid_expert(e, blk, d, p.err)) return -1;
+      const int idle = ws::upper_half_idle(p.sched, blk, e);  // loads issued before the acquire
       if (!wait_counter_thread(p.cnt.block_dy_ready + blk, 1, w, task)) return -1;
-      job = ws::Job{kBwdRoutedDA, 1, d.hidden / wg::kBK, blk, n, e, 0, ws::upper_half_idle(p.sched, blk, e)};
+      job = ws::Job{kBwdRoutedDA, 1, d.hidden / wg::kBK, blk, n, e, 0, idle};
       a = ws::kmajor(&m.dy_routed_k, blk * kBlockM);
       b = ws::mnmajor(&m.w_down_mn, n * ws::kBN, 0, e);
       return 1;
@@ -138,8 +140,9 @@ struct TmaBackward {
       if (blk >= num_blocks) return 0;
       const int e = p.sched.block_expert[blk];
       if (!valid_expert(e, blk, d, p.err)) return -1;
+      const int idle = ws::upper_half_idle(p.sched, blk, e);
       if (!wait_counter_thread(p.cnt.block_dgu_ready + blk, plan.i_tiles, w, task)) return -1;
-      job = ws::Job{kBwdRoutedDX, 1, 2 * d.inter / wg::kBK, blk, h, e, 0, ws::upper_half_idle(p.sched, blk, e)};
+      job = ws::Job{kBwdRoutedDX, 1, 2 * d.inter / wg::kBK, blk, h, e, 0, idle};
       a = ws::kmajor(&m.dgu_k, blk * kBlockM);
       b = ws::mnmajor(&m.w_gate_mn, h * ws::kBN, 0, e, &m.w_up_mn, d.inter / wg::kBK);
       return 1;

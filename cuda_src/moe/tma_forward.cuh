@@ -71,7 +71,7 @@ __device__ __forceinline__ void swiglu_epilogue_regs(const float (&acc)[ws::kAcc
 }
 
 struct TmaForward {
-  const MoEForwardMaps& m;
+  const MoEForwardMaps& maps;
   const MoEForwardParams& p;
   const ForwardPlan& plan;
   const ForwardTasks& tasks;  // the non-GEMM bodies
@@ -88,6 +88,7 @@ struct TmaForward {
   // ---- producer -----------------------------------------------------------------------------------
   __device__ int prepare(int grabbed, ws::Job& job, ws::LoadSrc& a, ws::LoadSrc& b) const {
     const int task = order.map(grabbed);
+    const MoEForwardMaps& m = ws::late(maps);
     const MoEDims& d = p.dims;
     const WaitCtx w = wait_ctx();
     job = ws::Job{};
@@ -121,8 +122,9 @@ struct TmaForward {
       if (blk >= num_blocks) return 0;
       const int e = p.sched.block_expert[blk];
       if (!valid_expert(e, blk, d, p.err)) return -1;
+      const int idle = ws::upper_half_idle(p.sched, blk, e);  // loads issued before the acquire
       if (!wait_counter_thread(p.cnt.block_ready + blk, 1, w, task)) return -1;
-      job = ws::Job{kFwdRoutedGU, 1, d.hidden / wg::kBK, blk, n, e, 0, ws::upper_half_idle(p.sched, blk, e)};
+      job = ws::Job{kFwdRoutedGU, 1, d.hidden / wg::kBK, blk, n, e, 0, idle};
       a = ws::kmajor(&m.x_routed_k, blk * kBlockM);
       b = ws::kmajor(&m.w_gate_k, n * kTmaGateUpCols, e, &m.w_up_k);
       return 1;
@@ -140,8 +142,9 @@ struct TmaForward {
       if (blk >= num_blocks) return 0;
       const int e = p.sched.block_expert[blk];
       if (!valid_expert(e, blk, d, p.err)) return -1;
+      const int idle = ws::upper_half_idle(p.sched, blk, e);
       if (!wait_counter_thread(p.cnt.block_act_ready + blk, plan.gu_tiles, w, task)) return -1;
-      job = ws::Job{kFwdRoutedDown, 1, d.inter / wg::kBK, blk, h, e, 0, ws::upper_half_idle(p.sched, blk, e)};
+      job = ws::Job{kFwdRoutedDown, 1, d.inter / wg::kBK, blk, h, e, 0, idle};
       a = ws::kmajor(&m.act_k, blk * kBlockM);
       b = ws::kmajor(&m.w_down_k, h * ws::kBN, e);
       return 1;

@@ -114,6 +114,16 @@ __device__ __forceinline__ LoadSrc mnmajor(const TensorMap* m, int row0, int k0 
   return LoadSrc{m, m2, row0, k0, group, k_switch, wg::kMNMajor};
 }
 
+// The maps' addresses are constants (parameter space): left alone, the compiler hoists every one
+// of them out of the producer loop and spills them from its 56 registers.  Taking the maps
+// through this empty asm in each iteration keeps one base address live instead.
+template <class Maps>
+__device__ __forceinline__ const Maps& late(const Maps& m) {
+  const Maps* p = &m;
+  asm volatile("" : "+l"(p));
+  return *p;
+}
+
 template <int kRows>
 __device__ __forceinline__ void load_tile(const LoadSrc& s, int kt, uint32_t dst, uint32_t bar) {
   if (s.major == wg::kKMajor) {
@@ -231,13 +241,20 @@ __device__ __forceinline__ void producer_loop(const K& k, const Shared& s, int* 
   const MbarWaitCtx w{wc.err, wc.timeout_ns, wc.rank, -1, false};
   wg::PipeState ps;
   QueueState qs;
+  // The next index is grabbed (and the error word read) before the current GEMM's loads are
+  // issued, so those round trips overlap the streaming (the CTA then holds one more task: the
+  // argument above still holds).
+  int next = atom_add_relaxed_gpu(task_next, 1);
+  bool failed = error_set(wc.err);
   for (;;) {
-    const int task = error_set(wc.err) ? num_tasks : atom_add_relaxed_gpu(task_next, 1);
+    const int task = failed ? num_tasks : next;
     if (task >= num_tasks) break;
     Job job;
     LoadSrc a, b;
     const int r = k.prepare(task, job, a, b);
     if (r < 0) break;
+    next = atom_add_relaxed_gpu(task_next, 1);
+    failed = error_set(wc.err);
     if (r == 0) continue;
     if (!publish(s, qs, job, w)) return;
     if (job.gemm && job.k_tiles > 0) {
