@@ -10,12 +10,13 @@
 // signal the task's counters.  So the producer fetches task t+1's operands during task t's
 // epilogue, and dependency spins never hold the tensor cores' warps.
 //
-// Deadlock freedom (as in task_graph.cuh): a task waits only on lower-index tasks.  The producer
-// has issued everything of task t before it waits on t+1's dependencies, and the workers need
-// nothing more from the producer to finish t, so a dependency of t+1 on t resolves.
+// Deadlock freedom (as in task_graph.cuh): a task waits only on tasks grabbed earlier (lower
+// positions of the order below).  The producer has issued everything of task t before it waits
+// on the dependencies of the task it grabbed next, and the workers need nothing more from the
+// producer to finish t, so every grabbed task completes, whichever CTA holds it.
 //
 // Failure: only the producer's dependency waits look at the error word (they fail fast and the
-// producer publishes kJobStop).  Queue and ring waits depend on this CTA alone, so they never
+// producer publishes a stop Job, kind 0).  Queue and ring waits depend on this CTA alone, so they never
 // give up on someone else's error (watch_err = false): a GEMM that was published is always
 // drained, and no CTA exits with a TMA load in flight.  They are still bounded (a bug reports
 // kErrTimeout instead of hanging); every worker decision is made uniform with workers_any.
