@@ -69,8 +69,13 @@ struct TmaBackward {
   const ws::AheadOrder& order;
   int num_blocks;
 
-  // d_weights (B1) waits on nothing and nothing waits on it: it trails, overlapping GEMMs.
+  // d_weights (B1) waits on nothing and nothing waits on it: on one GPU it trails, overlapping
+  // GEMMs; with EP it stays with the shared dA in front, covering the rows' travel (adjacent
+  // phases there).
   __device__ static ws::AheadOrder make_order(const BackwardPlan& f) {
+    if (f.push_notify.count > 0)
+      return ws::AheadOrder::make(PhaseRange{f.d_weights.begin, f.d_weights.count + f.shared_da.count}, f.dispatch,
+                                  f.routed_da, PhaseRange{f.dispatch.begin, 0}, f.i_tiles);
     return ws::AheadOrder::make(f.shared_da, f.dispatch, f.routed_da, f.d_weights, f.i_tiles);
   }
 
