@@ -92,6 +92,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--iters", type=int, default=30, help="timed iterations per figure (>= 20; default 30)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed iterations first (default 5, --quick 2)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--engine", choices=("tile", "tma"), default=None,
+                    help="mok_rt's GEMM engine (sets $MOK_RT_GEMM_ENGINE; default: that variable, else tile)")
     ap.add_argument("--out", default=None, help="directory for the results JSON (default bench/results)")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="self-test of the harness without a GPU: torch on the CPU (gloo between processes), "
@@ -99,6 +101,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--commit", default=os.environ.get("MOK_BENCH_COMMIT"),
                     help="commit id to record when the tree has no git metadata (env MOK_BENCH_COMMIT)")
     args = ap.parse_args(argv)
+    if args.engine is not None:
+        os.environ["MOK_RT_GEMM_ENGINE"] = args.engine   # read by mok_rt when a workspace is built
     if args.cpu_smoke:
         args.quick = True
         if args.tokens is None:
@@ -716,6 +720,7 @@ def main(argv=None) -> int:
            "machine": _machine(torch, ranks), "commit": _commit(args.commit), "versions": _versions(torch, mok),
            "argv": sys.argv[1:], "ep": size, "iters": args.iters, "warmup": args.warmup, "seed": args.seed,
            "quick": args.quick, "cpu_smoke": args.cpu_smoke, "impl": args.impl, "tolerance": TOLERANCE,
+           "gemm_engine": os.environ.get("MOK_RT_GEMM_ENGINE") or "tile",
            "mok_error": mok.error, "complete": False,
            "timed": {"fwd": "schedule + forward", "fwd_bwd": "schedule + forward + backward",
                      "statistic": "median over iterations, max over ranks",

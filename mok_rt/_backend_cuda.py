@@ -44,20 +44,21 @@ class CudaBackend:
         self.device_id = ws.device_id
         activate(self.device_id)
         max_ctas = None
+        engine = L.resolve_engine(cfg.gemm_engine)
         if ep is None:
             self.error = ErrorWord(self.device_id)
         else:
             self.error = ep.error   # the heap's, one per local rank
             from .routing import prepare
             prepare(self.device_id, cfg.num_experts)
-            L.prepare(self.device_id)
+            L.prepare(self.device_id, engine=engine)
             share = ep.shared.ranks_sharing_gpu(ep.rank)
             if share > 1:
                 # Ranks sharing a GPU split its SMs, so that all their persistent grids are resident
                 # at once (a rank waiting for a peer that cannot start would only time out).
                 max_ctas = max(1, multiprocessor_count(self.device_id) * cfg.ctas_per_sm // share)
         self.knobs = L.KernelKnobs(ctas_per_sm=cfg.ctas_per_sm, max_ctas=max_ctas,
-                                   timeout_ns=int(cfg.timeout_s * 1e9))
+                                   timeout_ns=int(cfg.timeout_s * 1e9), engine=engine)
         self._streams: dict[int, object] = {}   # streams with mok_rt work since the last synchronize
 
     # -- lifetime / errors ---------------------------------------------------------------------

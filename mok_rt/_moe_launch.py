@@ -1,5 +1,13 @@
-"""Launching the fused MoE forward/backward kernels (cuda_src/moe/moe_layer.cu) on one GPU, or as
-one rank of an expert-parallel group (``peers=PeerSpec(...)``).
+"""Launching the fused MoE forward/backward kernels on one GPU, or as one rank of an
+expert-parallel group (``peers=PeerSpec(...)``).
+
+Two GEMM engines, same tasks, counters and buffers (``KernelKnobs.engine``):
+  "tile"  cuda_src/moe/moe_layer.cu: 256 threads, cp.async into a swizzled ring + wgmma, C staged
+          through shared memory for the epilogues (the default).
+  "tma"   cuda_src/moe/moe_layer_tma.cu: 384 threads, a TMA producer warp + 2 wgmma worker
+          warpgroups, epilogues from registers; needs a tensor map per operand (_moe_maps.py).
+The default is "tile" unless $MOK_RT_GEMM_ENGINE names the other one (how the GPU test suite runs
+against both without changing a test).
 
 The caller (the Workspace) owns every buffer; this module only checks the plain facts it can
 see (sizes, alignment, null pointers), fills the parameter structs, zeroes the dependency
@@ -17,8 +25,10 @@ Typical use::
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, fields
 
+from . import _moe_maps
 from . import _moe_params as P
 from ._driver import call, driver
 from ._kernels import Kernel, get_kernel
@@ -26,13 +36,49 @@ from .errors import ArgumentError, MokError
 from .launch import launch, multiprocessor_count, stream_handle
 
 __all__ = [
-    "LayerDims", "ScheduleBuffers", "ForwardBuffers", "BackwardBuffers", "KernelKnobs", "PeerSpec",
+    "LayerDims", "ScheduleBuffers", "ForwardBuffers", "BackwardBuffers", "KernelKnobs", "PeerSpec", "ENGINES",
+    "resolve_engine",
     "forward_buffer_bytes", "backward_buffer_bytes", "forward_task_count", "backward_task_count",
     "launch_forward", "launch_backward",
 ]
 
-_CUBIN = "moe_layer"
 _BF16, _F32, _I32 = 2, 4, 4
+ENGINES = ("tile", "tma")
+ENGINE_ENV = "MOK_RT_GEMM_ENGINE"
+
+
+@dataclass(frozen=True)
+class _Engine:
+    cubin: str
+    forward: str
+    backward: str
+    threads: int
+    smem_bytes: int
+    tile_n: int          # dA / dX / down / wgrad tile width
+    gate_up_cols: int    # intermediate columns per fused gate|up tile
+    maps: bool           # parameter struct starts with tensor maps
+
+
+_ENGINE_SPECS = {
+    "tile": _Engine("moe_layer", "moe_forward", "moe_backward", P.THREADS, P.SMEM_BYTES, P.TILE_N,
+                    P.GATE_UP_COLS, False),
+    "tma": _Engine("moe_layer_tma", "moe_forward_tma", "moe_backward_tma", P.TMA_THREADS, P.TMA_SMEM_BYTES,
+                   P.TMA_TILE_N, P.TMA_GATE_UP_COLS, True),
+}
+
+
+def _check_engine(name: str, v) -> str:
+    if v not in ENGINES:
+        raise ArgumentError(name, f"expected one of {ENGINES}, got {v!r}")
+    return v
+
+
+def resolve_engine(engine: str | None) -> str:
+    """``engine``, or (None) $MOK_RT_GEMM_ENGINE, or "tile"."""
+    if engine is not None:
+        return _check_engine("engine", engine)
+    env = os.environ.get(ENGINE_ENV)
+    return _check_engine(ENGINE_ENV, env) if env else "tile"
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -170,11 +216,13 @@ class BackwardBuffers:
 @dataclass(frozen=True)
 class KernelKnobs:
     """ctas_per_sm: persistent CTAs per SM (None: as many as fit); max_ctas caps the grid;
-    timeout_ns: how long a dependency wait may last before the kernel reports kErrTimeout."""
+    timeout_ns: how long a dependency wait may last before the kernel reports kErrTimeout;
+    engine: "tile" or "tma" (None: $MOK_RT_GEMM_ENGINE, else "tile"; see the module doc)."""
 
     ctas_per_sm: int | None = None
     max_ctas: int | None = None
     timeout_ns: int = 10_000_000_000
+    engine: str | None = None
 
     def __post_init__(self):
         if self.ctas_per_sm is not None:
@@ -182,6 +230,8 @@ class KernelKnobs:
         if self.max_ctas is not None:
             _int("max_ctas", self.max_ctas, minimum=1)
         _int("timeout_ns", self.timeout_ns, minimum=1)
+        if self.engine is not None:
+            _check_engine("engine", self.engine)
 
 
 @dataclass(frozen=True)
@@ -292,28 +342,32 @@ def backward_buffer_bytes(dims: LayerDims) -> dict[str, int]:
     }
 
 
-def forward_task_count(dims: LayerDims, *, context_only: bool = False, push_tasks: int = 0) -> int:
-    """Size of the forward task index space (mirror of ForwardPlan in forward_tasks.cuh);
-    ``push_tasks`` > 0 with expert parallelism."""
-    d = dims
-    tb, mb, h_tiles = d.token_blocks, d.max_blocks, _ceil_div(d.hidden, P.TILE_N)
+def forward_task_count(dims: LayerDims, *, context_only: bool = False, push_tasks: int = 0,
+                       engine: str = "tile") -> int:
+    """Size of the forward task index space (mirror of ForwardPlan in forward_tasks.cuh with the
+    engine's tile widths); ``push_tasks`` > 0 with expert parallelism."""
+    d, eng = dims, _ENGINE_SPECS[_check_engine("engine", engine)]
+    tb, mb, h_tiles = d.token_blocks, d.max_blocks, _ceil_div(d.hidden, eng.tile_n)
+    gu, sgu = _ceil_div(d.intermediate, eng.gate_up_cols), _ceil_div(d.shared_intermediate, eng.gate_up_cols)
     shared = d.shared_intermediate > 0
     ep = push_tasks > 0
     return ((push_tasks + 2 if ep else 0)   # push tasks, "rows sent", "outputs returned"
-            + mb + tb * (d.shared_intermediate // P.GATE_UP_COLS) + mb * (d.intermediate // P.GATE_UP_COLS)
+            + mb + tb * sgu + mb * gu
             + (tb * h_tiles if shared and not context_only else 0) + mb * h_tiles
             + (0 if context_only and not ep else tb))
 
 
-def backward_task_count(dims: LayerDims, *, push_tasks: int = 0) -> int:
+def backward_task_count(dims: LayerDims, *, push_tasks: int = 0, engine: str = "tile") -> int:
     """Size of the backward task index space (mirror of BackwardPlan in backward_tasks.cuh)."""
-    d = dims
+    d, eng = dims, _ENGINE_SPECS[_check_engine("engine", engine)]
     tb, mb = d.token_blocks, d.max_blocks
-    i_t, si_t, h_t = (_ceil_div(v, P.TILE_N) for v in (d.intermediate, d.shared_intermediate, d.hidden))
+    i_t, si_t, h_t = (_ceil_div(v, eng.tile_n) for v in (d.intermediate, d.shared_intermediate, d.hidden))
+    i_r, si_r, h_r = (_ceil_div(v, P.BLOCK_M) for v in (d.intermediate, d.shared_intermediate, d.hidden))
     shared = d.shared_intermediate > 0
     return ((push_tasks + 2 if push_tasks > 0 else 0)
             + mb + tb + (tb * si_t if shared else 0) + mb * i_t + (tb * h_t if shared else 0) + mb * h_t
-            + d.local_experts * h_t * i_t + d.local_experts * 2 * i_t * h_t + (3 * h_t * si_t if shared else 0) + tb)
+            + d.local_experts * h_r * i_t + d.local_experts * 2 * i_r * h_t
+            + (h_r * si_t + 2 * si_r * h_t if shared else 0) + tb)
 
 
 # ---- launching --------------------------------------------------------------------------------
@@ -368,23 +422,23 @@ def _carve(base: int, sizes: list[tuple[str, int]]) -> dict[str, int]:
 _fit_cache: dict[tuple[int, int], int] = {}
 
 
-def _ctas_that_fit(kernel: Kernel, device_id: int) -> int:
+def _ctas_that_fit(kernel: Kernel, device_id: int, eng: _Engine) -> int:
     key = (kernel.address, device_id)
     if key not in _fit_cache:
         try:
             dev = call("cuDeviceGet", device_id)
             call("cuKernelSetAttribute", driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                 P.SMEM_BYTES, kernel.handle, dev)
-            n = call("cuOccupancyMaxActiveBlocksPerMultiprocessor", driver.CUfunction(kernel.address), P.THREADS,
-                     P.SMEM_BYTES)
+                 eng.smem_bytes, kernel.handle, dev)
+            n = call("cuOccupancyMaxActiveBlocksPerMultiprocessor", driver.CUfunction(kernel.address), eng.threads,
+                     eng.smem_bytes)
             _fit_cache[key] = max(1, int(n))
         except MokError:  # occupancy is advice only: one CTA per SM always works
             _fit_cache[key] = 1
     return _fit_cache[key]
 
 
-def _grid(kernel: Kernel, device_id: int, knobs: KernelKnobs, num_tasks: int) -> int:
-    per_sm = knobs.ctas_per_sm or _ctas_that_fit(kernel, device_id)
+def _grid(kernel: Kernel, device_id: int, knobs: KernelKnobs, num_tasks: int, eng: _Engine) -> int:
+    per_sm = knobs.ctas_per_sm or _ctas_that_fit(kernel, device_id, eng)
     grid = multiprocessor_count(device_id) * per_sm
     if knobs.max_ctas is not None:
         grid = min(grid, knobs.max_ctas)
@@ -429,6 +483,8 @@ def launch_forward(bufs: ForwardBuffers, sched: ScheduleBuffers, dims: LayerDims
     cnt = _carve(bufs.counters, [("task_next", 1), ("down_done", 1), ("block_ready", d.max_blocks),
                                  ("block_act_ready", d.max_blocks), ("token_sact_ready", d.token_blocks),
                                  ("token_shared_done", d.token_blocks), ("push_done", 1), ("ctas_done", 1)])
+    engine = resolve_engine(knobs.engine)
+    eng = _ENGINE_SPECS[engine]
     p = P.MoEForwardParams()
     p.sched = _schedule_struct(sched)
     _fill(p.w, {n: getattr(bufs, n) for n in ("w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down")})
@@ -441,13 +497,18 @@ def launch_forward(bufs: ForwardBuffers, sched: ScheduleBuffers, dims: LayerDims
     p.peers = _no_peers() if peers is None else peers._struct()
 
     num_tasks = forward_task_count(d, context_only=bool(context_only),
-                                   push_tasks=0 if peers is None else peers.push_tasks)
+                                   push_tasks=0 if peers is None else peers.push_tasks, engine=engine)
+    params = p
+    if eng.maps:
+        params = P.MoEForwardTmaParams()
+        params.p = p
+        _moe_maps.encode_maps(_moe_maps.map_specs(bufs, d, backward=False), params.maps)
     _zero_counters(bufs.counters, _forward_counter_words(d), stream)
     if num_tasks == 0:
         return
-    kernel = get_kernel(_CUBIN, "moe_forward", device_id)
-    launch(kernel, grid=_grid(kernel, device_id, knobs, num_tasks), block=P.THREADS, params=p, stream=stream,
-           device_id=device_id, shared_mem=P.SMEM_BYTES)
+    kernel = get_kernel(eng.cubin, eng.forward, device_id)
+    launch(kernel, grid=_grid(kernel, device_id, knobs, num_tasks, eng), block=eng.threads, params=params,
+           stream=stream, device_id=device_id, shared_mem=eng.smem_bytes)
 
 
 def launch_backward(bufs: BackwardBuffers, sched: ScheduleBuffers, dims: LayerDims, *, stream, err_ptr: int,
@@ -470,6 +531,8 @@ def launch_backward(bufs: BackwardBuffers, sched: ScheduleBuffers, dims: LayerDi
                                  ("expert_dy_ready", d.local_experts), ("expert_dgu_ready", d.local_experts),
                                  ("token_dsgu_ready", d.token_blocks), ("token_dxs_ready", d.token_blocks),
                                  ("push_done", 1), ("ctas_done", 1)])
+    engine = resolve_engine(knobs.engine)
+    eng = _ENGINE_SPECS[engine]
     p = P.MoEBackwardParams()
     p.sched = _schedule_struct(sched)
     _fill(p.w, {n: getattr(bufs, n) for n in ("w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down")})
@@ -484,20 +547,26 @@ def launch_backward(bufs: BackwardBuffers, sched: ScheduleBuffers, dims: LayerDi
     p.accumulate = int(bool(accumulate))
     p.peers = _no_peers() if peers is None else peers._struct()
 
-    num_tasks = backward_task_count(d, push_tasks=0 if peers is None else peers.push_tasks)
+    num_tasks = backward_task_count(d, push_tasks=0 if peers is None else peers.push_tasks, engine=engine)
+    params = p
+    if eng.maps:
+        params = P.MoEBackwardTmaParams()
+        params.p = p
+        _moe_maps.encode_maps(_moe_maps.map_specs(bufs, d, backward=True), params.maps)
     _zero_counters(bufs.counters, _backward_counter_words(d), stream)
-    kernel = get_kernel(_CUBIN, "moe_backward", device_id)
-    launch(kernel, grid=_grid(kernel, device_id, knobs, num_tasks), block=P.THREADS, params=p, stream=stream,
-           device_id=device_id, shared_mem=P.SMEM_BYTES)
+    kernel = get_kernel(eng.cubin, eng.backward, device_id)
+    launch(kernel, grid=_grid(kernel, device_id, knobs, num_tasks, eng), block=eng.threads, params=params,
+           stream=stream, device_id=device_id, shared_mem=eng.smem_bytes)
 
 
-def prepare(device_id: int) -> None:
-    """Load both megakernels on ``device_id`` and set their launch attributes now.  Expert
-    parallelism needs this before the first launch: loading a module or changing a kernel's
-    attributes may wait for the device's running kernels, and a rank's kernel may already be
-    spinning for a peer whose launch would then wait behind it."""
+def prepare(device_id: int, *, engine: str | None = None) -> None:
+    """Load both megakernels of the engine on ``device_id`` and set their launch attributes now.
+    Expert parallelism needs this before the first launch: loading a module or changing a
+    kernel's attributes may wait for the device's running kernels, and a rank's kernel may
+    already be spinning for a peer whose launch would then wait behind it."""
     from .launch import _ensure_shared_memory
-    for name in ("moe_forward", "moe_backward"):
-        kernel = get_kernel(_CUBIN, name, device_id)
-        _ctas_that_fit(kernel, device_id)
-        _ensure_shared_memory(kernel, device_id, P.SMEM_BYTES)
+    eng = _ENGINE_SPECS[resolve_engine(engine)]
+    for name in (eng.forward, eng.backward):
+        kernel = get_kernel(eng.cubin, name, device_id)
+        _ctas_that_fit(kernel, device_id, eng)
+        _ensure_shared_memory(kernel, device_id, eng.smem_bytes)

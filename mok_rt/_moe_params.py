@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import ctypes
 
+from ._tensormap import TENSOR_MAP_BYTES, TensorMapBytes
+
 __all__ = [
     "BLOCK_M", "THREADS", "TILE_N", "GATE_UP_COLS", "SMEM_BYTES",
+    "TMA_THREADS", "TMA_TILE_N", "TMA_GATE_UP_COLS", "TMA_SMEM_BYTES", "FORWARD_MAP_NAMES", "BACKWARD_MAP_NAMES",
+    "MoEForwardMaps", "MoEBackwardMaps", "MoEForwardTmaParams", "MoEBackwardTmaParams",
     "MoESchedule", "MoEDims", "MoEWeights", "MoEContext", "MoEForwardCounters", "MoEForwardParams",
     "MoEBackwardCounters", "MoEWeightGrads", "MoEBackwardParams", "MoEPeers", "MAX_EP_RANKS", "NUM_PEER_FLAGS",
 ]
@@ -143,3 +147,51 @@ assert ctypes.sizeof(MoEWeightGrads) == 6 * 8
 assert ctypes.sizeof(MoEBackwardParams) == (8 * 8 + 6 * 8 + 6 * 8 + 11 * 8 + 6 * 8 + 11 * 8 + (8 + 12 * 4) + 8
                                             + _PEERS)
 assert SMEM_BYTES == 197632
+
+
+# ---- the warp-specialised TMA + wgmma kernels (cuda_src/moe/moe_layer_tma.cu, params_tma.cuh) ----
+TMA_THREADS = 384          # producer warpgroup + 2 worker warpgroups
+TMA_TILE_N = 256           # GEMM tile width (128 x 256 tiles)
+TMA_GATE_UP_COLS = 128     # intermediate columns per fused gate|up tile (128 gate + 128 up)
+# 4-slot ring of (128 x 64 A + 256 x 64 B) bf16 + 1024 bytes of alignment slack + ring and queue
+# mbarriers + 2 Jobs of 32 bytes (ws_pipeline.cuh asserts it).
+TMA_SMEM_BYTES = 4 * (BLOCK_M + TMA_TILE_N) * _BK * 2 + 1024 + 2 * 4 * 8 + 2 * 2 * 8 + 2 * 32
+
+FORWARD_MAP_NAMES = ("x_k", "x_routed_k", "sact_k", "act_k", "w_gate_k", "w_up_k", "w_down_k", "ws_gate_k",
+                     "ws_up_k", "ws_down_k")
+BACKWARD_MAP_NAMES = ("dy_routed_k", "d_out_k", "dgu_k", "dsgu_k", "w_down_mn", "ws_down_mn", "w_gate_mn",
+                      "w_up_mn", "ws_gate_mn", "ws_up_mn", "dy_routed_mn", "act_mn", "dgu_mn", "x_routed_mn",
+                      "d_out_mn", "sact_mn", "dsgu_mn", "x_mn")
+
+
+class MoEForwardMaps(ctypes.Structure):
+    _fields_ = [(n, TensorMapBytes) for n in FORWARD_MAP_NAMES]
+
+
+class MoEBackwardMaps(ctypes.Structure):
+    _fields_ = [(n, TensorMapBytes) for n in BACKWARD_MAP_NAMES]
+
+
+def _tail(size: int) -> list[tuple[str, type]]:
+    """C++ pads a struct holding alignas(64) maps to a multiple of 64 bytes; ctypes does not
+    know that alignment, so the tail is explicit (the driver copies the C++ size)."""
+    pad = -size % 64
+    return [("tail_", ctypes.c_uint8 * pad)] if pad else []
+
+
+class MoEForwardTmaParams(ctypes.Structure):
+    _fields_ = [("maps", MoEForwardMaps), ("p", MoEForwardParams),
+                *_tail(ctypes.sizeof(MoEForwardMaps) + ctypes.sizeof(MoEForwardParams))]
+
+
+class MoEBackwardTmaParams(ctypes.Structure):
+    _fields_ = [("maps", MoEBackwardMaps), ("p", MoEBackwardParams),
+                *_tail(ctypes.sizeof(MoEBackwardMaps) + ctypes.sizeof(MoEBackwardParams))]
+
+
+# Sizes as static_assert-ed in params_tma.cuh / ws_pipeline.cuh.
+assert ctypes.sizeof(MoEForwardMaps) == 10 * TENSOR_MAP_BYTES
+assert ctypes.sizeof(MoEBackwardMaps) == 18 * TENSOR_MAP_BYTES
+assert ctypes.sizeof(MoEForwardTmaParams) == 2240
+assert ctypes.sizeof(MoEBackwardTmaParams) == 3328
+assert TMA_SMEM_BYTES == 197792

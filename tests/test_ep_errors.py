@@ -109,17 +109,20 @@ def _read(*parts):
         return f.read()
 
 
-@pytest.mark.parametrize("name", ["forward_tasks.cuh", "backward_tasks.cuh"])
+@pytest.mark.parametrize("name", ["forward_tasks.cuh", "backward_tasks.cuh", "tma_forward.cuh", "tma_backward.cuh"])
 def test_peer_waits_use_the_peer_deadline_and_local_waits_the_longer_one(name):
+    # Both engines: the one-engine kernel's CTA-wide waits and the TMA producer's one-thread waits.
     src = _read("moe", name)
-    peer_waits = re.findall(r"ep::wait_all\(([^;]*)\)", src)
+    peer_waits = re.findall(r"ep::wait_all(?:_thread)?\(([^;]*)\)", src)
     assert len(peer_waits) == 2
     for call in peer_waits:
         assert "peer_wait_ctx()" in call, call
     # The return waits name a peer that has not even pushed its rows first (P > 2).
-    assert re.search(r"wait_all\(p\.peers, kFlag(Fwd|Bwd)Return, kFlag(Fwd|Bwd)Rows,", src)
-    for call in re.findall(r"wait_counter\(([^;]*)\)", src):
-        assert "wait_ctx()" in call and "peer_wait_ctx" not in call, call
+    assert re.search(r"wait_all(_thread)?\(p\.peers, kFlag(Fwd|Bwd)Return, kFlag(Fwd|Bwd)Rows,", src)
+    counter_waits = re.findall(r"wait_counter(?:_thread)?\(([^;]*)\)", src)
+    assert counter_waits
+    for call in counter_waits:
+        assert ("wait_ctx()" in call or call.rstrip().endswith("w, task)")) and "peer_wait_ctx" not in call, call
     assert "ep::local_timeout_ns(p.peers, p.dims.timeout_ns)" in src
 
 
@@ -128,7 +131,7 @@ def test_local_deadline_outlasts_the_peer_deadline():
     factor = int(re.search(r"kLocalTimeoutFactor = (\d+);", src).group(1))
     assert factor >= 2
     # Only the own-flag part of wait_all may report an unknown peer (-1).
-    body = src[src.index("bool wait_all("):src.index("// Push this rank's token rows")]
+    body = src[src.index("bool wait_all_thread("):src.index("// Push this rank's token rows")]
     assert body.count("set_error(w.err, kErrTimeout, pe.rank, -1, stage)") == 1
     assert "peer_to_blame(pe, kind, earlier)" in body
 

@@ -59,17 +59,20 @@ struct MbarWaitCtx {
   long long timeout_ns;
   int rank;
   int what;
+  // false: a wait whose completion depends only on this CTA (a pipeline that always drains) does
+  // not give up when someone else records an error, so no TMA is left in flight at exit.
+  bool watch_err = true;
 };
 
 // Waits for the phase of parity `parity`; false (on the calling thread only) when the error word
-// is set by anyone or the wait outlasts timeout_ns (then kErrTimeout is recorded).  The clock and
+// is set by anyone (unless !w.watch_err) or the wait outlasts timeout_ns (then kErrTimeout is recorded).  The clock and
 // the error word are only read after a failed try_wait, so the fast path is one instruction.
 __device__ __forceinline__ bool mbar_wait(uint32_t bar, uint32_t parity, const MbarWaitCtx& w) {
   if (mbar_try_wait(bar, parity)) return true;
   const uint64_t start = globaltimer_ns();
   for (;;) {
     if (mbar_try_wait(bar, parity)) return true;
-    if (error_set(w.err)) return false;
+    if (w.watch_err && error_set(w.err)) return false;
     if (globaltimer_ns() - start > static_cast<uint64_t>(w.timeout_ns)) {
       set_error(w.err, kErrTimeout, w.rank, -1, w.what);
       return false;

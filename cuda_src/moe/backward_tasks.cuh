@@ -37,18 +37,24 @@ __device__ __forceinline__ void swiglu_bwd_epilogue(const unsigned char* smem, i
 }
 
 // ---- task index space -------------------------------------------------------------------------
+// Tiles: dA / dX / wgrad columns are `n_cols` wide (i_tiles, si_tiles, h_tiles count them);
+// wgrad rows come in kBlockM-row tiles (h_rows, i_rows, si_rows).  n_cols = kBlockM for the
+// one-engine kernel, where both counts coincide.
 struct BackwardPlan {
-  int token_blocks, i_tiles, si_tiles, h_tiles;
+  int token_blocks, i_tiles, si_tiles, h_tiles, h_rows, i_rows, si_rows;
   PhaseRange push, push_notify, dispatch, d_weights, shared_da, routed_da, shared_dx, routed_dx, dx_notify,
       wgrad_down, wgrad_gate_up, shared_wgrad, combine;
   int total;
 
-  __device__ static BackwardPlan make(const MoEDims& d, const MoEPeers& pe) {
+  __device__ static BackwardPlan make(const MoEDims& d, const MoEPeers& pe, int n_cols = gemm::kBN) {
     BackwardPlan f;
     f.token_blocks = ceil_div(d.tokens, kBlockM);
-    f.i_tiles = ceil_div(d.inter, gemm::kBN);
-    f.si_tiles = ceil_div(d.shared_inter, gemm::kBN);
-    f.h_tiles = ceil_div(d.hidden, gemm::kBN);
+    f.i_tiles = ceil_div(d.inter, n_cols);
+    f.si_tiles = ceil_div(d.shared_inter, n_cols);
+    f.h_tiles = ceil_div(d.hidden, n_cols);
+    f.h_rows = ceil_div(d.hidden, kBlockM);
+    f.i_rows = ceil_div(d.inter, kBlockM);
+    f.si_rows = ceil_div(d.shared_inter, kBlockM);
     const bool shared = d.shared_inter > 0;
     int at = 0;
     auto next = [&](int count) { PhaseRange r{at, count}; at += count; return r; };
@@ -70,9 +76,9 @@ struct BackwardPlan {
     f.shared_dx = next(shared ? f.token_blocks * f.h_tiles : 0);
     f.routed_dx = next(d.max_blocks * f.h_tiles);
     f.dx_notify = next(ep ? 1 : 0);
-    f.wgrad_down = next(d.local_experts * f.h_tiles * f.i_tiles);
-    f.wgrad_gate_up = next(d.local_experts * 2 * f.i_tiles * f.h_tiles);
-    f.shared_wgrad = next(shared ? 3 * f.h_tiles * f.si_tiles : 0);
+    f.wgrad_down = next(d.local_experts * f.h_rows * f.i_tiles);
+    f.wgrad_gate_up = next(d.local_experts * 2 * f.i_rows * f.h_tiles);
+    f.shared_wgrad = next(shared ? f.h_rows * f.si_tiles + 2 * f.si_rows * f.h_tiles : 0);
     f.combine = next(f.token_blocks);
     f.total = at;
     return f;
@@ -101,11 +107,15 @@ struct BackwardTasks {
   __device__ void dispatch(int b, int task) const {
     const int e = p.sched.block_expert[b];
     if (!valid_expert(e, b, p.dims, p.err)) return;
+    if (ep_on() && !ep::wait_all(p.peers, kFlagBwdRows, -1, peer_wait_ctx(), ep::kStageBwdRows)) return;
+    dispatch_body(b, e);
+  }
+  // B0 after its checks and wait (e: the block's valid expert).
+  __device__ void dispatch_body(int b, int e) const {
     if (ep_on()) {
-      if (!ep::wait_all(p.peers, kFlagBwdRows, -1, peer_wait_ctx(), ep::kStageBwdRows)) return;
       const MoEDims& d = p.dims;
       const int chunks = d.hidden / 8;
-      for (int idx = threadIdx.x; idx < kBlockM * chunks; idx += kThreads) {
+      for (int idx = worker_tid(); idx < kBlockM * chunks; idx += kThreads) {
         const int r = idx / chunks, c = (idx - r * chunks) * 8;
         if (p.sched.row_slot[b * kBlockM + r] < 0)
           *reinterpret_cast<uint4*>(p.dy_routed + (size_t)(b * kBlockM + r) * d.hidden + c) = make_uint4(0u, 0u, 0u, 0u);
@@ -131,7 +141,7 @@ struct BackwardTasks {
   // B1: one warp per route, lanes stride over H, then a fixed butterfly: deterministic.
   __device__ void d_weights(int tb) const {
     const MoEDims& d = p.dims;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int warp = worker_tid() >> 5, lane = worker_tid() & 31;
     const int routes = token_rows(tb) * d.top_k, slot0 = tb * kBlockM * d.top_k;
     for (int q = warp; q < routes; q += kThreads / 32) {
       const size_t slot = (size_t)slot0 + q, t = slot / d.top_k;
@@ -289,10 +299,15 @@ struct BackwardTasks {
     } else if (!wait_counter(p.cnt.dx_done, num_blocks * plan.h_tiles, wait_ctx(), task)) {
       return;
     }
+    if (d.shared_inter > 0 && !wait_counter(p.cnt.token_dxs_ready + tb, plan.h_tiles, wait_ctx(), task)) return;
+    combine_body(tb);
+  }
+  // B9 after its waits.
+  __device__ void combine_body(int tb) const {
+    const MoEDims& d = p.dims;
     const bool shared = d.shared_inter > 0;
-    if (shared && !wait_counter(p.cnt.token_dxs_ready + tb, plan.h_tiles, wait_ctx(), task)) return;
     const int t0 = tb * kBlockM, rows = token_rows(tb), chunks = d.hidden / 8;
-    for (int idx = threadIdx.x; idx < rows * chunks; idx += kThreads) {
+    for (int idx = worker_tid(); idx < rows * chunks; idx += kThreads) {
       const int r = idx / chunks, c = (idx - r * chunks) * 8;
       const size_t t = (size_t)(t0 + r);
       float acc[8];

@@ -38,11 +38,12 @@ __device__ __forceinline__ int atom_add_acq_rel_gpu(int* p, int v) {
   return old;
 }
 
-// After this CTA's peer stores: counter += 1, released at system scope.  All threads call it.
+// After the workers' peer stores: counter += 1, released at system scope.  All workers call it.
 __device__ __forceinline__ void signal_counter_sys(int* counter) {
   fence_acq_rel_sys();  // this thread's stores to peer memory are ordered before the CTA's release
-  __syncthreads();
-  if (threadIdx.x == 0) red_release_sys(counter, 1);
+  proxy_fence_for_tma();
+  workers_sync();
+  if (worker_tid() == 0) red_release_sys(counter, 1);
 }
 
 // One thread: tell every rank (this one included) that this rank finished `kind` for the epoch.
@@ -76,44 +77,46 @@ __device__ __forceinline__ int peer_to_blame(const MoEPeers& pe, int kind, int e
   return first;
 }
 
-// All threads of the CTA: true once every rank's `kind` flag in this rank's block reached the
-// epoch; false when the error word is set or a deadline passed.  The peers are awaited first,
-// against the peer deadline (kErrTimeout info: this rank, the peer to blame, `stage`); then this
-// rank's own flag, which only this rank's own tasks set, against the local deadline (peer -1).
-__device__ __forceinline__ bool wait_all(const MoEPeers& pe, int kind, int earlier, const WaitCtx& w, int stage) {
-  int ok = 1;
-  if (threadIdx.x == 0) {
-    const int* f = flags(pe, pe.rank, kind);
-    const uint64_t start = globaltimer_ns();
-    unsigned backoff = 32;
-    int s = 0;  // ranks below s have arrived (flags only grow)
-    for (;;) {
-      while (s < pe.num_ranks && (s == pe.rank || epoch_reached(ld_acquire_sys(f + s), pe.epoch))) ++s;
-      if (s == pe.num_ranks) break;
-      if (error_set(w.err)) { ok = 0; break; }
-      if (globaltimer_ns() - start > static_cast<uint64_t>(w.timeout_ns)) {
-        const int who = peer_to_blame(pe, kind, earlier);
-        if (who >= 0) {  // (else the last one arrived just now)
-          set_error(w.err, kErrTimeout, pe.rank, who, stage);
-          ok = 0;
-          break;
-        }
+// One thread: true once every rank's `kind` flag in this rank's block reached the epoch; false
+// when the error word is set or a deadline passed.  The peers are awaited first, against the peer
+// deadline (kErrTimeout info: this rank, the peer to blame, `stage`); then this rank's own flag,
+// which only this rank's own tasks set, against the local deadline (peer -1).
+__device__ __forceinline__ bool wait_all_thread(const MoEPeers& pe, int kind, int earlier, const WaitCtx& w,
+                                                int stage) {
+  const int* f = flags(pe, pe.rank, kind);
+  const uint64_t start = globaltimer_ns();
+  unsigned backoff = 32;
+  int s = 0;  // ranks below s have arrived (flags only grow)
+  for (;;) {
+    while (s < pe.num_ranks && (s == pe.rank || epoch_reached(ld_acquire_sys(f + s), pe.epoch))) ++s;
+    if (s == pe.num_ranks) break;
+    if (error_set(w.err)) return false;
+    if (globaltimer_ns() - start > static_cast<uint64_t>(w.timeout_ns)) {
+      const int who = peer_to_blame(pe, kind, earlier);
+      if (who >= 0) {  // (else the last one arrived just now)
+        set_error(w.err, kErrTimeout, pe.rank, who, stage);
+        return false;
       }
-      nanosleep(backoff);
-      backoff = backoff < 1024 ? backoff * 2 : 1024;
     }
-    const uint64_t local_ns = static_cast<uint64_t>(local_timeout_ns(pe, w.timeout_ns));
-    while (ok && !epoch_reached(ld_acquire_sys(f + pe.rank), pe.epoch)) {
-      if (error_set(w.err)) { ok = 0; break; }
-      if (globaltimer_ns() - start > local_ns) {
-        set_error(w.err, kErrTimeout, pe.rank, -1, stage);
-        ok = 0;
-        break;
-      }
-      nanosleep(backoff);
-      backoff = backoff < 1024 ? backoff * 2 : 1024;
-    }
+    nanosleep(backoff);
+    backoff = backoff < 1024 ? backoff * 2 : 1024;
   }
+  const uint64_t local_ns = static_cast<uint64_t>(local_timeout_ns(pe, w.timeout_ns));
+  while (!epoch_reached(ld_acquire_sys(f + pe.rank), pe.epoch)) {
+    if (error_set(w.err)) return false;
+    if (globaltimer_ns() - start > local_ns) {
+      set_error(w.err, kErrTimeout, pe.rank, -1, stage);
+      return false;
+    }
+    nanosleep(backoff);
+    backoff = backoff < 1024 ? backoff * 2 : 1024;
+  }
+  return true;
+}
+
+// The same for the whole CTA (one-engine kernel): thread 0 waits, the barrier broadcasts.
+__device__ __forceinline__ bool wait_all(const MoEPeers& pe, int kind, int earlier, const WaitCtx& w, int stage) {
+  const int ok = threadIdx.x == 0 ? wait_all_thread(pe, kind, earlier, w, stage) : 1;
   return __syncthreads_and(ok) != 0;
 }
 
@@ -127,7 +130,7 @@ __device__ __forceinline__ void push_rows(const MoESchedule& s, const MoEDims& d
   const int t0 = static_cast<int>(T * task / pe.push_tasks), t1 = static_cast<int>(T * (task + 1) / pe.push_tasks);
   const int chunks = d.hidden / 8;
   const long long n = static_cast<long long>(t1 - t0) * chunks;
-  for (long long idx = threadIdx.x; idx < n; idx += kThreads) {
+  for (long long idx = worker_tid(); idx < n; idx += kThreads) {
     const int t = t0 + static_cast<int>(idx / chunks), c = static_cast<int>(idx % chunks) * 8;
     const uint4 v = *reinterpret_cast<const uint4*>(src + (size_t)t * d.hidden + c);
     for (int j = 0; j < d.top_k; ++j) {
@@ -165,19 +168,19 @@ __device__ __forceinline__ bf16* return_row_ptr(const MoESchedule& s, const MoEP
   return slot_rows(pe, src) + (size_t)slot * d.hidden + col0;
 }
 
-// After the task loop (all threads of every CTA): the last CTA to finish meets every rank at a
+// After the task loop (all workers of every CTA): the last CTA to finish meets every rank at a
 // group barrier, so that no rank's next launch reuses the symmetric buffers while a peer still
 // reads or writes them.  On an error the barrier is skipped (the peers time out naming us).
 __device__ __forceinline__ void end_of_launch(const MoEPeers& pe, int* ctas_done, int* err,
                                               long long timeout_ns) {
   __shared__ int last;
-  __syncthreads();
-  if (threadIdx.x == 0) last = atom_add_acq_rel_gpu(ctas_done, 1) == static_cast<int>(gridDim.x) - 1;
-  __syncthreads();
+  workers_sync();  // the CTA's earlier writes come before warp 0's release in the barrier
+  if (worker_tid() == 0) last = atom_add_acq_rel_gpu(ctas_done, 1) == static_cast<int>(gridDim.x) - 1;
+  workers_sync();
   if (!last) return;
   const GroupBarrier b{pe.base_array, err, pe.end_pad_offset, static_cast<unsigned long long>(timeout_ns), pe.rank,
                        pe.num_ranks};
-  cta_group_barrier(b);
+  if (worker_tid() < 32) warp_group_barrier(b);
 }
 
 }  // namespace ep

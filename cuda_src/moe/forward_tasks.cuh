@@ -94,7 +94,7 @@ __device__ __forceinline__ void gather_rows(const MoESchedule& s, const MoEDims&
                                             const float* weights, bf16* dst, int* err) {
   const int chunks = d.hidden / 8;
   const int slots = d.tokens * d.top_k;
-  for (int idx = threadIdx.x; idx < kBlockM * chunks; idx += kThreads) {
+  for (int idx = worker_tid(); idx < kBlockM * chunks; idx += kThreads) {
     const int r = idx / chunks, c = (idx - r * chunks) * 8;
     const int row = b * kBlockM + r;
     const int slot = s.row_slot[row];
@@ -130,17 +130,25 @@ __device__ __forceinline__ bf16* route_row_ptr(const MoESchedule& s, const MoEDi
 }
 
 // ---- task index space -------------------------------------------------------------------------
+// GEMM tile widths of an engine: gate|up tiles cover `gate_up_cols` intermediate columns (a tile
+// of 2x that width: gate | up), down tiles `n_cols` hidden columns.
+struct TileWidths {
+  int gate_up_cols;
+  int n_cols;
+};
+
 struct ForwardPlan {
   int token_blocks, gu_tiles, sgu_tiles, h_tiles;
   PhaseRange push, push_notify, dispatch, shared_gu, routed_gu, shared_down, routed_down, down_notify, combine;
   int total;
 
-  __device__ static ForwardPlan make(const MoEDims& d, bool context_only, const MoEPeers& pe) {
+  __device__ static ForwardPlan make(const MoEDims& d, bool context_only, const MoEPeers& pe,
+                                     TileWidths tw = TileWidths{kGateUpCols, gemm::kBN}) {
     ForwardPlan f;
     f.token_blocks = ceil_div(d.tokens, kBlockM);
-    f.gu_tiles = d.inter / kGateUpCols;
-    f.sgu_tiles = d.shared_inter / kGateUpCols;
-    f.h_tiles = ceil_div(d.hidden, gemm::kBN);
+    f.gu_tiles = ceil_div(d.inter, tw.gate_up_cols);
+    f.sgu_tiles = ceil_div(d.shared_inter, tw.gate_up_cols);
+    f.h_tiles = ceil_div(d.hidden, tw.n_cols);
     const bool shared = d.shared_inter > 0;
     const bool ep = ep::enabled(pe);
     int at = 0;
@@ -184,12 +192,16 @@ struct ForwardTasks {
 
   // F0: gather the token rows of row block b (EP: copy the rows the sources pushed).
   __device__ void dispatch(int b, int task) const {
+    if (ep_on() && !ep::wait_all(p.peers, kFlagFwdRows, -1, peer_wait_ctx(), ep::kStageFwdRows)) return;
+    dispatch_body(b);
+  }
+  // F0 after its wait (EP: every source's rows arrived).
+  __device__ void dispatch_body(int b) const {
     if (ep_on()) {
-      if (!ep::wait_all(p.peers, kFlagFwdRows, -1, peer_wait_ctx(), ep::kStageFwdRows)) return;
       const MoEDims& d = p.dims;
       const bf16* rows = ep::routed_rows(p.peers, p.peers.rank);
       const int chunks = d.hidden / 8;
-      for (int idx = threadIdx.x; idx < kBlockM * chunks; idx += kThreads) {
+      for (int idx = worker_tid(); idx < kBlockM * chunks; idx += kThreads) {
         const int r = idx / chunks, c = (idx - r * chunks) * 8;
         const size_t at = (size_t)(b * kBlockM + r) * d.hidden + c;
         const uint4 v = p.sched.row_slot[b * kBlockM + r] >= 0 ? ld_cg_v4(rows + at) : make_uint4(0u, 0u, 0u, 0u);
@@ -284,18 +296,24 @@ struct ForwardTasks {
   // and a context-only launch stops there.
   __device__ void combine(int tb, int task) const {
     const MoEDims& d = p.dims;
-    const bool ep = ep_on();
-    if (ep) {
+    if (ep_on()) {
       if (!ep::wait_all(p.peers, kFlagFwdReturn, kFlagFwdRows, peer_wait_ctx(), ep::kStageFwdReturn)) return;
     } else if (!wait_counter(p.cnt.down_done, num_blocks * plan.h_tiles, wait_ctx(), task)) {
       return;
     }
+    const bool shared = d.shared_inter > 0 && p.context_only == 0;
+    if (shared && !wait_counter(p.cnt.token_shared_done + tb, plan.h_tiles, wait_ctx(), task)) return;
+    combine_body(tb);
+  }
+  // F5 after its waits.
+  __device__ void combine_body(int tb) const {
+    const MoEDims& d = p.dims;
+    const bool ep = ep_on();
     const bool write_out = p.context_only == 0;
     const bool shared = d.shared_inter > 0 && write_out;
-    if (shared && !wait_counter(p.cnt.token_shared_done + tb, plan.h_tiles, wait_ctx(), task)) return;
     const bf16* y_src = ep ? ep::slot_rows(p.peers, p.peers.rank) : p.ctx.y_slot;
     const int t0 = tb * kBlockM, rows = min_int(kBlockM, d.tokens - t0), chunks = d.hidden / 8;
-    for (int idx = threadIdx.x; idx < rows * chunks; idx += kThreads) {
+    for (int idx = worker_tid(); idx < rows * chunks; idx += kThreads) {
       const int r = idx / chunks, c = (idx - r * chunks) * 8;
       const size_t t = (size_t)(t0 + r);
       float acc[8];

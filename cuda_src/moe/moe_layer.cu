@@ -4,17 +4,6 @@
 // of about (SMs x CTAs per SM); tasks are pulled from a counter zeroed by the host.
 #include "moe/backward_tasks.cuh"
 
-namespace mok {
-
-// Routing counts are device data: a schedule that overflows the buffers is reported, not used.
-__device__ __forceinline__ bool check_capacity(int num_blocks, const MoEDims& d, int* err) {
-  if (num_blocks >= 0 && num_blocks <= d.max_blocks) return true;
-  if (blockIdx.x == 0 && threadIdx.x == 0) set_error(err, kErrCapacity, d.rank, num_blocks * kBlockM, d.max_rows);
-  return false;
-}
-
-}  // namespace mok
-
 using namespace mok;
 
 extern "C" __global__ void __launch_bounds__(kThreads, 1) moe_forward(const __grid_constant__ MoEForwardParams p) {

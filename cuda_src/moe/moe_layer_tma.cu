@@ -1,0 +1,94 @@
+// The fused MoE layer kernels on the warp-specialised TMA + wgmma engine: one persistent forward
+// and one persistent backward, with the tasks, counters and EP behaviour of moe_layer.cu (the
+// results match it within rounding; each is deterministic on its own).
+// Launch: 384 threads (ws::kCtaThreads), ws::kSmemBytes of dynamic shared memory, a grid of about
+// one CTA per SM; the parameter struct carries one TMA map per operand view (params_tma.cuh).
+// Roles and protocol: moe/ws_pipeline.cuh.
+#define MOK_WORKER_THREAD0 128
+#include "moe/tma_backward.cuh"
+
+using namespace mok;
+
+namespace {
+
+// Uniform start: every thread takes the same verdicts, then thread 0 sets up the barriers.
+__device__ __forceinline__ bool start(const int* err, int num_blocks, const MoEDims& d, int* err_w,
+                                      const ws::Shared& s) {
+  if (__syncthreads_or(threadIdx.x == 0 && error_set(err))) return false;
+  if (!check_capacity(num_blocks, d, err_w)) return false;
+  ws::init(s);
+  __syncthreads();
+  return true;
+}
+
+// The descriptors into the TMA unit's cache before the first loads need them (unused views are
+// all zeros: skipped).
+template <class Maps>
+__device__ __forceinline__ void prefetch_maps(const Maps& m) {
+  const TensorMap* first = reinterpret_cast<const TensorMap*>(&m);
+  for (int i = 0; i < static_cast<int>(sizeof(Maps) / sizeof(TensorMap)); ++i) {
+    if ((first[i].opaque[0] | first[i].opaque[1]) != 0) tma_prefetch_map(first + i);
+  }
+}
+
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(ws::kCtaThreads, 1)
+    moe_forward_tma(const __grid_constant__ MoEForwardTmaParams tp) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const MoEForwardParams& p = tp.p;
+  const int num_blocks = p.sched.num_blocks[0];
+  const ws::Shared s = ws::layout(smem);
+  // The plan and task order live in shared memory: the producer's registers could not hold them.
+  __shared__ ForwardPlan plan;
+  __shared__ ws::AheadOrder order;
+  if (threadIdx.x == 0) {
+    plan = ForwardPlan::make(p.dims, p.context_only != 0, p.peers, kTmaForwardTiles);
+    order = TmaForward::make_order(plan);
+  }
+  if (!start(p.err, num_blocks, p.dims, p.err, s)) return;
+  const ForwardTasks tasks{p, plan, num_blocks, smem};
+  const TmaForward k{tp.maps, p, plan, tasks, order, num_blocks};
+  const WaitCtx wc{p.err, p.dims.timeout_ns, p.dims.rank};
+  if (threadIdx.x < 128) {
+    setmaxnreg_dec<ws::kProducerRegs>();
+    if (threadIdx.x == 0) {
+      prefetch_maps(tp.maps);
+      ws::producer_loop(k, s, p.cnt.task_next, plan.total, wc);
+    }
+    return;
+  }
+  setmaxnreg_inc<ws::kWorkerRegs>();
+  ws::worker_loop(k, s, wc);
+  if (ep::enabled(p.peers)) ep::end_of_launch(p.peers, p.cnt.ctas_done, p.err, p.dims.timeout_ns);
+}
+
+extern "C" __global__ void __launch_bounds__(ws::kCtaThreads, 1)
+    moe_backward_tma(const __grid_constant__ MoEBackwardTmaParams tp) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const MoEBackwardParams& p = tp.p;
+  const int num_blocks = p.sched.num_blocks[0];
+  const ws::Shared s = ws::layout(smem);
+  // The plan and task order live in shared memory: the producer's registers could not hold them.
+  __shared__ BackwardPlan plan;
+  __shared__ ws::AheadOrder order;
+  if (threadIdx.x == 0) {
+    plan = BackwardPlan::make(p.dims, p.peers, kTmaBackwardCols);
+    order = TmaBackward::make_order(plan);
+  }
+  if (!start(p.err, num_blocks, p.dims, p.err, s)) return;
+  const BackwardTasks tasks{p, plan, num_blocks, smem};
+  const TmaBackward k{tp.maps, p, plan, tasks, order, num_blocks};
+  const WaitCtx wc{p.err, p.dims.timeout_ns, p.dims.rank};
+  if (threadIdx.x < 128) {
+    setmaxnreg_dec<ws::kProducerRegs>();
+    if (threadIdx.x == 0) {
+      prefetch_maps(tp.maps);
+      ws::producer_loop(k, s, p.cnt.task_next, plan.total, wc);
+    }
+    return;
+  }
+  setmaxnreg_inc<ws::kWorkerRegs>();
+  ws::worker_loop(k, s, wc);
+  if (ep::enabled(p.peers)) ep::end_of_launch(p.peers, p.cnt.ctas_done, p.err, p.dims.timeout_ns);
+}

@@ -1,0 +1,320 @@
+// Backward tasks of the warp-specialised MoE kernel (moe_layer_tma.cu): the phases, counters and
+// EP behaviour of backward_tasks.cuh, with every GEMM on the TMA + wgmma pipeline and its
+// epilogue straight from registers.  Tiles are 128 x 256 (BackwardPlan with n_cols = 256):
+//   B2/B3 dA: 256 intermediate columns; A = d_out / dy_routed (K-major), B = the down weights
+//             read MN-major; SwiGLU backward reads gu at the same (row, column).
+//   B4/B5 dX: 256 hidden columns; K = [gate | up] (2I): B switches from the gate to the up map
+//             at k = I (both MN-major).
+//   B6/B7/B8 wgrads: 128 rows (h for dW_down, i for dW_gate/up) x 256 columns, both operands
+//             MN-major, K = the expert's rows (tokens for the shared expert).  K is rounded up to
+//             64 rows: the rows past the expert's count are its padding rows, which are zero in
+//             dy_routed, act, dgu and x_routed (dispatch writes zeros, and zeros stay zero).
+#pragma once
+#include "moe/backward_tasks.cuh"
+#include "moe/tma_forward.cuh"
+
+namespace mok {
+
+constexpr int kTmaBackwardCols = ws::kBN;  // 256
+
+enum BackwardJob : int {
+  kBwdStop = 0,
+  kBwdPush,              // a = push task
+  kBwdDispatch,          // a = row block, b = expert
+  kBwdDWeights,          // a = token block
+  kBwdSharedDA,          // a = token block, b = intermediate tile
+  kBwdRoutedDA,          // a = row block, b = intermediate tile, c = expert, e = upper half idle
+  kBwdSharedDX,          // a = token block, b = hidden tile
+  kBwdRoutedDX,          // a = row block, b = hidden tile, c = expert, e = upper half idle
+  kBwdWgradDown,         // a = expert, b = hidden row tile (128), c = intermediate tile (256)
+  kBwdWgradGateUp,       // a = expert, b = up, c = intermediate row tile (128), d = hidden tile (256)
+  kBwdSharedWgradDown,   // b = hidden row tile, c = intermediate tile
+  kBwdSharedWgradGateUp, // b = up, c = intermediate row tile, d = hidden tile
+  kBwdCombine,           // a = token block
+};
+
+// SwiGLU backward epilogue: the tile holds dA for intermediate columns col0 + c (c < cols); reads
+// the saved pre-activations gu (ld 2*inter, gate | up) and writes dgu, 16 bytes at a time (dA is
+// quad-transposed to the 8-column chunk each lane then owns; see ws_pipeline.cuh).
+__device__ __forceinline__ void swiglu_bwd_epilogue_regs(const float (&acc)[ws::kAccRegs], const ws::Frag& f,
+                                                         int rows, int cols, const bf16* gu, bf16* dgu, int inter,
+                                                         int col0, const SwiGLU& sw) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = f.row0 + 8 * h;
+    const size_t row_at = (size_t)r * 2 * inter + col0;
+#pragma unroll
+    for (int q = 0; q < ws::kGroups; ++q) {
+      if (32 * q >= cols) break;  // warp-uniform
+      float da[8];
+      ws::group_f32(acc, q, h, da);
+      if (r >= rows) continue;
+      const size_t at = row_at + f.chunk_col(q);
+      float g[8], u[8], dg[8], du[8];
+      unpack_bf16x8(*reinterpret_cast<const uint4*>(gu + at), g);
+      unpack_bf16x8(*reinterpret_cast<const uint4*>(gu + at + inter), u);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) sw.grad(g[i], u[i], da[i], dg[i], du[i]);
+      *reinterpret_cast<uint4*>(dgu + at) = pack_bf16x8(dg);
+      *reinterpret_cast<uint4*>(dgu + at + inter) = pack_bf16x8(du);
+    }
+  }
+}
+
+struct TmaBackward {
+  const MoEBackwardMaps& maps;
+  const MoEBackwardParams& p;
+  const BackwardPlan& plan;
+  const BackwardTasks& tasks;  // the non-GEMM bodies
+  const ws::AheadOrder& order;
+  int num_blocks;
+
+  // d_weights (B1) waits on nothing and nothing waits on it: on one GPU it trails, overlapping
+  // GEMMs; with EP it stays with the shared dA in front, covering the rows' travel (adjacent
+  // phases there).
+  __device__ static ws::AheadOrder make_order(const BackwardPlan& f) {
+    if (f.push_notify.count > 0)
+      return ws::AheadOrder::make(PhaseRange{f.d_weights.begin, f.d_weights.count + f.shared_da.count}, f.dispatch,
+                                  f.routed_da, PhaseRange{f.dispatch.begin, 0}, f.i_tiles);
+    return ws::AheadOrder::make(f.shared_da, f.dispatch, f.routed_da, f.d_weights, f.i_tiles);
+  }
+
+  // Local waits (task counters) and peer waits (ep::wait_all_thread): see ep::local_timeout_ns.
+  __device__ WaitCtx wait_ctx() const {
+    return WaitCtx{p.err, ep::local_timeout_ns(p.peers, p.dims.timeout_ns), p.dims.rank};
+  }
+  __device__ WaitCtx peer_wait_ctx() const { return WaitCtx{p.err, p.dims.timeout_ns, p.dims.rank}; }
+  __device__ bool ep_on() const { return ep::enabled(p.peers); }
+  __device__ static int k_tiles_of(int k) { return ceil_div(k, wg::kBK); }
+
+  // ---- producer -----------------------------------------------------------------------------------
+  __device__ int prepare(int grabbed, ws::Job& job, ws::LoadSrc& a, ws::LoadSrc& b) const {
+    const int task = order.map(grabbed);
+    const MoEBackwardMaps& m = ws::late(maps);
+    const MoEDims& d = p.dims;
+    const WaitCtx w = wait_ctx();
+    job = ws::Job{};
+    if (plan.push.has(task)) {
+      job.kind = kBwdPush;
+      job.a = plan.push.local(task);
+      return 1;
+    }
+    if (plan.push_notify.has(task)) {
+      if (!wait_counter_thread(p.cnt.push_done, p.peers.push_tasks, w, task)) return -1;
+      ep::notify_all(p.peers, kFlagBwdRows);
+      return 0;
+    }
+    if (plan.dispatch.has(task)) {
+      const int blk = plan.dispatch.local(task);
+      if (blk >= num_blocks) return 0;
+      const int e = p.sched.block_expert[blk];
+      if (!valid_expert(e, blk, d, p.err)) return -1;
+      if (ep_on() && !ep::wait_all_thread(p.peers, kFlagBwdRows, -1, peer_wait_ctx(), ep::kStageBwdRows)) return -1;
+      job = ws::Job{kBwdDispatch, 0, 0, blk, e};
+      return 1;
+    }
+    if (plan.d_weights.has(task)) {
+      job = ws::Job{kBwdDWeights, 0, 0, plan.d_weights.local(task)};
+      return 1;
+    }
+    if (plan.shared_da.has(task)) {
+      const int q = plan.shared_da.local(task), tb = q / plan.si_tiles, n = q % plan.si_tiles;
+      job = ws::Job{kBwdSharedDA, 1, d.hidden / wg::kBK, tb, n};
+      a = ws::kmajor(&m.d_out_k, tb * kBlockM);
+      b = ws::mnmajor(&m.ws_down_mn, n * ws::kBN);
+      return 1;
+    }
+    if (plan.routed_da.has(task)) {
+      const int q = plan.routed_da.local(task), blk = q / plan.i_tiles, n = q % plan.i_tiles;
+      if (blk >= num_blocks) return 0;
+      const int e = p.sched.block_expert[blk];
+      if (!valid_expert(e, blk, d, p.err)) return -1;
+      const int idle = ws::upper_half_idle(p.sched, blk, e);  // loads issued before the acquire
+      if (!wait_counter_thread(p.cnt.block_dy_ready + blk, 1, w, task)) return -1;
+      job = ws::Job{kBwdRoutedDA, 1, d.hidden / wg::kBK, blk, n, e, 0, idle};
+      a = ws::kmajor(&m.dy_routed_k, blk * kBlockM);
+      b = ws::mnmajor(&m.w_down_mn, n * ws::kBN, 0, e);
+      return 1;
+    }
+    if (plan.shared_dx.has(task)) {
+      const int q = plan.shared_dx.local(task), tb = q / plan.h_tiles, h = q % plan.h_tiles;
+      if (!wait_counter_thread(p.cnt.token_dsgu_ready + tb, plan.si_tiles, w, task)) return -1;
+      job = ws::Job{kBwdSharedDX, 1, 2 * d.shared_inter / wg::kBK, tb, h};
+      a = ws::kmajor(&m.dsgu_k, tb * kBlockM);
+      b = ws::mnmajor(&m.ws_gate_mn, h * ws::kBN, 0, 0, &m.ws_up_mn, d.shared_inter / wg::kBK);
+      return 1;
+    }
+    if (plan.routed_dx.has(task)) {
+      const int q = plan.routed_dx.local(task), blk = q / plan.h_tiles, h = q % plan.h_tiles;
+      if (blk >= num_blocks) return 0;
+      const int e = p.sched.block_expert[blk];
+      if (!valid_expert(e, blk, d, p.err)) return -1;
+      const int idle = ws::upper_half_idle(p.sched, blk, e);
+      if (!wait_counter_thread(p.cnt.block_dgu_ready + blk, plan.i_tiles, w, task)) return -1;
+      job = ws::Job{kBwdRoutedDX, 1, 2 * d.inter / wg::kBK, blk, h, e, 0, idle};
+      a = ws::kmajor(&m.dgu_k, blk * kBlockM);
+      b = ws::mnmajor(&m.w_gate_mn, h * ws::kBN, 0, e, &m.w_up_mn, d.inter / wg::kBK);
+      return 1;
+    }
+    if (plan.dx_notify.has(task)) {
+      if (!wait_counter_thread(p.cnt.dx_done, num_blocks * plan.h_tiles, w, task)) return -1;
+      ep::notify_all(p.peers, kFlagBwdReturn);
+      return 0;
+    }
+    if (plan.wgrad_down.has(task)) {
+      const int q = plan.wgrad_down.local(task), per_e = plan.h_rows * plan.i_tiles;
+      const int e = q / per_e, rem = q % per_e, h = rem / plan.i_tiles, n = rem % plan.i_tiles;
+      const BackwardTasks::ExpertRows er = tasks.expert_rows(e);
+      if (er.count == 0 && p.accumulate) return 0;  // adding zero: leave the caller's buffer alone
+      if (er.blocks > 0 && !wait_counter_thread(p.cnt.expert_dy_ready + e, er.blocks, w, task)) return -1;
+      job = ws::Job{kBwdWgradDown, 1, k_tiles_of(er.count), e, h, n};
+      a = ws::mnmajor(&m.dy_routed_mn, h * kBlockM, er.first);
+      b = ws::mnmajor(&m.act_mn, n * ws::kBN, er.first);
+      return 1;
+    }
+    if (plan.wgrad_gate_up.has(task)) {
+      const int q = plan.wgrad_gate_up.local(task), per_up = plan.i_rows * plan.h_tiles, per_e = 2 * per_up;
+      const int e = q / per_e, rem = q % per_e, up = rem / per_up, rem2 = rem % per_up;
+      const int n = rem2 / plan.h_tiles, h = rem2 % plan.h_tiles;
+      const BackwardTasks::ExpertRows er = tasks.expert_rows(e);
+      if (er.count == 0 && p.accumulate) return 0;
+      if (er.blocks > 0 &&
+          !wait_counter_thread(p.cnt.expert_dgu_ready + e, er.blocks * plan.i_tiles, w, task)) return -1;
+      job = ws::Job{kBwdWgradGateUp, 1, k_tiles_of(er.count), e, up, n, h};
+      // Gate tile rows past I read up columns: garbage confined to rows the epilogue drops.
+      a = ws::mnmajor(&m.dgu_mn, up * d.inter + n * kBlockM, er.first);
+      b = ws::mnmajor(&m.x_routed_mn, h * ws::kBN, er.first);
+      return 1;
+    }
+    if (plan.shared_wgrad.has(task)) {
+      if (d.tokens == 0 && p.accumulate) return 0;
+      int q = plan.shared_wgrad.local(task);
+      const int down_tiles = plan.h_rows * plan.si_tiles;
+      if (q < down_tiles) {  // dWs_down[h, i] = sum_t d_out[t, h] * sact[t, i]
+        const int h = q / plan.si_tiles, n = q % plan.si_tiles;
+        job = ws::Job{kBwdSharedWgradDown, 1, k_tiles_of(d.tokens), 0, h, n};
+        a = ws::mnmajor(&m.d_out_mn, h * kBlockM);
+        b = ws::mnmajor(&m.sact_mn, n * ws::kBN);
+        return 1;
+      }
+      q -= down_tiles;  // dWs_{gate,up}[i, h] = sum_t dsgu[t, (up) i] * x[t, h]
+      const int per_up = plan.si_rows * plan.h_tiles;
+      const int up = q / per_up, rem = q % per_up, n = rem / plan.h_tiles, h = rem % plan.h_tiles;
+      if (!wait_counter_thread(p.cnt.dsgu_done, plan.token_blocks * plan.si_tiles, w, task)) return -1;
+      job = ws::Job{kBwdSharedWgradGateUp, 1, k_tiles_of(d.tokens), 0, up, n, h};
+      a = ws::mnmajor(&m.dsgu_mn, up * d.shared_inter + n * kBlockM);
+      b = ws::mnmajor(&m.x_mn, h * ws::kBN);
+      return 1;
+    }
+    if (plan.combine.has(task)) {
+      const int tb = plan.combine.local(task);
+      if (ep_on()) {
+        if (!ep::wait_all_thread(p.peers, kFlagBwdReturn, kFlagBwdRows, peer_wait_ctx(), ep::kStageBwdReturn)) return -1;
+      } else if (!wait_counter_thread(p.cnt.dx_done, num_blocks * plan.h_tiles, w, task)) {
+        return -1;
+      }
+      if (d.shared_inter > 0 && !wait_counter_thread(p.cnt.token_dxs_ready + tb, plan.h_tiles, w, task)) return -1;
+      job = ws::Job{kBwdCombine, 0, 0, tb};
+      return 1;
+    }
+    return 0;
+  }
+
+  // ---- workers -------------------------------------------------------------------------------------
+  __device__ bool run(const ws::Job& job, const ws::Shared& s, wg::PipeState& ps, float (&acc)[ws::kAccRegs],
+                      int consumer, const MbarWaitCtx& w) const {
+    const MoEDims& d = p.dims;
+    const ws::Frag f = ws::Frag::of(consumer);
+    const bool acc_in = p.accumulate != 0;
+    switch (job.kind) {
+      case kBwdPush:
+        tasks.push(job.a);
+        return true;
+      case kBwdDispatch:
+        tasks.dispatch_body(job.a, job.b);
+        return true;
+      case kBwdDWeights:
+        tasks.d_weights(job.a);
+        return true;
+      case kBwdCombine:
+        tasks.combine_body(job.a);
+        return true;
+      case kBwdSharedDA: {
+        if (!ws::gemm<wg::kKMajor, wg::kMNMajor>(s, ps, acc, job.k_tiles, consumer, w)) return false;
+        const int t0 = job.a * kBlockM, i0 = job.b * ws::kBN;
+        const size_t off = (size_t)t0 * 2 * d.shared_inter;
+        swiglu_bwd_epilogue_regs(acc, f, min_int(kBlockM, d.tokens - t0), min_int(ws::kBN, d.shared_inter - i0),
+                                 p.ctx.sgu + off, p.dsgu + off, d.shared_inter, i0, make_swiglu(d));
+        signal_counters(p.cnt.token_dsgu_ready + job.a, p.cnt.dsgu_done);
+        return true;
+      }
+      case kBwdRoutedDA: {
+        if (!ws::gemm<wg::kKMajor, wg::kMNMajor>(s, ps, acc, job.k_tiles, consumer, w, job.e)) return false;
+        const int i0 = job.b * ws::kBN;
+        const size_t off = (size_t)job.a * kBlockM * 2 * d.inter;
+        swiglu_bwd_epilogue_regs(acc, f, kBlockM, min_int(ws::kBN, d.inter - i0), p.ctx.gu + off, p.dgu + off,
+                                 d.inter, i0, make_swiglu(d));
+        signal_counters(p.cnt.block_dgu_ready + job.a, p.cnt.expert_dgu_ready + job.c);
+        return true;
+      }
+      case kBwdSharedDX: {
+        if (!ws::gemm<wg::kKMajor, wg::kMNMajor>(s, ps, acc, job.k_tiles, consumer, w)) return false;
+        const int t0 = job.a * kBlockM, h0 = job.b * ws::kBN;
+        ws::store_f32(acc, f, p.dx_shared + (size_t)t0 * d.hidden + h0, d.hidden, min_int(kBlockM, d.tokens - t0),
+                      min_int(ws::kBN, d.hidden - h0), false);
+        signal_counter(p.cnt.token_dxs_ready + job.a);
+        return true;
+      }
+      case kBwdRoutedDX: {
+        if (!ws::gemm<wg::kKMajor, wg::kMNMajor>(s, ps, acc, job.k_tiles, consumer, w, job.e)) return false;
+        const int row0 = job.a * kBlockM, h0 = job.b * ws::kBN, cols = min_int(ws::kBN, d.hidden - h0);
+        if (ep_on()) {  // rows go straight to their source rank's slot rows
+          ws::store_rows_bf16(acc, f, kBlockM, cols, [&](int r) {
+            return ep::return_row_ptr(p.sched, p.peers, d, row0 + r, h0, p.err);
+          });
+          ep::signal_counter_sys(p.cnt.dx_done);
+        } else {
+          ws::store_rows_bf16(acc, f, kBlockM, cols, [&](int r) {
+            return route_row_ptr(p.sched, d, p.dx_slot, row0 + r, h0);
+          });
+          signal_counter(p.cnt.dx_done);
+        }
+        return true;
+      }
+      case kBwdWgradDown: {
+        if (!ws::gemm<wg::kMNMajor, wg::kMNMajor>(s, ps, acc, job.k_tiles, consumer, w)) return false;
+        const int e = job.a, h0 = job.b * kBlockM, i0 = job.c * ws::kBN;
+        ws::store_f32(acc, f, p.grads.dw_down + ((size_t)e * d.hidden + h0) * d.inter + i0, d.inter,
+                      min_int(kBlockM, d.hidden - h0), min_int(ws::kBN, d.inter - i0), acc_in);
+        return true;
+      }
+      case kBwdWgradGateUp: {
+        if (!ws::gemm<wg::kMNMajor, wg::kMNMajor>(s, ps, acc, job.k_tiles, consumer, w)) return false;
+        const int e = job.a, i0 = job.c * kBlockM, h0 = job.d * ws::kBN;
+        float* dw = job.b ? p.grads.dw_up : p.grads.dw_gate;
+        ws::store_f32(acc, f, dw + ((size_t)e * d.inter + i0) * d.hidden + h0, d.hidden,
+                      min_int(kBlockM, d.inter - i0), min_int(ws::kBN, d.hidden - h0), acc_in);
+        return true;
+      }
+      case kBwdSharedWgradDown: {
+        if (!ws::gemm<wg::kMNMajor, wg::kMNMajor>(s, ps, acc, job.k_tiles, consumer, w)) return false;
+        const int h0 = job.b * kBlockM, i0 = job.c * ws::kBN;
+        ws::store_f32(acc, f, p.grads.dws_down + (size_t)h0 * d.shared_inter + i0, d.shared_inter,
+                      min_int(kBlockM, d.hidden - h0), min_int(ws::kBN, d.shared_inter - i0), acc_in);
+        return true;
+      }
+      case kBwdSharedWgradGateUp: {
+        if (!ws::gemm<wg::kMNMajor, wg::kMNMajor>(s, ps, acc, job.k_tiles, consumer, w)) return false;
+        const int i0 = job.c * kBlockM, h0 = job.d * ws::kBN;
+        float* dw = job.b ? p.grads.dws_up : p.grads.dws_gate;
+        ws::store_f32(acc, f, dw + (size_t)i0 * d.hidden + h0, d.hidden, min_int(kBlockM, d.shared_inter - i0),
+                      min_int(ws::kBN, d.hidden - h0), acc_in);
+        return true;
+      }
+      default:
+        return false;
+    }
+  }
+};
+
+}  // namespace mok

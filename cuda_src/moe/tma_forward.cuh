@@ -1,0 +1,239 @@
+// Forward tasks of the warp-specialised MoE kernel (moe_layer_tma.cu): the phases, counters and
+// EP behaviour of forward_tasks.cuh, with the GEMMs on the TMA + wgmma pipeline (ws_pipeline.cuh)
+// and their epilogues straight from registers.  Tiles are 128 x 256:
+//   F1/F2 gate|up: 128 intermediate columns (B = 128 gate rows | 128 up rows, two TMA boxes);
+//   F3/F4 down:    256 hidden columns.
+// Non-GEMM tasks (push, dispatch, combine) run the one-engine kernel's bodies on the 256 workers
+// after the producer did their waits; the notify tasks run entirely on the producer.
+#pragma once
+#include "moe/forward_tasks.cuh"
+#include "moe/params_tma.cuh"
+#include "moe/ws_pipeline.cuh"
+
+namespace mok {
+
+constexpr int kTmaGateUpCols = ws::kBN / 2;  // 128
+constexpr TileWidths kTmaForwardTiles{kTmaGateUpCols, ws::kBN};
+
+enum ForwardJob : int {
+  kFwdStop = 0,
+  kFwdPush,        // a = push task
+  kFwdDispatch,    // a = row block
+  kFwdSharedGU,    // a = token block, b = gate|up tile
+  kFwdRoutedGU,    // a = row block, b = gate|up tile, c = expert, e = upper half idle
+  kFwdSharedDown,  // a = token block, b = hidden tile
+  kFwdRoutedDown,  // a = row block, b = hidden tile, c = expert, e = upper half idle
+  kFwdCombine,     // a = token block
+};
+
+// SwiGLU epilogue of a 128 x 256 gate|up tile from registers: column c < 128 is gate and 128 + c
+// up for intermediate column col0 + c, i.e. registers 4j.. and 4(j + 16).. of the same thread.
+// Writes gu (bf16, ld 2*inter: gate | up) and act (bf16, ld inter) for rows < rows, columns
+// col0 + c < inter; same values as swiglu_epilogue (forward_tasks.cuh).  Values are computed in
+// the accumulator layout and quad-transposed (ws::quad_transpose) for 16-byte stores.
+__device__ __forceinline__ void swiglu_epilogue_regs(const float (&acc)[ws::kAccRegs], const ws::Frag& f, int rows,
+                                                     bf16* gu, bf16* act, int inter, int col0, const SwiGLU& sw) {
+  constexpr int kHalf = ws::kAccRegs / 8;  // 16 register quads (8-column chunks) per half
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = f.row0 + 8 * h;
+    bf16* gu_row = gu + (size_t)r * 2 * inter;
+    bf16* act_row = act + (size_t)r * inter;
+#pragma unroll
+    for (int q = 0; q < kHalf / 4; ++q) {
+      if (col0 + 32 * q >= inter) break;  // warp-uniform (see ws_pipeline.cuh)
+      uint32_t gw[4], uw[4], aw[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int j = 4 * q + k;
+        float g0 = acc[4 * j + 2 * h], g1 = acc[4 * j + 2 * h + 1];
+        float u0 = acc[4 * (j + kHalf) + 2 * h], u1 = acc[4 * (j + kHalf) + 2 * h + 1];
+        aw[k] = pack_bf16x2(sw.act(g0, u0), sw.act(g1, u1));
+        if (sw.limited) {
+          g0 = bf16_keep_clamp_side(g0, sw.limit, false);
+          g1 = bf16_keep_clamp_side(g1, sw.limit, false);
+          u0 = bf16_keep_clamp_side(u0, sw.limit, true);
+          u1 = bf16_keep_clamp_side(u1, sw.limit, true);
+        }
+        gw[k] = pack_bf16x2(g0, g1);
+        uw[k] = pack_bf16x2(u0, u1);
+      }
+      ws::quad_transpose(gw);
+      ws::quad_transpose(uw);
+      ws::quad_transpose(aw);
+      if (r >= rows) continue;
+      const int c = col0 + f.chunk_col(q);
+      *reinterpret_cast<uint4*>(gu_row + c) = make_uint4(gw[0], gw[1], gw[2], gw[3]);
+      *reinterpret_cast<uint4*>(gu_row + inter + c) = make_uint4(uw[0], uw[1], uw[2], uw[3]);
+      *reinterpret_cast<uint4*>(act_row + c) = make_uint4(aw[0], aw[1], aw[2], aw[3]);
+    }
+  }
+}
+
+struct TmaForward {
+  const MoEForwardMaps& maps;
+  const MoEForwardParams& p;
+  const ForwardPlan& plan;
+  const ForwardTasks& tasks;  // the non-GEMM bodies
+  const ws::AheadOrder& order;
+  int num_blocks;
+
+  __device__ static ws::AheadOrder make_order(const ForwardPlan& f) {
+    return ws::AheadOrder::make(f.shared_gu, f.dispatch, f.routed_gu, PhaseRange{f.dispatch.begin, 0}, f.gu_tiles);
+  }
+
+  // Local waits (task counters) and peer waits (ep::wait_all_thread): see ep::local_timeout_ns.
+  __device__ WaitCtx wait_ctx() const {
+    return WaitCtx{p.err, ep::local_timeout_ns(p.peers, p.dims.timeout_ns), p.dims.rank};
+  }
+  __device__ WaitCtx peer_wait_ctx() const { return WaitCtx{p.err, p.dims.timeout_ns, p.dims.rank}; }
+  __device__ bool ep_on() const { return ep::enabled(p.peers); }
+
+  // ---- producer -----------------------------------------------------------------------------------
+  __device__ int prepare(int grabbed, ws::Job& job, ws::LoadSrc& a, ws::LoadSrc& b) const {
+    const int task = order.map(grabbed);
+    const MoEForwardMaps& m = ws::late(maps);
+    const MoEDims& d = p.dims;
+    const WaitCtx w = wait_ctx();
+    job = ws::Job{};
+    if (plan.push.has(task)) {
+      job.kind = kFwdPush;
+      job.a = plan.push.local(task);
+      return 1;
+    }
+    if (plan.push_notify.has(task)) {
+      if (!wait_counter_thread(p.cnt.push_done, p.peers.push_tasks, w, task)) return -1;
+      ep::notify_all(p.peers, kFlagFwdRows);
+      return 0;
+    }
+    if (plan.dispatch.has(task)) {
+      const int blk = plan.dispatch.local(task);
+      if (blk >= num_blocks) return 0;
+      if (ep_on() && !ep::wait_all_thread(p.peers, kFlagFwdRows, -1, peer_wait_ctx(), ep::kStageFwdRows)) return -1;
+      job.kind = kFwdDispatch;
+      job.a = blk;
+      return 1;
+    }
+    if (plan.shared_gu.has(task)) {
+      const int q = plan.shared_gu.local(task), tb = q / plan.sgu_tiles, n = q % plan.sgu_tiles;
+      job = ws::Job{kFwdSharedGU, 1, d.hidden / wg::kBK, tb, n};
+      a = ws::kmajor(&m.x_k, tb * kBlockM);
+      b = ws::kmajor(&m.ws_gate_k, n * kTmaGateUpCols, 0, &m.ws_up_k);
+      return 1;
+    }
+    if (plan.routed_gu.has(task)) {
+      const int q = plan.routed_gu.local(task), blk = q / plan.gu_tiles, n = q % plan.gu_tiles;
+      if (blk >= num_blocks) return 0;
+      const int e = p.sched.block_expert[blk];
+      if (!valid_expert(e, blk, d, p.err)) return -1;
+      const int idle = ws::upper_half_idle(p.sched, blk, e);  // loads issued before the acquire
+      if (!wait_counter_thread(p.cnt.block_ready + blk, 1, w, task)) return -1;
+      job = ws::Job{kFwdRoutedGU, 1, d.hidden / wg::kBK, blk, n, e, 0, idle};
+      a = ws::kmajor(&m.x_routed_k, blk * kBlockM);
+      b = ws::kmajor(&m.w_gate_k, n * kTmaGateUpCols, e, &m.w_up_k);
+      return 1;
+    }
+    if (plan.shared_down.has(task)) {
+      const int q = plan.shared_down.local(task), tb = q / plan.h_tiles, h = q % plan.h_tiles;
+      if (!wait_counter_thread(p.cnt.token_sact_ready + tb, plan.sgu_tiles, w, task)) return -1;
+      job = ws::Job{kFwdSharedDown, 1, d.shared_inter / wg::kBK, tb, h};
+      a = ws::kmajor(&m.sact_k, tb * kBlockM);
+      b = ws::kmajor(&m.ws_down_k, h * ws::kBN);
+      return 1;
+    }
+    if (plan.routed_down.has(task)) {
+      const int q = plan.routed_down.local(task), blk = q / plan.h_tiles, h = q % plan.h_tiles;
+      if (blk >= num_blocks) return 0;
+      const int e = p.sched.block_expert[blk];
+      if (!valid_expert(e, blk, d, p.err)) return -1;
+      const int idle = ws::upper_half_idle(p.sched, blk, e);
+      if (!wait_counter_thread(p.cnt.block_act_ready + blk, plan.gu_tiles, w, task)) return -1;
+      job = ws::Job{kFwdRoutedDown, 1, d.inter / wg::kBK, blk, h, e, 0, idle};
+      a = ws::kmajor(&m.act_k, blk * kBlockM);
+      b = ws::kmajor(&m.w_down_k, h * ws::kBN, e);
+      return 1;
+    }
+    if (plan.down_notify.has(task)) {
+      if (!wait_counter_thread(p.cnt.down_done, num_blocks * plan.h_tiles, w, task)) return -1;
+      ep::notify_all(p.peers, kFlagFwdReturn);
+      return 0;
+    }
+    if (plan.combine.has(task)) {
+      const int tb = plan.combine.local(task);
+      if (ep_on()) {
+        if (!ep::wait_all_thread(p.peers, kFlagFwdReturn, kFlagFwdRows, peer_wait_ctx(), ep::kStageFwdReturn)) return -1;
+      } else if (!wait_counter_thread(p.cnt.down_done, num_blocks * plan.h_tiles, w, task)) {
+        return -1;
+      }
+      const bool shared = d.shared_inter > 0 && p.context_only == 0;
+      if (shared && !wait_counter_thread(p.cnt.token_shared_done + tb, plan.h_tiles, w, task)) return -1;
+      job.kind = kFwdCombine;
+      job.a = tb;
+      return 1;
+    }
+    return 0;
+  }
+
+  // ---- workers -------------------------------------------------------------------------------------
+  __device__ bool run(const ws::Job& job, const ws::Shared& s, wg::PipeState& ps, float (&acc)[ws::kAccRegs],
+                      int consumer, const MbarWaitCtx& w) const {
+    const MoEDims& d = p.dims;
+    const ws::Frag f = ws::Frag::of(consumer);
+    switch (job.kind) {
+      case kFwdPush:
+        tasks.push(job.a);
+        return true;
+      case kFwdDispatch:
+        tasks.dispatch_body(job.a);
+        return true;
+      case kFwdCombine:
+        tasks.combine_body(job.a);
+        return true;
+      case kFwdSharedGU: {
+        if (!ws::gemm<wg::kKMajor, wg::kKMajor>(s, ps, acc, job.k_tiles, consumer, w)) return false;
+        const int t0 = job.a * kBlockM;
+        swiglu_epilogue_regs(acc, f, min_int(kBlockM, d.tokens - t0), p.ctx.sgu + (size_t)t0 * 2 * d.shared_inter,
+                             p.ctx.sact + (size_t)t0 * d.shared_inter, d.shared_inter, job.b * kTmaGateUpCols,
+                             make_swiglu(d));
+        signal_counter(p.cnt.token_sact_ready + job.a);
+        return true;
+      }
+      case kFwdRoutedGU: {
+        if (!ws::gemm<wg::kKMajor, wg::kKMajor>(s, ps, acc, job.k_tiles, consumer, w, job.e)) return false;
+        const size_t row0 = (size_t)job.a * kBlockM;
+        swiglu_epilogue_regs(acc, f, kBlockM, p.ctx.gu + row0 * 2 * d.inter, p.ctx.act + row0 * d.inter, d.inter,
+                             job.b * kTmaGateUpCols, make_swiglu(d));
+        signal_counter(p.cnt.block_act_ready + job.a);
+        return true;
+      }
+      case kFwdSharedDown: {
+        if (!ws::gemm<wg::kKMajor, wg::kKMajor>(s, ps, acc, job.k_tiles, consumer, w)) return false;
+        const int t0 = job.a * kBlockM, h0 = job.b * ws::kBN;
+        ws::store_f32(acc, f, p.shared_y + (size_t)t0 * d.hidden + h0, d.hidden, min_int(kBlockM, d.tokens - t0),
+                      min_int(ws::kBN, d.hidden - h0), false);
+        signal_counter(p.cnt.token_shared_done + job.a);
+        return true;
+      }
+      case kFwdRoutedDown: {
+        if (!ws::gemm<wg::kKMajor, wg::kKMajor>(s, ps, acc, job.k_tiles, consumer, w, job.e)) return false;
+        const int row0 = job.a * kBlockM, h0 = job.b * ws::kBN, cols = min_int(ws::kBN, d.hidden - h0);
+        if (ep_on()) {  // rows go straight to their source rank's slot rows
+          ws::store_rows_bf16(acc, f, kBlockM, cols, [&](int r) {
+            return ep::return_row_ptr(p.sched, p.peers, d, row0 + r, h0, p.err);
+          });
+          ep::signal_counter_sys(p.cnt.down_done);
+        } else {
+          ws::store_rows_bf16(acc, f, kBlockM, cols, [&](int r) {
+            return route_row_ptr(p.sched, d, p.ctx.y_slot, row0 + r, h0);
+          });
+          signal_counter(p.cnt.down_done);
+        }
+        return true;
+      }
+      default:
+        return false;
+    }
+  }
+};
+
+}  // namespace mok

@@ -1,0 +1,129 @@
+"""The warp-specialised TMA + wgmma megakernels (cuda_src/moe/moe_layer_tma.cu, engine "tma") against
+the float64 reference, through the same harness as tests/test_moe_kernel_gpu.py (NaN-poisoned
+outputs, fresh random inputs, bitwise determinism), independently of $MOK_RT_GEMM_ENGINE.
+
+The whole GPU suite also runs on this engine with MOK_RT_GEMM_ENGINE=tma (NEXT_GPU_RUN.md); this
+file pins the cases that matter for it: gate|up tiles of 128 columns with a half-empty last one,
+256-wide N tiles past H and I, the dX map switch at k = I, MN-major wgrads with K not a multiple
+of 64, one and three CTAs, and agreement with the "tile" engine.  Prints ENGINE lines (ms per
+launch of each engine) at a mid-size shape.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+cp = pytest.importorskip("cupy")
+
+from mok_rt._moe_launch import KernelKnobs  # noqa: E402
+from test_moe_kernel_gpu import (CASES, TOL, Problem, _assert_bitwise_equal, _check_backward,  # noqa: E402
+                                 _check_forward, _host_bf16, _rel_err)
+
+TMA = KernelKnobs(engine="tma")
+TILE = KernelKnobs(engine="tile")
+FWD_NAMES = ["out", "x_routed", "gu", "act", "y_slot"]
+BWD_NAMES = ["dx", "d_topk_weights", "dw_gate", "dw_up", "dw_down"]
+SHARED_FWD = ["sgu", "sact"]
+SHARED_BWD = ["dws_gate", "dws_up", "dws_down"]
+
+TMA_CASES = dict(CASES)
+TMA_CASES.update({
+    # I = 192: gate|up tiles of 128 + 64 columns, dA tile 192 of 256; H = 320: N tiles 256 + 64;
+    # shared I_s = 320 (gate|up 128, 128, 64; dX switch at k = 320).
+    "ragged": dict(seed=11, tokens=389, hidden=320, inter=192, experts=7, top_k=4, shared_inter=320, limit=None),
+    # Many row blocks per expert (wgrad K of several hundred rows), clamp on.
+    "deep_k": dict(seed=12, tokens=1024, hidden=512, inter=384, experts=4, top_k=2, shared_inter=128, limit=1.0),
+})
+
+
+@pytest.fixture(scope="module")
+def stream():
+    cp.cuda.Device(0).use()
+    cp.zeros(1).sum()
+    return cp.cuda.Stream(non_blocking=True)
+
+
+def _names(pb, base, shared):
+    return base + (shared if pb.Is else [])
+
+
+@pytest.mark.parametrize("case", sorted(TMA_CASES))
+def test_tma_matches_reference_and_is_deterministic(stream, case):
+    pb = Problem(**TMA_CASES[case])
+    fwd = pb.forward(stream, knobs=TMA)
+    _check_forward(pb, fwd)
+    bwd = pb.backward(stream, fwd, knobs=TMA)
+    _check_backward(pb, bwd)
+    fwd2 = pb.forward(stream, knobs=TMA)
+    _assert_bitwise_equal(fwd, fwd2, _names(pb, FWD_NAMES, SHARED_FWD))
+    bwd2 = pb.backward(stream, fwd2, knobs=TMA)
+    _assert_bitwise_equal(bwd, bwd2, _names(pb, BWD_NAMES, SHARED_BWD))
+
+
+def test_tma_few_ctas_context_only_and_accumulate(stream):
+    pb = Problem(**TMA_CASES["ragged"])
+    full = pb.forward(stream, knobs=TMA)
+    for n_ctas in (1, 3):
+        other = pb.forward(stream, knobs=KernelKnobs(engine="tma", max_ctas=n_ctas))
+        _assert_bitwise_equal(full, other, _names(pb, FWD_NAMES, SHARED_FWD))
+    bwd = pb.backward(stream, full, knobs=TMA)
+    one = pb.backward(stream, full, knobs=KernelKnobs(engine="tma", max_ctas=1))
+    _assert_bitwise_equal(bwd, one, _names(pb, BWD_NAMES, SHARED_BWD))
+
+    ctx_only = pb.forward(stream, context_only=True, knobs=TMA)
+    _assert_bitwise_equal(full, ctx_only, ["x_routed", "gu", "act", "y_slot", "sgu", "sact"])
+    assert np.isnan(_host_bf16(ctx_only["out"])).all(), "context_only must not write out"
+
+    rng = np.random.default_rng(7)
+    names = ["dw_gate", "dw_up", "dw_down"] + SHARED_BWD
+    prefill = {n: rng.standard_normal(bwd[n].shape).astype(np.float32) for n in names}
+    acc = pb.backward(stream, full, accumulate=True, prefill=prefill, knobs=TMA)
+    for n in names:
+        assert np.array_equal(cp.asnumpy(acc[n]), prefill[n] + cp.asnumpy(bwd[n])), n
+
+
+def test_tma_zero_tokens_and_capacity_error(stream):
+    pb = Problem(seed=5, tokens=0, hidden=128, inter=64, experts=2, top_k=2, shared_inter=64, limit=None)
+    bwd = pb.backward(stream, pb.forward(stream, knobs=TMA), knobs=TMA)
+    for n in ["dw_gate", "dw_up", "dw_down"] + SHARED_BWD:
+        assert not cp.asnumpy(bwd[n]).any(), n
+    pb = Problem(**CASES["wide_k"])
+    pb.dsched["num_blocks"][...] = pb.dims.max_blocks + 1
+    with pytest.raises(AssertionError, match="device error word"):
+        pb.forward(stream, knobs=TMA)
+    assert int(cp.asnumpy(pb.err)[0]) == 2   # kErrCapacity
+
+
+def test_engines_agree(stream):
+    """Both engines compute the same layer: results within rounding of each other."""
+    pb = Problem(**TMA_CASES["ragged"])
+    f_tile, f_tma = pb.forward(stream, knobs=TILE), pb.forward(stream, knobs=TMA)
+    for n in ("out", "y_slot", "act"):
+        assert _rel_err(_host_bf16(f_tma[n]), _host_bf16(f_tile[n])) <= TOL / 2, n
+    b_tile, b_tma = pb.backward(stream, f_tile, knobs=TILE), pb.backward(stream, f_tile, knobs=TMA)
+    assert _rel_err(_host_bf16(b_tma["dx"]), _host_bf16(b_tile["dx"])) <= TOL / 2
+    for n in ["d_topk_weights", "dw_gate", "dw_up", "dw_down"] + SHARED_BWD:
+        assert _rel_err(cp.asnumpy(b_tma[n]), cp.asnumpy(b_tile[n])) <= TOL / 2, n
+
+
+def test_engine_timing(stream):
+    """ENGINE <name> fwd <ms> bwd <ms>: a mid-size shape (qwen3-like widths, fewer tokens)."""
+    pb = Problem(seed=21, tokens=2048, hidden=2048, inter=768, experts=16, top_k=8, shared_inter=0, limit=None)
+    for name, knobs in (("tile", TILE), ("tma", TMA)):
+        fwd = pb.forward(stream, knobs=knobs)
+        bwd = pb.backward(stream, fwd, knobs=knobs)
+        _check_backward(pb, bwd)
+        t_f, t_b = [], []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fwd = pb.forward(stream, knobs=knobs)
+            t1 = time.perf_counter()
+            pb.backward(stream, fwd, knobs=knobs)
+            t2 = time.perf_counter()
+            t_f.append(t1 - t0)
+            t_b.append(t2 - t1)
+        # Includes buffer allocation and NaN poisoning (the harness's), so an upper bound.
+        print(f"ENGINE {name} fwd {1e3 * min(t_f):.2f} ms bwd {1e3 * min(t_b):.2f} ms (upper bounds)")
