@@ -8,7 +8,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export XLA_PYTHON_CLIENT_PREALLOCATE=false OMPI_MCA_btl_vader_single_copy_mechanism=none
 cd "$(dirname "$0")/.."; export PYTHONPATH="$PWD"; out="${OUT:-gpu_logs}"; mkdir -p "$out"
 engine="${1:-tma}"
-py() { python3 -m pytest -q -s -rs --durations=12 -p no:cacheprovider "$@"; }
+py="python3 -m pytest -q -s -rs --durations=12 -p no:cacheprovider"
 t0=$(date +%s); stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 nvidia-smi -L > "$out/gpus.txt"; ngpu=$(wc -l < "$out/gpus.txt")
 { cuobjdump -sass mok_rt/cubins/moe_layer_tma.sm_90a.cubin | grep -cE "HGMMA" ;
@@ -17,13 +17,13 @@ nvidia-smi -L > "$out/gpus.txt"; ngpu=$(wc -l < "$out/gpus.txt")
 # 1. one-GPU suites, one GPU each, in parallel.  GPU 0: the TMA engine; GPU 1: EP (ranks share it).
 stamp "phase 1"
 ( export CUDA_VISIBLE_DEVICES=0
-  timeout -k 5 "${TMA_BUDGET:-150}" py tests/test_moe_tma_gpu.py > "$out/tma_tests.txt" 2>&1
+  timeout -k 5 "${TMA_BUDGET:-150}" $py tests/test_moe_tma_gpu.py > "$out/tma_tests.txt" 2>&1
   echo "rc=$?" >> "$out/tma_tests.txt"
-  MOK_RT_GEMM_ENGINE=tma timeout -k 5 "${SUITE_BUDGET:-150}" py tests/test_moe_kernel_gpu.py tests/test_layer_gpu.py \
+  MOK_RT_GEMM_ENGINE=tma timeout -k 5 "${SUITE_BUDGET:-150}" $py tests/test_moe_kernel_gpu.py tests/test_layer_gpu.py \
     tests/test_interop_gpu.py > "$out/suite_tma.txt" 2>&1
   echo "rc=$?" >> "$out/suite_tma.txt" ) &
 ( export CUDA_VISIBLE_DEVICES="$(( ngpu > 1 ? 1 : 0 ))"
-  timeout -k 5 "${EP_BUDGET:-300}" py tests/test_ep_gpu.py tests/test_schedule_gpu.py > "$out/ep.txt" 2>&1
+  timeout -k 5 "${EP_BUDGET:-300}" $py tests/test_ep_gpu.py tests/test_schedule_gpu.py > "$out/ep.txt" 2>&1
   echo "rc=$?" >> "$out/ep.txt" ) &
 wait
 stamp "phase 1 done"
@@ -33,7 +33,7 @@ if [ "$ngpu" -ge 2 ]; then
   if grep -q "^rc=0" "$out/tma_tests.txt" && grep -q "^rc=0" "$out/suite_tma.txt"; then
     export MOK_RT_GEMM_ENGINE=tma; fi
   echo "multigpu engine: ${MOK_RT_GEMM_ENGINE:-default}" > "$out/multigpu_engine.txt"
-  timeout -k 5 "${MULTI_BUDGET:-200}" py tests/test_symmetric_multigpu.py tests/test_ep_multigpu.py \
+  timeout -k 5 "${MULTI_BUDGET:-200}" $py tests/test_symmetric_multigpu.py tests/test_ep_multigpu.py \
     > "$out/multigpu.txt" 2>&1
   echo "rc=$?" >> "$out/multigpu.txt"
   for s in mpi_symmetric_check mpi_ep_check; do
