@@ -319,11 +319,18 @@ struct BackwardTasks {
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[i] = 0.f;
       }
-      for (int j = 0; j < d.top_k; ++j) {
-        float v[8];
-        unpack_bf16x8(ld_cg_v4(p.dx_slot + (t * d.top_k + j) * d.hidden + c), v);
+      // The token's routes kCopyBatch at a time, loaded together (row_copy.cuh); summed in order j.
+      for (int j0 = 0; j0 < d.top_k; j0 += kCopyBatch) {
+        uint4 dv[kCopyBatch];
+        const int n = load_routes(dv, j0, d.top_k, [&](int j) { return p.dx_slot + (t * d.top_k + j) * d.hidden + c; });
 #pragma unroll
-        for (int i = 0; i < 8; ++i) acc[i] += v[i];
+        for (int u = 0; u < kCopyBatch; ++u) {
+          if (u >= n) break;
+          float v[8];
+          unpack_bf16x8(dv[u], v);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[i] += v[i];
+        }
       }
       *reinterpret_cast<uint4*>(p.dx + t * d.hidden + c) = pack_bf16x8(acc);
     }

@@ -12,6 +12,7 @@
 #include "comm/barrier.cuh"
 #include "common/mma.cuh"
 #include "moe/params.cuh"
+#include "moe/row_copy.cuh"
 #include "moe/task_graph.cuh"
 
 namespace mok {
@@ -130,28 +131,45 @@ __device__ __forceinline__ void push_rows(const MoESchedule& s, const MoEDims& d
   const int t0 = static_cast<int>(T * task / pe.push_tasks), t1 = static_cast<int>(T * (task + 1) / pe.push_tasks);
   const int chunks = d.hidden / 8;
   const long long n = static_cast<long long>(t1 - t0) * chunks;
-  for (long long idx = worker_tid(); idx < n; idx += kThreads) {
-    const int t = t0 + static_cast<int>(idx / chunks), c = static_cast<int>(idx % chunks) * 8;
-    const uint4 v = *reinterpret_cast<const uint4*>(src + (size_t)t * d.hidden + c);
-    for (int j = 0; j < d.top_k; ++j) {
-      const int slot = t * d.top_k + j;
-      const int dst = s.route_rank[slot], row = s.route_row[slot];
-      if (dst < 0 || dst >= pe.num_ranks || row < 0 || row >= d.max_rows) {
-        set_error(err, kErrInternal, __LINE__, slot, row);  // corrupt schedule: never write past a buffer
-        continue;
-      }
-      uint4 u = v;
-      if (weights != nullptr) {
-        const float w = weights[slot];
-        float f[8];
-        unpack_bf16x8(v, f);
+  // Source chunks in batches (row_copy.cuh); per chunk, its token's routes kCopyBatch at a time
+  // (destinations, rows and weights loaded together), then the stores.
+  batched_chunks(
+      n, [&](long long idx) {
+        const int t = t0 + static_cast<int>(idx / chunks), c = static_cast<int>(idx % chunks) * 8;
+        return *reinterpret_cast<const uint4*>(src + (size_t)t * d.hidden + c);
+      },
+      [&](long long idx, const uint4& v) {
+        const int t = t0 + static_cast<int>(idx / chunks), c = static_cast<int>(idx % chunks) * 8;
+        for (int j0 = 0; j0 < d.top_k; j0 += kCopyBatch) {
+          int dst[kCopyBatch], row[kCopyBatch];
+          float w[kCopyBatch];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) f[i] *= w;
-        u = pack_bf16x8(f);
-      }
-      *reinterpret_cast<uint4*>(routed_rows(pe, dst) + (size_t)row * d.hidden + c) = u;
-    }
-  }
+          for (int u = 0; u < kCopyBatch; ++u) {
+            const int slot = t * d.top_k + j0 + u;
+            const bool in = j0 + u < d.top_k;
+            dst[u] = in ? s.route_rank[slot] : -1;
+            row[u] = in ? s.route_row[slot] : -1;
+            w[u] = in && weights != nullptr ? weights[slot] : 1.f;
+          }
+#pragma unroll
+          for (int u = 0; u < kCopyBatch; ++u) {
+            if (j0 + u >= d.top_k) break;
+            if (dst[u] < 0 || dst[u] >= pe.num_ranks || row[u] < 0 || row[u] >= d.max_rows) {
+              set_error(err, kErrInternal, __LINE__, t * d.top_k + j0 + u, row[u]);  // corrupt schedule: never write past a buffer
+              continue;
+            }
+            uint4 out = v;
+            if (weights != nullptr) {
+              float f[8];
+              unpack_bf16x8(v, f);
+#pragma unroll
+              for (int i = 0; i < 8; ++i) f[i] *= w[u];
+              out = pack_bf16x8(f);
+            }
+            *reinterpret_cast<uint4*>(routed_rows(pe, dst[u]) + (size_t)row[u] * d.hidden + c) = out;
+          }
+        }
+      });
 }
 
 // Where a row block's output row goes with EP: the slot of its route on its source rank

@@ -15,6 +15,7 @@
 #pragma once
 #include "moe/ep.cuh"
 #include "moe/gemm_tile.cuh"
+#include "moe/row_copy.cuh"
 #include "moe/task_graph.cuh"
 
 namespace mok {
@@ -94,25 +95,42 @@ __device__ __forceinline__ void gather_rows(const MoESchedule& s, const MoEDims&
                                             const float* weights, bf16* dst, int* err) {
   const int chunks = d.hidden / 8;
   const int slots = d.tokens * d.top_k;
-  for (int idx = worker_tid(); idx < kBlockM * chunks; idx += kThreads) {
-    const int r = idx / chunks, c = (idx - r * chunks) * 8;
-    const int row = b * kBlockM + r;
-    const int slot = s.row_slot[row];
-    uint4 v = make_uint4(0u, 0u, 0u, 0u);
-    if (slot >= 0 && slot < slots) {
-      v = *reinterpret_cast<const uint4*>(src + (size_t)(slot / d.top_k) * d.hidden + c);
-      if (weights != nullptr) {
-        const float w = weights[slot];
-        float f[8];
-        unpack_bf16x8(v, f);
+  const int n = kBlockM * chunks;
+  constexpr int kStride = kThreads * kCopyBatch;
+  // Batches of kCopyBatch chunks per thread (row_copy.cuh): the batch's slot ids, then its source
+  // chunks, all in flight together, then the stores.
+  for (int base = worker_tid(); base < n; base += kStride) {
+    int slot[kCopyBatch];
+    uint4 v[kCopyBatch];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) f[i] *= w;
-        v = pack_bf16x8(f);
-      }
-    } else if (slot >= slots) {
-      set_error(err, kErrInternal, __LINE__, row, slot);  // corrupt schedule: never read past x
+    for (int u = 0; u < kCopyBatch; ++u) {
+      const int idx = base + u * kThreads;
+      slot[u] = idx < n ? s.row_slot[b * kBlockM + idx / chunks] : -1;
     }
-    *reinterpret_cast<uint4*>(dst + (size_t)row * d.hidden + c) = v;
+#pragma unroll
+    for (int u = 0; u < kCopyBatch; ++u) {
+      const int c = (base + u * kThreads) % chunks * 8;
+      v[u] = slot[u] >= 0 && slot[u] < slots
+                 ? *reinterpret_cast<const uint4*>(src + (size_t)(slot[u] / d.top_k) * d.hidden + c)
+                 : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int u = 0; u < kCopyBatch; ++u) {
+      const int idx = base + u * kThreads;
+      if (idx >= n) break;
+      const int row = b * kBlockM + idx / chunks, c = idx % chunks * 8;
+      if (slot[u] >= slots) set_error(err, kErrInternal, __LINE__, row, slot[u]);  // corrupt schedule: never read past x
+      uint4 w = v[u];
+      if (weights != nullptr && slot[u] >= 0 && slot[u] < slots) {
+        const float scale = weights[slot[u]];
+        float f[8];
+        unpack_bf16x8(w, f);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) f[i] *= scale;
+        w = pack_bf16x8(f);
+      }
+      *reinterpret_cast<uint4*>(dst + (size_t)row * d.hidden + c) = w;
+    }
   }
 }
 
@@ -200,13 +218,15 @@ struct ForwardTasks {
     if (ep_on()) {
       const MoEDims& d = p.dims;
       const bf16* rows = ep::routed_rows(p.peers, p.peers.rank);
+      const size_t row0 = (size_t)b * kBlockM * d.hidden;  // element offset of the block's first row
       const int chunks = d.hidden / 8;
-      for (int idx = worker_tid(); idx < kBlockM * chunks; idx += kThreads) {
-        const int r = idx / chunks, c = (idx - r * chunks) * 8;
-        const size_t at = (size_t)(b * kBlockM + r) * d.hidden + c;
-        const uint4 v = p.sched.row_slot[b * kBlockM + r] >= 0 ? ld_cg_v4(rows + at) : make_uint4(0u, 0u, 0u, 0u);
-        *reinterpret_cast<uint4*>(p.ctx.x_routed + at) = v;
-      }
+      batched_chunks(
+          kBlockM * chunks,
+          [&](long long i) {
+            const int r = static_cast<int>(i / chunks);
+            return p.sched.row_slot[b * kBlockM + r] >= 0 ? ld_cg_v4(rows + row0 + i * 8) : make_uint4(0u, 0u, 0u, 0u);
+          },
+          [&](long long i, const uint4& v) { *reinterpret_cast<uint4*>(p.ctx.x_routed + row0 + i * 8) = v; });
     } else {
       gather_rows(p.sched, p.dims, b, p.x, nullptr, p.ctx.x_routed, p.err);
     }
@@ -325,16 +345,25 @@ struct ForwardTasks {
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[i] = 0.f;
       }
-      for (int j = 0; j < d.top_k; ++j) {
-        const size_t slot = t * d.top_k + j;
-        const uint4 yv = ld_cg_v4(y_src + slot * d.hidden + c);
-        if (ep) *reinterpret_cast<uint4*>(p.ctx.y_slot + slot * d.hidden + c) = yv;
-        if (!write_out) continue;
-        const float w = p.topk_weights[slot];
-        float y[8];
-        unpack_bf16x8(yv, y);
+      // The token's routes kCopyBatch at a time, loaded together (row_copy.cuh); summed in order j.
+      for (int j0 = 0; j0 < d.top_k; j0 += kCopyBatch) {
+        float wv[kCopyBatch];  // plain loads, issued before the volatile route loads below
 #pragma unroll
-        for (int i = 0; i < 8; ++i) acc[i] = fmaf(w, y[i], acc[i]);
+        for (int u = 0; u < kCopyBatch; ++u)
+          wv[u] = write_out && j0 + u < d.top_k ? p.topk_weights[t * d.top_k + j0 + u] : 0.f;
+        uint4 yv[kCopyBatch];
+        const int n = load_routes(yv, j0, d.top_k, [&](int j) { return y_src + (t * d.top_k + j) * d.hidden + c; });
+#pragma unroll
+        for (int u = 0; u < kCopyBatch; ++u) {
+          if (u >= n) break;
+          const size_t slot = t * d.top_k + j0 + u;
+          if (ep) *reinterpret_cast<uint4*>(p.ctx.y_slot + slot * d.hidden + c) = yv[u];
+          if (!write_out) continue;
+          float y[8];
+          unpack_bf16x8(yv[u], y);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[i] = fmaf(wv[u], y[i], acc[i]);
+        }
       }
       if (write_out) *reinterpret_cast<uint4*>(p.out + t * d.hidden + c) = pack_bf16x8(acc);
     }
