@@ -92,8 +92,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--iters", type=int, default=30, help="timed iterations per figure (>= 20; default 30)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed iterations first (default 5, --quick 2)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timing", choices=("pipelined", "serial"), default="pipelined",
+                    help="pipelined (default): calls enqueued back to back, the host ahead of the GPU as in "
+                         "training; serial: the host waits for each call (adds its enqueue latency)")
     ap.add_argument("--engine", choices=("tile", "tma"), default=None,
-                    help="mok_rt's GEMM engine (sets $MOK_RT_GEMM_ENGINE; default: that variable, else tile)")
+                    help="mok_rt's GEMM engine (sets $MOK_RT_GEMM_ENGINE; default: that variable, else tma)")
     ap.add_argument("--out", default=None, help="directory for the results JSON (default bench/results)")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="self-test of the harness without a GPU: torch on the CPU (gloo between processes), "
@@ -278,20 +281,38 @@ def rel_fro(torch, got, want) -> float:
 
 
 # -- timing ----------------------------------------------------------------------------------------
-def _time(torch, ranks: _Ranks, fn: Callable[[], Any], *, iters: int, warmup: int) -> list[float]:
-    """Milliseconds of each of ``iters`` calls of ``fn`` (CUDA events on the current stream)."""
+def _time(torch, ranks: _Ranks, fn: Callable[[], Any], *, iters: int, warmup: int,
+          timing: str = "pipelined") -> list[float]:
+    """Milliseconds of each of ``iters`` calls of ``fn`` (CUDA events on the current stream).
+
+    "pipelined": the calls are enqueued back to back, an event pair around each, and the host
+    synchronises once at the end -- as in a training step, where the host runs ahead of the GPU,
+    so an iteration's time is its device time (launch gaps included only where the host falls
+    behind).  "serial": the ranks meet at a barrier and the host waits for each call before the
+    next, so each time also holds the host's enqueue latency of that call."""
     for _ in range(warmup):
         fn()
     ranks.synchronize()
-    out = []
-    for _ in range(iters):
-        ranks.barrier()   # ranks start together, so no rank's time includes another's lag
-        if ranks.cpu:
+    if ranks.cpu:
+        out = []
+        for _ in range(iters):
+            ranks.barrier()
             t0 = time.perf_counter()
             fn()
             out.append((time.perf_counter() - t0) * 1e3)
-            continue
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        return out
+    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    if timing == "pipelined":
+        ranks.barrier()
+        for start, end in pairs:
+            start.record()
+            fn()
+            end.record()
+        pairs[-1][1].synchronize()
+        return [start.elapsed_time(end) for start, end in pairs]
+    out = []
+    for start, end in pairs:
+        ranks.barrier()   # ranks start together, so no rank's time includes another's lag
         start.record()
         fn()
         end.record()
@@ -340,8 +361,8 @@ def _time_torch(torch, ranks, inp: _Inputs, base, args) -> tuple[list[float], li
         base.zero_grad()
         base(inp.x, inp.topk_ids, inp.topk_weights).backward(inp.d_out)
 
-    f = _time(torch, ranks, fwd, iters=args.iters, warmup=args.warmup)
-    fb = _time(torch, ranks, fwd_bwd, iters=args.iters, warmup=args.warmup)
+    f = _time(torch, ranks, fwd, iters=args.iters, warmup=args.warmup, timing=args.timing)
+    fb = _time(torch, ranks, fwd_bwd, iters=args.iters, warmup=args.warmup, timing=args.timing)
     inp.clear_grads()
     base.zero_grad()
     return f, fb
@@ -443,10 +464,12 @@ def _run_mok(torch, ranks, mok: _Mok, shape: Shape, tokens: int, inp: _Inputs, r
 
     def timed():
         last = {}
-        f = _time(torch, ranks, lambda: last.__setitem__("fwd", fwd()), iters=args.iters, warmup=args.warmup)
+        f = _time(torch, ranks, lambda: last.__setitem__("fwd", fwd()), iters=args.iters, warmup=args.warmup,
+                  timing=args.timing)
         state["ws"].synchronize()
         same = torch.equal(_as_torch(torch, last.pop("fwd")), state["first"]["out"])
-        fb = _time(torch, ranks, lambda: last.__setitem__("fb", fwd_bwd()), iters=args.iters, warmup=args.warmup)
+        fb = _time(torch, ranks, lambda: last.__setitem__("fb", fwd_bwd()), iters=args.iters, warmup=args.warmup,
+                   timing=args.timing)
         state["ws"].synchronize()
         out, g = last.pop("fb")
         for name, t in (("out", out), ("dx", g.dx), ("d_topk_weights", g.d_topk_weights)):
@@ -720,10 +743,10 @@ def main(argv=None) -> int:
            "machine": _machine(torch, ranks), "commit": _commit(args.commit), "versions": _versions(torch, mok),
            "argv": sys.argv[1:], "ep": size, "iters": args.iters, "warmup": args.warmup, "seed": args.seed,
            "quick": args.quick, "cpu_smoke": args.cpu_smoke, "impl": args.impl, "tolerance": TOLERANCE,
-           "gemm_engine": os.environ.get("MOK_RT_GEMM_ENGINE") or "tile",
+           "gemm_engine": os.environ.get("MOK_RT_GEMM_ENGINE") or "tma",
            "mok_error": mok.error, "complete": False,
            "timed": {"fwd": "schedule + forward", "fwd_bwd": "schedule + forward + backward",
-                     "statistic": "median over iterations, max over ranks",
+                     "statistic": "median over iterations, max over ranks", "timing": args.timing,
                      "clock": "wall clock (cpu-smoke)" if args.cpu_smoke else "CUDA events, torch stream"},
            "flops": "fwd = 6*T*k*H*I + 6*T*H*I_s per GPU (T tokens per rank); fwd_bwd = 3 * fwd",
            "results": []}

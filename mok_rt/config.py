@@ -39,9 +39,9 @@ class MoEConfig:
                     reports a timeout (the error names what was missing).
       capacity_factor  None: every rank can hold the worst case (all routed rows of all ranks);
                     a float f: each rank holds f × (average rows per rank) rows, rounded up.
-      gemm_engine   the CUDA kernels' GEMM engine: "tile" (cp.async + wgmma, 256 threads) or
-                    "tma" (TMA producer warp + 2 wgmma warpgroups, register epilogues); None:
-                    $MOK_RT_GEMM_ENGINE, else "tile".  Same results within rounding.
+      gemm_engine   the CUDA kernels' GEMM engine: "tma" (TMA producer warp + 2 wgmma
+                    warpgroups, register epilogues) or "tile" (cp.async + wgmma, 256 threads);
+                    None: $MOK_RT_GEMM_ENGINE, else "tma".  Same results within rounding.
     """
 
     hidden: int

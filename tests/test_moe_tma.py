@@ -96,10 +96,10 @@ def test_encode_maps_writes_zeros_for_unused_views():
 
 def test_engine_knob(monkeypatch):
     monkeypatch.delenv(L.ENGINE_ENV, raising=False)
-    assert L.resolve_engine(None) == "tile"
-    assert L.resolve_engine("tma") == "tma"
-    monkeypatch.setenv(L.ENGINE_ENV, "tma")
-    assert L.resolve_engine(None) == "tma" and L.resolve_engine("tile") == "tile"
+    assert L.resolve_engine(None) == "tma"
+    assert L.resolve_engine("tile") == "tile"
+    monkeypatch.setenv(L.ENGINE_ENV, "tile")
+    assert L.resolve_engine(None) == "tile" and L.resolve_engine("tma") == "tma"
     monkeypatch.setenv(L.ENGINE_ENV, "fast")
     with pytest.raises(ArgumentError, match=L.ENGINE_ENV):
         L.resolve_engine(None)

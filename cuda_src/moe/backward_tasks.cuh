@@ -146,12 +146,27 @@ struct BackwardTasks {
     for (int q = warp; q < routes; q += kThreads / 32) {
       const size_t slot = (size_t)slot0 + q, t = slot / d.top_k;
       float sum = 0.f;
-      for (int c = lane * 8; c < d.hidden; c += 32 * 8) {
-        float y[8], g[8];
-        unpack_bf16x8(*reinterpret_cast<const uint4*>(p.ctx.y_slot + slot * d.hidden + c), y);
-        unpack_bf16x8(*reinterpret_cast<const uint4*>(p.d_out + t * d.hidden + c), g);
+      // kCopyBatch / 4 chunk pairs per lane in flight (row_copy.cuh), summed in order of c.
+      constexpr int kPairs = kCopyBatch / 4;
+      for (int c0 = lane * 8; c0 < d.hidden; c0 += 32 * 8 * kPairs) {
+        uint4 yv[kPairs], gv[kPairs];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) sum = fmaf(g[i], y[i], sum);
+        for (int u = 0; u < kPairs; ++u) {
+          const int c = c0 + u * 32 * 8;
+          if (c < d.hidden) {
+            yv[u] = *reinterpret_cast<const uint4*>(p.ctx.y_slot + slot * d.hidden + c);
+            gv[u] = *reinterpret_cast<const uint4*>(p.d_out + t * d.hidden + c);
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kPairs; ++u) {
+          if (c0 + u * 32 * 8 >= d.hidden) break;
+          float y[8], g[8];
+          unpack_bf16x8(yv[u], y);
+          unpack_bf16x8(gv[u], g);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) sum = fmaf(g[i], y[i], sum);
+        }
       }
 #pragma unroll
       for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
