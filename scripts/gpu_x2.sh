@@ -1,59 +1,68 @@
 #!/usr/bin/env bash
-# One device call on nvidia-h200-x2 that validates a commit: the one-GPU suites on both engines in
-# parallel (one GPU each), then the two-GPU suites and MPI checks, then the one-GPU benchmark.
-# Logs and results JSON under $OUT; a short summary last.
-#   MOK_BENCH_COMMIT=<sha> bash scripts/gpu_x2.sh [engine for the bench: tma|tile]
+# The whole GPU validation of a commit in one device call on nvidia-h200-x2 (< 600 s): every
+# one-GPU suite (split over the two GPUs), the two-GPU suites, the MPI checks and samples, the
+# one-GPU benchmark and the EP = 2 benchmark.  At most 8 files come back from $OUT: the logs are
+# p1_gpu0, p1_gpu1, p2, bench1, bench2 and the two results JSONs.  Summary last.
+#   MOK_BENCH_COMMIT=<sha> bash scripts/gpu_x2.sh
+# On one GPU it runs phase 1 on it and the one-GPU benchmark; phase 2 and EP = 2 need two.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false OMPI_MCA_btl_vader_single_copy_mechanism=none
 cd "$(dirname "$0")/.."; export PYTHONPATH="$PWD"; out="${OUT:-gpu_logs}"; mkdir -p "$out"
-engine="${1:-tma}"
-py="python3 -m pytest -q -s -rs --durations=12 -p no:cacheprovider"
+py="python3 -m pytest -q -s -rs --durations=8 -p no:cacheprovider"
+shapes="${BENCH_SHAPES:-qwen3-30b-a3b,deepseek-v3,deepseek-v3-shared}"
 t0=$(date +%s); stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
-nvidia-smi -L > "$out/gpus.txt"; ngpu=$(wc -l < "$out/gpus.txt")
-{ cuobjdump -sass mok_rt/cubins/moe_layer_tma.sm_90a.cubin | grep -cE "HGMMA" ;
-  cuobjdump -sass mok_rt/cubins/moe_layer_tma.sm_90a.cubin | grep -cE "LDL|STL" ; } > "$out/sass.txt" 2>&1
+ngpu=$(nvidia-smi -L | wc -l); g1=$(( ngpu > 1 ? 1 : 0 ))
 
-# 1. one-GPU suites, one GPU each, in parallel.  GPU 0: the TMA engine; GPU 1: EP (ranks share it).
-stamp "phase 1"
+# 1. one-GPU suites on the default engine, and the other engine's regression, one GPU each.
+{ nvidia-smi -L; echo "SASS moe_layer_tma: HGMMA $(cuobjdump -sass mok_rt/cubins/moe_layer_tma.sm_90a.cubin | grep -c HGMMA)" \
+    "LDL/STL $(cuobjdump -sass mok_rt/cubins/moe_layer_tma.sm_90a.cubin | grep -cE 'LDL|STL')"; } > "$out/p1_gpu0.txt" 2>&1
 ( export CUDA_VISIBLE_DEVICES=0
-  timeout -k 5 "${TMA_BUDGET:-150}" $py tests/test_moe_tma_gpu.py > "$out/tma_tests.txt" 2>&1
-  echo "rc=$?" >> "$out/tma_tests.txt"
-  MOK_RT_GEMM_ENGINE=tma timeout -k 5 "${SUITE_BUDGET:-150}" $py tests/test_moe_kernel_gpu.py tests/test_layer_gpu.py \
-    tests/test_interop_gpu.py > "$out/suite_tma.txt" 2>&1
-  echo "rc=$?" >> "$out/suite_tma.txt" ) &
-( export CUDA_VISIBLE_DEVICES="$(( ngpu > 1 ? 1 : 0 ))"
-  timeout -k 5 "${EP_BUDGET:-300}" $py tests/test_ep_gpu.py tests/test_schedule_gpu.py > "$out/ep.txt" 2>&1
-  echo "rc=$?" >> "$out/ep.txt" ) &
+  timeout -k 5 "${P1_BUDGET:-200}" $py tests/test_moe_tma_gpu.py tests/test_moe_kernel_gpu.py tests/test_layer_gpu.py \
+    tests/test_interop_gpu.py tests/test_dlpack_gpu.py tests/test_tile_probe_gpu.py tests/test_gemm_probe_gpu.py \
+    >> "$out/p1_gpu0.txt" 2>&1; echo "rc=$?" >> "$out/p1_gpu0.txt" ) &
+( export CUDA_VISIBLE_DEVICES=$g1
+  timeout -k 5 "${P1_BUDGET:-200}" $py tests/test_ep_gpu.py tests/test_schedule_gpu.py tests/test_symmetric_gpu.py \
+    > "$out/p1_gpu1.txt" 2>&1; echo "rc=$?" >> "$out/p1_gpu1.txt"
+  echo "== engine tile" >> "$out/p1_gpu1.txt"
+  MOK_RT_GEMM_ENGINE=tile timeout -k 5 100 $py tests/test_moe_kernel_gpu.py >> "$out/p1_gpu1.txt" 2>&1
+  echo "rc=$?" >> "$out/p1_gpu1.txt" ) &
 wait
 stamp "phase 1 done"
-# 2. across both GPUs: symmetric memory and EP, both process models, and the MPI scripts; on the
-#    TMA engine when phase 1 passed it, else on the default engine.
+
+# 2. across both GPUs: symmetric memory and EP in both process models, MPI scripts, samples.
 if [ "$ngpu" -ge 2 ]; then
-  if grep -q "^rc=0" "$out/tma_tests.txt" && grep -q "^rc=0" "$out/suite_tma.txt"; then
-    export MOK_RT_GEMM_ENGINE=tma; fi
-  echo "multigpu engine: ${MOK_RT_GEMM_ENGINE:-default}" > "$out/multigpu_engine.txt"
-  timeout -k 5 "${MULTI_BUDGET:-200}" $py tests/test_symmetric_multigpu.py tests/test_ep_multigpu.py \
-    > "$out/multigpu.txt" 2>&1
-  echo "rc=$?" >> "$out/multigpu.txt"
-  for s in mpi_symmetric_check mpi_ep_check; do
-    timeout -k 5 60 mpirun --allow-run-as-root -np 2 -x PYTHONPATH -x OMPI_MCA_btl_vader_single_copy_mechanism \
-      python3 tests/$s.py > "$out/$s.txt" 2>&1; echo "rc=$?" >> "$out/$s.txt"
-  done
+  { timeout -k 5 "${P2_BUDGET:-150}" $py tests/test_symmetric_multigpu.py tests/test_ep_multigpu.py; echo "rc=$?"
+    for s in mpi_symmetric_check mpi_ep_check; do
+      echo "== mpirun -np 2 tests/$s.py"
+      timeout -k 5 60 mpirun --allow-run-as-root -np 2 -x PYTHONPATH -x OMPI_MCA_btl_vader_single_copy_mechanism \
+        python3 tests/$s.py; echo "rc=$?"
+    done
+    echo "== samples"
+    timeout 60 python3 samples/train_moe.py --steps 8; echo "rc=$?"
+    timeout 60 python3 samples/train_moe_ep.py --one-process --steps 5 --tokens 2048; echo "rc=$?"
+    timeout 90 mpirun --allow-run-as-root -np 2 -x PYTHONPATH python3 samples/train_moe_ep.py --steps 5 --tokens 2048
+    echo "rc=$?"; } > "$out/p2.txt" 2>&1
   stamp "phase 2 done"
 fi
-# 3. the one-GPU benchmark against the PyTorch baseline in the same run (BENCH=0: skip).
-if [ "${BENCH:-1}" = 1 ]; then
-  timeout -k 5 "${BENCH_BUDGET:-200}" python3 bench/bench_moe.py --engine "$engine" \
-    --shapes "${BENCH_SHAPES:-qwen3-30b-a3b,deepseek-v3,deepseek-v3-shared}" --out "$out" > "$out/bench.txt" 2>&1
-  echo "rc=$?" >> "$out/bench.txt"
-fi
-stamp "phase 3 done"
 
-cat "$out/multigpu_engine.txt" 2>/dev/null
-echo "== GPUs: $ngpu; SASS HGMMA / LDL+STL counts: $(tr '\n' ' ' < "$out/sass.txt")"
-for f in tma_tests suite_tma ep multigpu mpi_symmetric_check mpi_ep_check; do
+# 3. benchmarks against the PyTorch baseline in the same run: one GPU (pipelined, then the
+#    serial latency of qwen3), then EP = 2 (one process per GPU).
+{ CUDA_VISIBLE_DEVICES=0 timeout -k 5 "${B1_BUDGET:-150}" python3 bench/bench_moe.py --shapes "$shapes" --out "$out"
+  echo "rc=$?"; echo "== serial timing (host waits for each call)"
+  CUDA_VISIBLE_DEVICES=0 timeout -k 5 60 python3 bench/bench_moe.py --shapes qwen3-30b-a3b --timing serial \
+    --out /tmp/mok_serial; echo "rc=$?"; } > "$out/bench1.txt" 2>&1
+stamp "bench 1 done"
+if [ "$ngpu" -ge 2 ]; then
+  timeout -k 5 "${B2_BUDGET:-180}" python3 -m torch.distributed.run --nproc-per-node=2 bench/bench_moe.py \
+    --shapes "$shapes" --out "$out" > "$out/bench2.txt" 2>&1; echo "rc=$?" >> "$out/bench2.txt"
+  stamp "bench 2 done"
+fi
+
+for f in p1_gpu0 p1_gpu1 p2; do
   [ -f "$out/$f.txt" ] || continue
-  echo "== $f"; grep -E "^(FAILED|ERROR)|ENGINE|passed|failed|PASS|FAIL|rc=" "$out/$f.txt" | tail -10
+  echo "== $f"; grep -E "^(FAILED|ERROR)|SASS|== |passed|failed|ALL|FAIL|rc=" "$out/$f.txt" | tail -14
 done
-[ -f "$out/bench.txt" ] && { echo "== bench ($engine)"; tail -8 "$out/bench.txt"; }
+for f in bench1 bench2; do
+  [ -f "$out/$f.txt" ] && { echo "== $f"; grep -E "^[a-z0-9-]+ +[0-9]|rc=|Error" "$out/$f.txt" | tail -8; }
+done
