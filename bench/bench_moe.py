@@ -95,6 +95,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--timing", choices=("pipelined", "serial"), default="pipelined",
                     help="pipelined (default): calls enqueued back to back, the host ahead of the GPU as in "
                          "training; serial: the host waits for each call (adds its enqueue latency)")
+    ap.add_argument("--comm-sms", type=int, default=None,
+                    help="MoEConfig.comm_sms with EP (tasks that push this rank's rows; default: the config's)")
     ap.add_argument("--engine", choices=("tile", "tma"), default=None,
                     help="mok_rt's GEMM engine (sets $MOK_RT_GEMM_ENGINE; default: that variable, else tma)")
     ap.add_argument("--out", default=None, help="directory for the results JSON (default bench/results)")
@@ -423,8 +425,10 @@ def _run_mok(torch, ranks, mok: _Mok, shape: Shape, tokens: int, inp: _Inputs, r
     weights = inp.mok_weights()
 
     def setup():
+        knobs = {} if args.comm_sms is None else {"comm_sms": args.comm_sms}
         cfg = m.MoEConfig(hidden=shape.hidden, intermediate=shape.intermediate, num_experts=shape.experts,
-                          top_k=shape.top_k, shared_intermediate=shape.shared, swiglu_limit=shape.swiglu_limit)
+                          top_k=shape.top_k, shared_intermediate=shape.shared, swiglu_limit=shape.swiglu_limit,
+                          **knobs)
         state["ws"] = m.Workspace(cfg, mok.group, max_tokens=tokens, backend="reference" if ranks.cpu else "cuda",
                                   stream=_stream_for_mok(torch, ranks))
         # Caller-owned fp32 weight-gradient buffers (a trainer's .grad), poisoned so that an
@@ -598,6 +602,10 @@ def _run(cmd: list[str]) -> str | None:
 def _commit(override: str | None) -> dict:
     sha = _run(["git", "rev-parse", "HEAD"])
     status = _run(["git", "status", "--porcelain", "--untracked-files=no"])
+    if override and sha and not sha.startswith(override):
+        # The tree was copied with someone else's git metadata (a device machine): its HEAD and
+        # status say nothing about the given commit.  The cubin manifest hash below still does.
+        sha = status = None
     info = {"sha": sha, "dirty": None if status is None or sha is None else bool(status), "given": override}
     manifest = _ROOT / "mok_rt" / "cubins" / "manifest.json"
     if manifest.exists():   # identifies the kernels even where the tree carries no git metadata
@@ -743,7 +751,7 @@ def main(argv=None) -> int:
            "machine": _machine(torch, ranks), "commit": _commit(args.commit), "versions": _versions(torch, mok),
            "argv": sys.argv[1:], "ep": size, "iters": args.iters, "warmup": args.warmup, "seed": args.seed,
            "quick": args.quick, "cpu_smoke": args.cpu_smoke, "impl": args.impl, "tolerance": TOLERANCE,
-           "gemm_engine": os.environ.get("MOK_RT_GEMM_ENGINE") or "tma",
+           "gemm_engine": os.environ.get("MOK_RT_GEMM_ENGINE") or "tma", "comm_sms": args.comm_sms,
            "mok_error": mok.error, "complete": False,
            "timed": {"fwd": "schedule + forward", "fwd_bwd": "schedule + forward + backward",
                      "statistic": "median over iterations, max over ranks", "timing": args.timing,

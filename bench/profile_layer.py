@@ -30,13 +30,23 @@ def main() -> int:
     H, I, E, k, T, Is = SHAPES[args.shape]
     rng = np.random.default_rng(0)
     bf = ml_dtypes.bfloat16
-    x = cp.asarray(rng.standard_normal((T, H)).astype(bf))
+    cp.random.seed(0)
+
+    def randn(shape, scale=1.0):
+        # On the device (the deepseek-v3 weights are 11e9 values): fp32 normal, bf16 by truncation.
+        f = cp.random.standard_normal(shape, dtype=cp.float32) * cp.float32(scale)
+        bits = (f.view(cp.uint32) >> 16).astype(cp.uint16)
+        try:
+            return bits.view(bf)
+        except (TypeError, ValueError):   # a CuPy without bfloat16 views: through the host
+            return cp.asarray(cp.asnumpy(bits).view(bf))
+
+    x = randn((T, H))
     ids = cp.asarray(np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32))
     tw = cp.asarray(rng.random((T, k)).astype(np.float32))
-    wg = cp.asarray((rng.standard_normal((E, I, H)) * H ** -0.5).astype(bf))
-    wu = cp.asarray((rng.standard_normal((E, I, H)) * H ** -0.5).astype(bf))
-    wd = cp.asarray((rng.standard_normal((E, H, I)) * I ** -0.5).astype(bf))
-    dout = cp.asarray(rng.standard_normal((T, H)).astype(bf))
+    wg, wu = randn((E, I, H), H ** -0.5), randn((E, I, H), H ** -0.5)
+    wd = randn((E, H, I), I ** -0.5)
+    dout = randn((T, H))
     cfg = mok.MoEConfig(hidden=H, intermediate=I, num_experts=E, top_k=k, shared_intermediate=Is)
     flops = cfg.forward_flops(T)
     with mok.Workspace(cfg, mok.SingleProcessGroup(devices=[0]), max_tokens=T) as ws:

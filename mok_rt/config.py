@@ -52,7 +52,7 @@ class MoEConfig:
     swiglu_limit: float | None = None
     block_m: int = 128
     ctas_per_sm: int = 1
-    comm_sms: int = 8
+    comm_sms: int = 32
     timeout_s: float = 10.0
     capacity_factor: float | None = None
     gemm_engine: str | None = None

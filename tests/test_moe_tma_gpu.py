@@ -2,8 +2,8 @@
 the float64 reference, through the same harness as tests/test_moe_kernel_gpu.py (NaN-poisoned
 outputs, fresh random inputs, bitwise determinism), independently of $MOK_RT_GEMM_ENGINE.
 
-The whole GPU suite also runs on this engine with MOK_RT_GEMM_ENGINE=tma (NEXT_GPU_RUN.md); this
-file pins the cases that matter for it: gate|up tiles of 128 columns with a half-empty last one,
+The whole GPU suite runs on the default engine ("tma"; MOK_RT_GEMM_ENGINE=tile selects the other,
+scripts/gpu_x2.sh runs both); this file pins the cases that matter for it: gate|up tiles of 128 columns with a half-empty last one,
 256-wide N tiles past H and I, the dX map switch at k = I, MN-major wgrads with K not a multiple
 of 64, one and three CTAs, and agreement with the "tile" engine.  Prints ENGINE lines (ms per
 launch of each engine) at a mid-size shape.
