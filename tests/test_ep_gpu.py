@@ -9,11 +9,6 @@ fresh random bf16 values; errors are relative Frobenius norms (mpi_ep_check.comp
 """
 from __future__ import annotations
 
-import importlib.util
-import os
-import shutil
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -25,9 +20,9 @@ cp = pytest.importorskip("cupy")
 import mok_rt as mok  # noqa: E402
 from mpi_ep_check import (CASES, compare, config, digest, enqueue, rank_inputs, reference_results,  # noqa: E402
                           rel_err, run_one_process, run_rank, to_device, to_numpy)
+from mpi_run import run_mpi_script  # noqa: E402
 from test_group import assert_ok, run_ranks  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 SEED = 3
 REPORT: list[str] = []
 _DIGESTS: dict = {}
@@ -183,15 +178,18 @@ def _assert_refuses_calls(ws, rank: int, ids) -> None:
         mok.schedule(ws.rank(rank), ids)
 
 
+def _short_timeout_inputs(case: str, devices):
+    """A 1 s timeout config and every rank's inputs on its device (the dead-peer checks)."""
+    hs = [rank_inputs(case, SEED, r, len(devices)) for r in range(len(devices))]
+    return config(case, timeout_s=1.0), [to_device(h, dev) for h, dev in zip(hs, devices)]
+
+
 def check_dead_peer_times_out(devices) -> None:
     """One rank (the last) skips the forward: the others raise PeerTimeoutError naming it, within
     bounds (with P = 3 a live rank behind on its return because it waits for the dead one is not
     the one named)."""
     P = len(devices)
-    case = "e6_1000_37"
-    cfg = config(case, timeout_s=1.0)
-    hs = [rank_inputs(case, SEED, r, P) for r in range(P)]
-    ds = [to_device(hs[r], devices[r]) for r in range(P)]
+    cfg, ds = _short_timeout_inputs("e6_1000_37", devices)
     missing = P - 1
     with mok.Workspace(cfg, mok.SingleProcessGroup(devices), max_tokens=1000) as ws:
         scheds = [mok.schedule(ws.rank(r), ds[r]["ids"]) for r in range(P)]
@@ -220,10 +218,7 @@ def check_dead_peer_times_out(devices) -> None:
 def check_dead_peer_in_backward(devices) -> None:
     """Every rank runs the forward, the last one skips the backward: the others name it."""
     P = len(devices)
-    case = "e6_shared_limit"
-    cfg = config(case, timeout_s=1.0)
-    hs = [rank_inputs(case, SEED, r, P) for r in range(P)]
-    ds = [to_device(hs[r], devices[r]) for r in range(P)]
+    cfg, ds = _short_timeout_inputs("e6_shared_limit", devices)
     missing = P - 1
     with mok.Workspace(cfg, mok.SingleProcessGroup(devices), max_tokens=1000) as ws:
         scheds = [mok.schedule(ws.rank(r), ds[r]["ids"]) for r in range(P)]
@@ -390,20 +385,7 @@ def test_api_misuse_is_named():
 
 
 def test_mpi_script_under_mpirun():
-    mpirun = shutil.which("mpirun")
-    if mpirun is None or importlib.util.find_spec("mpi4py") is None:
-        pytest.skip("needs mpirun and mpi4py")
-    cmd = [mpirun, "-np", "2", "--oversubscribe"]
-    if os.geteuid() == 0:
-        cmd.append("--allow-run-as-root")
-    cmd += [sys.executable, os.path.join(HERE, "mpi_ep_check.py")]
-    env = dict(os.environ, OMPI_MCA_btl_vader_single_copy_mechanism="none")
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    text = out.stdout + out.stderr
-    print(text)
-    assert out.returncode == 0, text
-    assert "ALL PASS" in text and "FAIL " not in text
-    assert text.count("PASS ") >= 2 * 4
+    run_mpi_script("mpi_ep_check.py", timeout=600, min_passes=2 * 4)
 
 
 def teardown_module(module):

@@ -8,16 +8,13 @@ cuMulticast* entry points replaced by functions that fail the test.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
-import shutil
-import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 from cuda.bindings import driver as real_driver
+from mpi_run import run_mpi_script
 from mpi_symmetric_check import free_memory, pattern_round, preload, round_ok
 from test_group import assert_ok, run_ranks
 
@@ -29,7 +26,6 @@ from mok_rt.symmetric import SymmetricHeap, device_barrier
 
 pytestmark = pytest.mark.gpu
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 _MULTICAST_CALLS = ("cuMulticastCreate", "cuMulticastAddDevice", "cuMulticastBindMem", "cuMulticastBindMem_v2",
                     "cuMulticastBindAddr", "cuMulticastBindAddr_v2")
 
@@ -238,17 +234,4 @@ def test_blocks_export_through_dlpack():
 
 
 def test_mpi_script_under_mpirun():
-    mpirun = shutil.which("mpirun")
-    if mpirun is None or importlib.util.find_spec("mpi4py") is None:
-        pytest.skip("needs mpirun and mpi4py")
-    cmd = [mpirun, "-np", "2", "--oversubscribe"]
-    if os.geteuid() == 0:
-        cmd.append("--allow-run-as-root")
-    cmd += [sys.executable, os.path.join(HERE, "mpi_symmetric_check.py")]
-    env = dict(os.environ, OMPI_MCA_btl_vader_single_copy_mechanism="none")
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    text = out.stdout + out.stderr
-    print(text)
-    assert out.returncode == 0, text
-    assert "ALL PASS" in text and "FAIL " not in text
-    assert text.count("PASS ") >= 2 * 5
+    run_mpi_script("mpi_symmetric_check.py", timeout=300, min_passes=2 * 5)
