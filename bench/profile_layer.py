@@ -2,6 +2,7 @@
 
     python bench/profile_layer.py --shape quick            # prints host/device split
     ncu --clock-control none --print-summary per-kernel python bench/profile_layer.py --iters 2
+    python bench/profile_layer.py --shape deepseek-v3 --iters 3 --trace ds.json   # per-task timeline
 
 Kernel durations come from ncu (or from the device-time column when the host is not the limit).
 """
@@ -24,6 +25,9 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="quick", choices=sorted(SHAPES))
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--trace", default=None, metavar="PATH",
+                    help="record per-task timelines (Workspace(trace=True)); print the last iteration's "
+                         "per-phase summary and write it as a Chrome trace (chrome://tracing, ui.perfetto.dev)")
     args = ap.parse_args()
     import cupy as cp
     import mok_rt as mok
@@ -49,7 +53,8 @@ def main() -> int:
     dout = randn((T, H))
     cfg = mok.MoEConfig(hidden=H, intermediate=I, num_experts=E, top_k=k, shared_intermediate=Is)
     flops = cfg.forward_flops(T)
-    with mok.Workspace(cfg, mok.SingleProcessGroup(devices=[0]), max_tokens=T) as ws:
+    last = []
+    with mok.Workspace(cfg, mok.SingleProcessGroup(devices=[0]), max_tokens=T, trace=bool(args.trace)) as ws:
         stream = ws.stream
         for it in range(args.iters):
             cp.cuda.runtime.deviceSynchronize()
@@ -69,6 +74,14 @@ def main() -> int:
                   f"host backward {1e3 * (t4 - t3):.3f} ms, backward done {1e3 * (t5 - t3):.3f} ms "
                   f"({2 * flops / (t5 - t3) / 1e12:.1f} TF/s)", flush=True)
             del out, ctx, g
+            if args.trace:
+                last = ws.take_traces()   # tracing adds ~30 us per launch (a memset and the records)
+    if args.trace:
+        from mok_rt._trace import write_chrome_trace
+        for t in last:
+            print(t.summary())
+        write_chrome_trace(args.trace, last)
+        print(f"chrome trace: {args.trace}")
     return 0
 
 

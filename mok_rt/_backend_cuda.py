@@ -10,8 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from . import _moe_launch as L
 from . import _moe_params as P
+from . import _trace
 from . import dtypes
 from ._errorword import ErrorWord, device_error
 from .dlpack import check, from_dlpack
@@ -60,6 +63,7 @@ class CudaBackend:
         self.knobs = L.KernelKnobs(ctas_per_sm=cfg.ctas_per_sm, max_ctas=max_ctas,
                                    timeout_ns=int(cfg.timeout_s * 1e9), engine=engine)
         self._streams: dict[int, object] = {}   # streams with mok_rt work since the last synchronize
+        self._traces: list[tuple[str, tuple, Tensor]] = []   # Workspace(trace=True): (kind, phases, records)
 
     # -- lifetime / errors ---------------------------------------------------------------------
     def close(self) -> None:
@@ -100,6 +104,29 @@ class CudaBackend:
         """With expert parallelism: refuse new calls once the state shared with the peers is undefined."""
         if self.ep is not None:
             self.ep.shared.health.check(self.ep.rank)
+
+    # -- traces (Workspace(trace=True)) --------------------------------------------------------------
+    def _trace_buffer(self, kind: str, phases, stream) -> int:
+        """Zeroed records for one launch (0: tracing is off)."""
+        if not self.ws.trace:
+            return 0
+        n = sum(c for _, c in phases)
+        buf = self._bytes(max(n, 1) * _trace.RECORD_BYTES, stream, poison=False)
+        buf.fill_bytes(0, stream=stream)
+        self._traces.append((kind, tuple(phases), buf))
+        return buf.ptr
+
+    def take_traces(self) -> list:
+        """The decoded timelines of the launches since the last call (waits for the streams).
+        Every traced launch keeps its records on the device until then."""
+        self._sync_streams()
+        rank = 0 if self.ep is None else self.ep.rank
+        out = [_trace.LaunchTrace.decode(buf.to_numpy().view(np.uint64)[:4 * sum(c for _, c in phases)],
+                                         kind=kind, engine=self.knobs.engine, phases=phases, rank=rank,
+                                         device_id=self.device_id)
+               for kind, phases, buf in self._traces]
+        self._traces = []   # only once every launch decoded: an error keeps them for another try
+        return out
 
     # -- helpers -----------------------------------------------------------------------------------
     def _empty(self, shape, dtype, stream, *, poison=True):
@@ -160,8 +187,12 @@ class CudaBackend:
             ws_gate=ptr(args.ws_gate), ws_up=ptr(args.ws_up), ws_down=ptr(args.ws_down),
             **{n: bufs[n].ptr for n in ctx_names})
         peers = None if self.ep is None else self.ep.peers(T)
+        trace = self._trace_buffer("recompute" if context_only else "forward", L.forward_phases(
+            dims, context_only=context_only, push_tasks=0 if peers is None else peers.push_tasks,
+            engine=self.knobs.engine), stream)
         L.launch_forward(fb, self._sched_bufs(sched), dims, stream=stream, err_ptr=self.error.device_ptr,
-                         device_id=self.device_id, knobs=self.knobs, context_only=context_only, peers=peers)
+                         device_id=self.device_id, knobs=self.knobs, context_only=context_only, peers=peers,
+                         trace_ptr=trace)
         state = _ForwardState(dims=dims, bufs=bufs, keep=(args, shared_y, counters))
         return out, state
 
@@ -229,7 +260,10 @@ class CudaBackend:
         if not cfg.has_shared:
             bb = L.BackwardBuffers(**{**bb.__dict__, "sgu": 0, "sact": 0})
         peers = None if self.ep is None else self.ep.peers(T)
+        trace = self._trace_buffer("backward", L.backward_phases(
+            dims, push_tasks=0 if peers is None else peers.push_tasks, engine=self.knobs.engine), stream)
         L.launch_backward(bb, self._sched_bufs(sched), dims, stream=stream, err_ptr=self.error.device_ptr,
-                          device_id=self.device_id, knobs=self.knobs, accumulate=accumulate, peers=peers)
+                          device_id=self.device_id, knobs=self.knobs, accumulate=accumulate, peers=peers,
+                          trace_ptr=trace)
         dx._owner = (dx._owner, scratch, args, dout)   # keep inputs and scratch alive with the result
         return Gradients(dx=dx, d_topk_weights=dtw, **returned)

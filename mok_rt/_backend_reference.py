@@ -48,6 +48,9 @@ class ReferenceBackend:
     def check(self) -> None:
         pass
 
+    def take_traces(self) -> list:
+        return []   # no kernels, no timelines
+
     def schedule(self, ids_view, *, stream):
         cfg, ws = self.ws.config, self.ws
         ids = np.array(host_array(ids_view), dtype=np.int64, copy=True)

@@ -39,12 +39,13 @@ from .launch import launch, multiprocessor_count, stream_handle
 __all__ = [
     "LayerDims", "ScheduleBuffers", "ForwardBuffers", "BackwardBuffers", "KernelKnobs", "PeerSpec", "ENGINES",
     "resolve_engine",
-    "forward_buffer_bytes", "backward_buffer_bytes", "forward_task_count", "backward_task_count",
+    "forward_buffer_bytes", "backward_buffer_bytes", "forward_phases", "backward_phases", "forward_task_count",
+    "backward_task_count",
     "launch_forward", "launch_backward",
 ]
 
 _BF16, _F32, _I32 = 2, 4, 4
-ENGINES = ("tile", "tma")
+ENGINES = ("tile", "tma", "tma2")
 ENGINE_ENV = "MOK_RT_GEMM_ENGINE"
 
 
@@ -58,6 +59,11 @@ class _Engine:
     tile_n: int          # dA / dX / down / wgrad tile width
     gate_up_cols: int    # intermediate columns per fused gate|up tile
     maps: bool           # parameter struct starts with tensor maps
+    forward_cluster: int = 1          # CTAs per cluster of the forward launch (grid a multiple of it)
+    backward_cubin: str | None = None  # where the backward lives when not in `cubin`
+
+    def cubin_of(self, kernel: str) -> str:
+        return self.backward_cubin or self.cubin if kernel == self.backward else self.cubin
 
 
 _ENGINE_SPECS = {
@@ -65,6 +71,10 @@ _ENGINE_SPECS = {
                     P.GATE_UP_COLS, False),
     "tma": _Engine("moe_layer_tma", "moe_forward_tma", "moe_backward_tma", P.TMA_THREADS, P.TMA_SMEM_BYTES,
                    P.TMA_TILE_N, P.TMA_GATE_UP_COLS, True),
+    # Experimental: the forward on clusters of two CTAs that share multicast weight tiles
+    # (moe_layer_tma2.cu); the backward is "tma"'s.
+    "tma2": _Engine("moe_layer_tma2", "moe_forward_tma", "moe_backward_tma", P.TMA_THREADS, P.TMA_SMEM_BYTES,
+                    P.TMA_TILE_N, P.TMA_GATE_UP_COLS, True, forward_cluster=2, backward_cubin="moe_layer_tma"),
 }
 
 
@@ -343,32 +353,51 @@ def backward_buffer_bytes(dims: LayerDims) -> dict[str, int]:
     }
 
 
-def forward_task_count(dims: LayerDims, *, context_only: bool = False, push_tasks: int = 0,
-                       engine: str = "tile") -> int:
-    """Size of the forward task index space (mirror of ForwardPlan in forward_tasks.cuh with the
-    engine's tile widths); ``push_tasks`` > 0 with expert parallelism."""
+def forward_phases(dims: LayerDims, *, context_only: bool = False, push_tasks: int = 0,
+                   engine: str = "tile") -> tuple[tuple[str, int], ...]:
+    """The forward's task index space as (phase, task count) in plan order: the mirror of
+    ForwardPlan::make (forward_tasks.cuh) with the engine's tile widths; ``push_tasks`` > 0 with
+    expert parallelism.  Task t belongs to the phase whose range holds t (trace labels)."""
     d, eng = dims, _ENGINE_SPECS[_check_engine("engine", engine)]
     tb, mb, h_tiles = d.token_blocks, d.max_blocks, _ceil_div(d.hidden, eng.tile_n)
     gu, sgu = _ceil_div(d.intermediate, eng.gate_up_cols), _ceil_div(d.shared_intermediate, eng.gate_up_cols)
     shared = d.shared_intermediate > 0
     ep = push_tasks > 0
-    return ((push_tasks + 2 if ep else 0)   # push tasks, "rows sent", "outputs returned"
-            + mb + tb * sgu + mb * gu
-            + (tb * h_tiles if shared and not context_only else 0) + mb * h_tiles
-            + (0 if context_only and not ep else tb))
+    lead = [("push", push_tasks), ("push_notify", 1), ("shared_gate_up", tb * sgu if shared else 0),
+            ("dispatch", mb)] if ep else [("dispatch", mb), ("shared_gate_up", tb * sgu if shared else 0)]
+    return tuple(lead + [("routed_gate_up", mb * gu),
+                         ("shared_down", tb * h_tiles if shared and not context_only else 0),
+                         ("routed_down", mb * h_tiles), ("down_notify", 1 if ep else 0),
+                         ("combine", 0 if context_only and not ep else tb)])
 
 
-def backward_task_count(dims: LayerDims, *, push_tasks: int = 0, engine: str = "tile") -> int:
-    """Size of the backward task index space (mirror of BackwardPlan in backward_tasks.cuh)."""
+def backward_phases(dims: LayerDims, *, push_tasks: int = 0, engine: str = "tile") -> tuple[tuple[str, int], ...]:
+    """The backward's task index space as (phase, task count): mirror of BackwardPlan::make."""
     d, eng = dims, _ENGINE_SPECS[_check_engine("engine", engine)]
     tb, mb = d.token_blocks, d.max_blocks
     i_t, si_t, h_t = (_ceil_div(v, eng.tile_n) for v in (d.intermediate, d.shared_intermediate, d.hidden))
     i_r, si_r, h_r = (_ceil_div(v, P.BLOCK_M) for v in (d.intermediate, d.shared_intermediate, d.hidden))
     shared = d.shared_intermediate > 0
-    return ((push_tasks + 2 if push_tasks > 0 else 0)
-            + mb + tb + (tb * si_t if shared else 0) + mb * i_t + (tb * h_t if shared else 0) + mb * h_t
-            + d.local_experts * h_r * i_t + d.local_experts * 2 * i_r * h_t
-            + (h_r * si_t + 2 * si_r * h_t if shared else 0) + tb)
+    ep = push_tasks > 0
+    local = [("d_weights", tb), ("shared_da", tb * si_t if shared else 0)]
+    lead = ([("push", push_tasks), ("push_notify", 1), *local, ("dispatch", mb)] if ep
+            else [("dispatch", mb), *local])
+    return tuple(lead + [("routed_da", mb * i_t), ("shared_dx", tb * h_t if shared else 0),
+                         ("routed_dx", mb * h_t), ("dx_notify", 1 if ep else 0),
+                         ("wgrad_down", d.local_experts * h_r * i_t),
+                         ("wgrad_gate_up", d.local_experts * 2 * i_r * h_t),
+                         ("shared_wgrad", h_r * si_t + 2 * si_r * h_t if shared else 0), ("combine", tb)])
+
+
+def forward_task_count(dims: LayerDims, *, context_only: bool = False, push_tasks: int = 0,
+                       engine: str = "tile") -> int:
+    """Size of the forward task index space (see forward_phases)."""
+    return sum(n for _, n in forward_phases(dims, context_only=context_only, push_tasks=push_tasks, engine=engine))
+
+
+def backward_task_count(dims: LayerDims, *, push_tasks: int = 0, engine: str = "tile") -> int:
+    """Size of the backward task index space (see backward_phases)."""
+    return sum(n for _, n in backward_phases(dims, push_tasks=push_tasks, engine=engine))
 
 
 # ---- launching --------------------------------------------------------------------------------
@@ -438,12 +467,16 @@ def _ctas_that_fit(kernel: Kernel, device_id: int, eng: _Engine) -> int:
     return _fit_cache[key]
 
 
-def _grid(kernel: Kernel, device_id: int, knobs: KernelKnobs, num_tasks: int, eng: _Engine) -> int:
+def _grid(kernel: Kernel, device_id: int, knobs: KernelKnobs, num_tasks: int, eng: _Engine,
+          cluster: int = 1) -> int:
+    """CTAs of a persistent launch: the ones that fit at once (or the caller's share of them), at
+    most one per task; with clusters a multiple of the cluster size (each cluster takes a pair)."""
     per_sm = knobs.ctas_per_sm or _ctas_that_fit(kernel, device_id, eng)
     grid = multiprocessor_count(device_id) * per_sm
     if knobs.max_ctas is not None:
         grid = min(grid, knobs.max_ctas)
-    return max(1, min(grid, num_tasks))
+    grid = min(grid, num_tasks if cluster == 1 else cluster * -(-num_tasks // cluster))
+    return max(cluster, grid // cluster * cluster)
 
 
 def _zero_counters(ptr: int, words: int, stream) -> None:
@@ -466,12 +499,14 @@ def _check_peers(peers: PeerSpec | None, sched: ScheduleBuffers, dims: LayerDims
 
 def launch_forward(bufs: ForwardBuffers, sched: ScheduleBuffers, dims: LayerDims, *, stream, err_ptr: int,
                    device_id: int = 0, knobs: KernelKnobs = KernelKnobs(), context_only: bool = False,
-                   peers: PeerSpec | None = None) -> None:
+                   peers: PeerSpec | None = None, trace_ptr: int = 0) -> None:
     """Enqueue the fused forward on ``stream``: counters memset, then one persistent launch.
 
     Writes the context (x_routed, gu, act, y_slot, sgu, sact) and, unless ``context_only``,
     ``out``.  ``err_ptr``: the device error word (int32[4]); the caller checks it after syncing.
     With ``peers`` (expert parallelism) every rank of the group must launch its forward.
+    ``trace_ptr``: 0, or device memory for one 32-byte record per task (forward_task_count),
+    zeroed by the caller (mok_rt/_trace.py).
     """
     # A context-only launch (recompute) writes no output and never reads the routing weights.
     _check_pointers(bufs, dims, align=16,
@@ -493,12 +528,14 @@ def launch_forward(bufs: ForwardBuffers, sched: ScheduleBuffers, dims: LayerDims
     _fill(p.cnt, cnt)
     _fill(p, {"x": bufs.x, "topk_weights": bufs.topk_weights, "out": bufs.out, "shared_y": bufs.shared_y,
               "err": err_ptr})
+    p.trace = trace_ptr
     p.dims = _dims_struct(d, knobs)
     p.context_only = int(bool(context_only))
     p.peers = _no_peers() if peers is None else peers._struct()
 
     num_tasks = forward_task_count(d, context_only=bool(context_only),
                                    push_tasks=0 if peers is None else peers.push_tasks, engine=engine)
+    p.trace_tasks = num_tasks if trace_ptr else 0
     params = p
     if eng.maps:
         params = P.MoEForwardTmaParams()
@@ -507,19 +544,21 @@ def launch_forward(bufs: ForwardBuffers, sched: ScheduleBuffers, dims: LayerDims
     _zero_counters(bufs.counters, _forward_counter_words(d), stream)
     if num_tasks == 0:
         return
-    kernel = get_kernel(eng.cubin, eng.forward, device_id)
-    launch(kernel, grid=_grid(kernel, device_id, knobs, num_tasks, eng), block=eng.threads, params=params,
-           stream=stream, device_id=device_id, shared_mem=eng.smem_bytes)
+    kernel = get_kernel(eng.cubin_of(eng.forward), eng.forward, device_id)
+    c = eng.forward_cluster
+    launch(kernel, grid=_grid(kernel, device_id, knobs, num_tasks, eng, c), block=eng.threads, params=params,
+           stream=stream, device_id=device_id, shared_mem=eng.smem_bytes, cluster=None if c == 1 else (c, 1, 1))
 
 
 def launch_backward(bufs: BackwardBuffers, sched: ScheduleBuffers, dims: LayerDims, *, stream, err_ptr: int,
                     device_id: int = 0, knobs: KernelKnobs = KernelKnobs(), accumulate: bool = False,
-                    peers: PeerSpec | None = None) -> None:
+                    peers: PeerSpec | None = None, trace_ptr: int = 0) -> None:
     """Enqueue the fused backward on ``stream``: counters memset, then one persistent launch.
 
     Writes dx, d_topk_weights and the fp32 weight gradients (added to their contents when
     ``accumulate``).  Needs the forward context of the same schedule and inputs.  With ``peers``
     the dy_routed / dx_slot pointers must be this rank's routed / slot rows in its block.
+    ``trace_ptr``: as for launch_forward (backward_task_count records).
     """
     _check_pointers(bufs, dims, align=16)
     _check_pointers(sched, dims, align=4, unused=frozenset({"route_rank"}))
@@ -544,18 +583,20 @@ def launch_backward(bufs: BackwardBuffers, sched: ScheduleBuffers, dims: LayerDi
     _fill(p, {n: getattr(bufs, n) for n in ("x", "topk_weights", "d_out", "dx", "d_topk_weights", "dy_routed",
                                             "dgu", "dx_slot", "dsgu", "dx_shared")})
     p.err = err_ptr
+    p.trace = trace_ptr
     p.dims = _dims_struct(d, knobs)
     p.accumulate = int(bool(accumulate))
     p.peers = _no_peers() if peers is None else peers._struct()
 
     num_tasks = backward_task_count(d, push_tasks=0 if peers is None else peers.push_tasks, engine=engine)
+    p.trace_tasks = num_tasks if trace_ptr else 0
     params = p
     if eng.maps:
         params = P.MoEBackwardTmaParams()
         params.p = p
         _moe_maps.encode_maps(_moe_maps.map_specs(bufs, d, backward=True), params.maps)
     _zero_counters(bufs.counters, _backward_counter_words(d), stream)
-    kernel = get_kernel(eng.cubin, eng.backward, device_id)
+    kernel = get_kernel(eng.cubin_of(eng.backward), eng.backward, device_id)
     launch(kernel, grid=_grid(kernel, device_id, knobs, num_tasks, eng), block=eng.threads, params=params,
            stream=stream, device_id=device_id, shared_mem=eng.smem_bytes)
 
@@ -568,6 +609,6 @@ def prepare(device_id: int, *, engine: str | None = None) -> None:
     from .launch import _ensure_shared_memory
     eng = _ENGINE_SPECS[resolve_engine(engine)]
     for name in (eng.forward, eng.backward):
-        kernel = get_kernel(eng.cubin, name, device_id)
+        kernel = get_kernel(eng.cubin_of(name), name, device_id)
         _ctas_that_fit(kernel, device_id, eng)
         _ensure_shared_memory(kernel, device_id, eng.smem_bytes)

@@ -99,10 +99,10 @@ class MoEForwardParams(ctypes.Structure):
         ("w", MoEWeights),
         ("ctx", MoEContext),
         ("cnt", MoEForwardCounters),
-        *_pointers("x", "topk_weights", "out", "shared_y", "err"),
+        *_pointers("x", "topk_weights", "out", "shared_y", "err", "trace"),
         ("dims", MoEDims),
         ("context_only", ctypes.c_int32),
-        ("pad_", ctypes.c_int32),
+        ("trace_tasks", ctypes.c_int32),
         ("peers", MoEPeers),
     ]
 
@@ -125,10 +125,10 @@ class MoEBackwardParams(ctypes.Structure):
         ("cnt", MoEBackwardCounters),
         ("grads", MoEWeightGrads),
         *_pointers("x", "topk_weights", "d_out", "dx", "d_topk_weights", "dy_routed", "dgu", "dx_slot", "dsgu",
-                   "dx_shared", "err"),
+                   "dx_shared", "err", "trace"),
         ("dims", MoEDims),
         ("accumulate", ctypes.c_int32),
-        ("pad_", ctypes.c_int32),
+        ("trace_tasks", ctypes.c_int32),
         ("peers", MoEPeers),
     ]
 
@@ -141,10 +141,10 @@ assert ctypes.sizeof(MoEWeights) == 6 * 8
 assert ctypes.sizeof(MoEContext) == 6 * 8
 assert ctypes.sizeof(MoEForwardCounters) == 8 * 8
 assert ctypes.sizeof(MoEPeers) == _PEERS
-assert ctypes.sizeof(MoEForwardParams) == 8 * 8 + 6 * 8 + 6 * 8 + 8 * 8 + 5 * 8 + (8 + 12 * 4) + 8 + _PEERS
+assert ctypes.sizeof(MoEForwardParams) == 8 * 8 + 6 * 8 + 6 * 8 + 8 * 8 + 6 * 8 + (8 + 12 * 4) + 8 + _PEERS
 assert ctypes.sizeof(MoEBackwardCounters) == 11 * 8
 assert ctypes.sizeof(MoEWeightGrads) == 6 * 8
-assert ctypes.sizeof(MoEBackwardParams) == (8 * 8 + 6 * 8 + 6 * 8 + 11 * 8 + 6 * 8 + 11 * 8 + (8 + 12 * 4) + 8
+assert ctypes.sizeof(MoEBackwardParams) == (8 * 8 + 6 * 8 + 6 * 8 + 11 * 8 + 6 * 8 + 12 * 8 + (8 + 12 * 4) + 8
                                             + _PEERS)
 assert SMEM_BYTES == 197632
 
@@ -154,8 +154,8 @@ TMA_THREADS = 384          # producer warpgroup + 2 worker warpgroups
 TMA_TILE_N = 256           # GEMM tile width (128 x 256 tiles)
 TMA_GATE_UP_COLS = 128     # intermediate columns per fused gate|up tile (128 gate + 128 up)
 # 4-slot ring of (128 x 64 A + 256 x 64 B) bf16 + 1024 bytes of alignment slack + ring and queue
-# mbarriers + 2 Jobs of 32 bytes (ws_pipeline.cuh asserts it).
-TMA_SMEM_BYTES = 4 * (BLOCK_M + TMA_TILE_N) * _BK * 2 + 1024 + 2 * 4 * 8 + 2 * 2 * 8 + 2 * 32
+# mbarriers + the cluster mailbox (2 x 2 mbarriers + 2 words) + 2 Jobs of 40 bytes (ws_pipeline.cuh asserts it).
+TMA_SMEM_BYTES = 4 * (BLOCK_M + TMA_TILE_N) * _BK * 2 + 1024 + 2 * 4 * 8 + 2 * 2 * 8 + (2 * 2 * 8 + 2 * 4) + 2 * 40
 
 FORWARD_MAP_NAMES = ("x_k", "x_routed_k", "sact_k", "act_k", "w_gate_k", "w_up_k", "w_down_k", "ws_gate_k",
                      "ws_up_k", "ws_down_k")
@@ -193,5 +193,5 @@ class MoEBackwardTmaParams(ctypes.Structure):
 assert ctypes.sizeof(MoEForwardMaps) == 10 * TENSOR_MAP_BYTES
 assert ctypes.sizeof(MoEBackwardMaps) == 18 * TENSOR_MAP_BYTES
 assert ctypes.sizeof(MoEForwardTmaParams) == 2240
-assert ctypes.sizeof(MoEBackwardTmaParams) == 3328
-assert TMA_SMEM_BYTES == 197792
+assert ctypes.sizeof(MoEBackwardTmaParams) == 3392
+assert TMA_SMEM_BYTES == 197848

@@ -45,6 +45,7 @@ class WorkspaceRank:
     max_tokens = property(lambda self: self._ws.max_tokens)
     backend = property(lambda self: self._ws.backend)
     poison_outputs = property(lambda self: self._ws.poison_outputs)
+    trace = property(lambda self: self._ws.trace)
     num_ranks = property(lambda self: self._ws.num_ranks)
     experts_per_rank = property(lambda self: self._ws.experts_per_rank)
     capacity_rows = property(lambda self: self._ws.capacity_rows)
@@ -66,6 +67,10 @@ class WorkspaceRank:
         """Raise the error this rank's kernels reported, if any, without waiting."""
         self._backend().check()
 
+    def take_traces(self) -> list:
+        """This rank's launch timelines since the last call (see :meth:`Workspace.take_traces`)."""
+        return self._backend().take_traces()
+
     def __repr__(self) -> str:
         return f"WorkspaceRank(rank={self.rank_id}/{self.num_ranks}, device={self.device_id})"
 
@@ -82,6 +87,8 @@ class Workspace:
     owns per rank) and return without waiting; :meth:`synchronize` waits and raises any error a
     kernel reported.  Use it as a context manager or call :meth:`close`.  ``poison_outputs=True``
     (for tests) fills every result and context buffer with NaN before the kernels write it.
+    ``trace=True`` (profiling) records a per-task timeline of every megakernel launch:
+    :meth:`take_traces`.
 
     Expert parallelism: creating the workspace is collective (every rank's process must create
     it, with the same config and ``max_tokens``; a mismatch raises :class:`ArgumentError` on
@@ -101,7 +108,7 @@ class Workspace:
     """
 
     def __init__(self, config: MoEConfig, group=None, *, max_tokens: int, backend: str = "cuda", stream=None,
-                 poison_outputs: bool = False):
+                 poison_outputs: bool = False, trace: bool = False):
         self._closed = True   # until everything exists: close() must work on a half-built workspace
         self._ep = None
         devices, local = _group_layout(group)
@@ -125,6 +132,9 @@ class Workspace:
         # Testing aid: fill every buffer mok_rt allocates for a result or a context with NaN
         # (0xFF bytes) before the kernels run, so an element they fail to write cannot pass.
         self.poison_outputs = bool(poison_outputs)
+        # Profiling aid: every megakernel launch records when each task was grabbed, ready and
+        # done, on which SM (32 bytes per task; see take_traces).
+        self.trace = bool(trace)
         self.num_ranks = len(devices)
         self.experts_per_rank = config.experts_per_rank(self.num_ranks)
         self.capacity_rows = config.capacity_rows(max_tokens=max_tokens, num_ranks=self.num_ranks)
@@ -253,6 +263,18 @@ class Workspace:
     def check(self) -> None:
         """Raise the error a kernel reported, if any, without waiting (see :meth:`synchronize`)."""
         self._each("check")
+
+    def take_traces(self) -> list:
+        """The per-task timelines (``mok_rt._trace.LaunchTrace``: ``summary()``, ``phase_stats()``,
+        ``chrome_events()``) of every local rank's megakernel launches since the last call, after
+        waiting for their streams; empty unless the workspace was made with ``trace=True`` (and
+        always with the reference backend, which launches no kernels)."""
+        if self._closed:
+            raise ArgumentError("ws", "the workspace is closed")
+        out = []
+        for r in self._ranks.values():
+            out.extend(r.take_traces())
+        return out
 
     def _each(self, what: str) -> None:
         if self._closed:

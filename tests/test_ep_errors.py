@@ -123,7 +123,16 @@ def test_peer_waits_use_the_peer_deadline_and_local_waits_the_longer_one(name):
     assert counter_waits
     for call in counter_waits:
         assert ("wait_ctx()" in call or call.rstrip().endswith("w, task)")) and "peer_wait_ctx" not in call, call
-    assert "ep::local_timeout_ns(p.peers, p.dims.timeout_ns)" in src
+    assert "WaitCtx wait_ctx() const { return ep::local_wait_ctx(p); }" in src
+    assert "WaitCtx peer_wait_ctx() const { return ep::peer_wait_ctx(p); }" in src
+
+
+def test_wait_contexts_give_local_waits_the_longer_deadline():
+    src = _read("moe", "ep.cuh")
+    local = src[src.index("WaitCtx local_wait_ctx("):src.index("WaitCtx peer_wait_ctx(")]
+    assert "local_timeout_ns(p.peers, p.dims.timeout_ns)" in local
+    peer = src[src.index("WaitCtx peer_wait_ctx("):]
+    assert "WaitCtx{p.err, p.dims.timeout_ns, p.dims.rank}" in peer[:300]
 
 
 def test_local_deadline_outlasts_the_peer_deadline():

@@ -93,10 +93,8 @@ struct BackwardTasks {
   unsigned char* smem;
 
   // Local waits (task counters) and peer waits (ep::wait_all): see ep::local_timeout_ns.
-  __device__ WaitCtx wait_ctx() const {
-    return WaitCtx{p.err, ep::local_timeout_ns(p.peers, p.dims.timeout_ns), p.dims.rank};
-  }
-  __device__ WaitCtx peer_wait_ctx() const { return WaitCtx{p.err, p.dims.timeout_ns, p.dims.rank}; }
+  __device__ WaitCtx wait_ctx() const { return ep::local_wait_ctx(p); }
+  __device__ WaitCtx peer_wait_ctx() const { return ep::peer_wait_ctx(p); }
   __device__ int token_rows(int tb) const { return min_int(kBlockM, p.dims.tokens - tb * kBlockM); }
   __device__ static int tile_extent(int total, int tile) { return min_int(gemm::kBN, total - tile * gemm::kBN); }
 

@@ -63,6 +63,17 @@ __device__ __forceinline__ long long local_timeout_ns(const MoEPeers& pe, long l
   return enabled(pe) ? kLocalTimeoutFactor * timeout_ns : timeout_ns;
 }
 
+// The two wait contexts of a task set over its parameters (forward or backward): local waits
+// (task counters, this rank's own flag) get the longer deadline, peer waits timeout_ns.
+template <class Params>
+__device__ __forceinline__ WaitCtx local_wait_ctx(const Params& p) {
+  return WaitCtx{p.err, local_timeout_ns(p.peers, p.dims.timeout_ns), p.dims.rank};
+}
+template <class Params>
+__device__ __forceinline__ WaitCtx peer_wait_ctx(const Params& p) {
+  return WaitCtx{p.err, p.dims.timeout_ns, p.dims.rank};
+}
+
 // The peer to name when a wait for `kind` times out: the first rank (not this one) whose `kind`
 // flag is behind, preferring one that is also behind on `earlier` (the same launch's earlier
 // flag, -1: none) -- a rank that never even pushed its rows is the cause, while a live rank

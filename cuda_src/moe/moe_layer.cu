@@ -13,7 +13,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) moe_forward(const __gr
   if (!check_capacity(num_blocks, p.dims, p.err)) return;
   const ForwardPlan plan = ForwardPlan::make(p.dims, p.context_only != 0, p.peers);
   const ForwardTasks tasks{p, plan, num_blocks, smem};
-  task_loop(p.cnt.task_next, plan.total, p.err, [&](int task) { tasks.run(task); });
+  task_loop(p.cnt.task_next, plan.total, p.err, trace_records(p.trace, p.trace_tasks, plan.total), [&](int task) { tasks.run(task); });
   if (ep::enabled(p.peers)) ep::end_of_launch(p.peers, p.cnt.ctas_done, p.err, p.dims.timeout_ns);
 }
 
@@ -24,6 +24,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) moe_backward(const __g
   if (!check_capacity(num_blocks, p.dims, p.err)) return;
   const BackwardPlan plan = BackwardPlan::make(p.dims, p.peers);
   const BackwardTasks tasks{p, plan, num_blocks, smem};
-  task_loop(p.cnt.task_next, plan.total, p.err, [&](int task) { tasks.run(task); });
+  task_loop(p.cnt.task_next, plan.total, p.err, trace_records(p.trace, p.trace_tasks, plan.total), [&](int task) { tasks.run(task); });
   if (ep::enabled(p.peers)) ep::end_of_launch(p.peers, p.cnt.ctas_done, p.err, p.dims.timeout_ns);
 }

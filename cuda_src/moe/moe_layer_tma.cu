@@ -11,14 +11,20 @@ using namespace mok;
 
 namespace {
 
-// Uniform start: every thread takes the same verdicts, then thread 0 sets up the barriers.
+// Uniform start: thread 0 sets up the barriers (with clusters, the whole cluster meets before
+// anyone may touch a peer's barriers), then every thread takes the same verdicts.
 __device__ __forceinline__ bool start(const int* err, int num_blocks, const MoEDims& d, int* err_w,
                                       const ws::Shared& s) {
-  if (__syncthreads_or(threadIdx.x == 0 && error_set(err))) return false;
-  if (!check_capacity(num_blocks, d, err_w)) return false;
   ws::init(s);
   __syncthreads();
-  return true;
+  if constexpr (ws::kCluster > 1) {
+    // Both CTAs must take the same verdict: the capacity check is deterministic, and the error
+    // word is left to the leader's loop (it reads it before every grab).
+    cluster_sync();
+    return check_capacity(num_blocks, d, err_w);
+  }
+  if (__syncthreads_or(threadIdx.x == 0 && error_set(err))) return false;
+  return check_capacity(num_blocks, d, err_w);
 }
 
 // The descriptors into the TMA unit's cache before the first loads need them (unused views are
@@ -31,64 +37,63 @@ __device__ __forceinline__ void prefetch_maps(const Maps& m) {
   }
 }
 
+// The body of both kernels: plan and task order into shared memory (the producer's registers
+// could not hold them), the uniform start, then the two roles (ws_pipeline.cuh) and, with EP,
+// the end-of-launch group barrier.
+template <class Kernel, class Plan, class Tasks, class Params, class Maps, class MakePlan>
+__device__ __forceinline__ void run_megakernel(const Params& p, const Maps& maps, unsigned char* smem,
+                                               MakePlan&& make_plan) {
+  const int num_blocks = p.sched.num_blocks[0];
+  const ws::Shared s = ws::layout(smem);
+  __shared__ Plan plan;
+  __shared__ ws::AheadOrder order;
+  if (threadIdx.x == 0) {
+    plan = make_plan();
+    order = Kernel::make_order(plan);
+  }
+  const ws::PairOrder* pairs = nullptr;
+  if constexpr (ws::kCluster > 1) {
+    __shared__ ws::PairOrder cluster_order;
+    if (threadIdx.x == 0) Kernel::make_pairs(plan, ep::enabled(p.peers), cluster_order);
+    pairs = &cluster_order;
+  }
+  if (!start(p.err, num_blocks, p.dims, p.err, s)) return;
+  const Tasks tasks{p, plan, num_blocks, smem};
+  const Kernel k{maps, p, plan, tasks, order, num_blocks, pairs};
+  const WaitCtx wc{p.err, p.dims.timeout_ns, p.dims.rank};
+  if (threadIdx.x < 128) {
+    setmaxnreg_dec<ws::kProducerRegs>();
+    if (threadIdx.x == 0) {
+      prefetch_maps(maps);
+      ws::producer_loop(k, s, p.cnt.task_next, plan.total, wc);
+      ws::cluster_exit();
+    }
+    return;
+  }
+  setmaxnreg_inc<ws::kWorkerRegs>();
+  ws::worker_loop(k, s, wc);
+  if (ep::enabled(p.peers)) ep::end_of_launch(p.peers, p.cnt.ctas_done, p.err, p.dims.timeout_ns);
+  ws::cluster_exit();
+}
+
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(ws::kCtaThreads, 1)
     moe_forward_tma(const __grid_constant__ MoEForwardTmaParams tp) {
   extern __shared__ __align__(1024) unsigned char smem[];
   const MoEForwardParams& p = tp.p;
-  const int num_blocks = p.sched.num_blocks[0];
-  const ws::Shared s = ws::layout(smem);
-  // The plan and task order live in shared memory: the producer's registers could not hold them.
-  __shared__ ForwardPlan plan;
-  __shared__ ws::AheadOrder order;
-  if (threadIdx.x == 0) {
-    plan = ForwardPlan::make(p.dims, p.context_only != 0, p.peers, kTmaForwardTiles);
-    order = TmaForward::make_order(plan);
-  }
-  if (!start(p.err, num_blocks, p.dims, p.err, s)) return;
-  const ForwardTasks tasks{p, plan, num_blocks, smem};
-  const TmaForward k{tp.maps, p, plan, tasks, order, num_blocks};
-  const WaitCtx wc{p.err, p.dims.timeout_ns, p.dims.rank};
-  if (threadIdx.x < 128) {
-    setmaxnreg_dec<ws::kProducerRegs>();
-    if (threadIdx.x == 0) {
-      prefetch_maps(tp.maps);
-      ws::producer_loop(k, s, p.cnt.task_next, plan.total, wc);
-    }
-    return;
-  }
-  setmaxnreg_inc<ws::kWorkerRegs>();
-  ws::worker_loop(k, s, wc);
-  if (ep::enabled(p.peers)) ep::end_of_launch(p.peers, p.cnt.ctas_done, p.err, p.dims.timeout_ns);
+  run_megakernel<TmaForward, ForwardPlan, ForwardTasks>(p, tp.maps, smem, [&] {
+    return ForwardPlan::make(p.dims, p.context_only != 0, p.peers, kTmaForwardTiles);
+  });
 }
 
+#if MOK_CLUSTER == 1  // clusters: the forward only, for now (moe_layer_tma2.cu)
 extern "C" __global__ void __launch_bounds__(ws::kCtaThreads, 1)
     moe_backward_tma(const __grid_constant__ MoEBackwardTmaParams tp) {
   extern __shared__ __align__(1024) unsigned char smem[];
   const MoEBackwardParams& p = tp.p;
-  const int num_blocks = p.sched.num_blocks[0];
-  const ws::Shared s = ws::layout(smem);
-  // The plan and task order live in shared memory: the producer's registers could not hold them.
-  __shared__ BackwardPlan plan;
-  __shared__ ws::AheadOrder order;
-  if (threadIdx.x == 0) {
-    plan = BackwardPlan::make(p.dims, p.peers, kTmaBackwardCols);
-    order = TmaBackward::make_order(plan);
-  }
-  if (!start(p.err, num_blocks, p.dims, p.err, s)) return;
-  const BackwardTasks tasks{p, plan, num_blocks, smem};
-  const TmaBackward k{tp.maps, p, plan, tasks, order, num_blocks};
-  const WaitCtx wc{p.err, p.dims.timeout_ns, p.dims.rank};
-  if (threadIdx.x < 128) {
-    setmaxnreg_dec<ws::kProducerRegs>();
-    if (threadIdx.x == 0) {
-      prefetch_maps(tp.maps);
-      ws::producer_loop(k, s, p.cnt.task_next, plan.total, wc);
-    }
-    return;
-  }
-  setmaxnreg_inc<ws::kWorkerRegs>();
-  ws::worker_loop(k, s, wc);
-  if (ep::enabled(p.peers)) ep::end_of_launch(p.peers, p.cnt.ctas_done, p.err, p.dims.timeout_ns);
+  run_megakernel<TmaBackward, BackwardPlan, BackwardTasks>(p, tp.maps, smem, [&] {
+    return BackwardPlan::make(p.dims, p.peers, kTmaBackwardCols);
+  });
 }
+#endif

@@ -118,13 +118,14 @@ struct MoEForwardParams {
   bf16* out;                  // [T, H]
   float* shared_y;            // [T, H] scratch: shared expert output
   int* err;                   // error word int32[4]
+  unsigned long long* trace;  // null, or one TraceRec per task (trace.cuh)
   MoEDims dims;
   int context_only;           // 1: build the context only (no shared down, no output)
-  int pad_;
+  int trace_tasks;            // records behind `trace` (the host's count of the plan's tasks)
   MoEPeers peers;
 };
 static_assert(sizeof(MoEForwardParams) ==
-                  8 * 8 + 6 * 8 + 6 * 8 + 8 * 8 + 5 * 8 + sizeof(MoEDims) + 8 + sizeof(MoEPeers),
+                  8 * 8 + 6 * 8 + 6 * 8 + 8 * 8 + 6 * 8 + sizeof(MoEDims) + 8 + sizeof(MoEPeers),
               "MoEForwardParams layout: update mok_rt/_moe_params.py");
 
 struct MoEBackwardCounters {
@@ -169,13 +170,14 @@ struct MoEBackwardParams {
   bf16* dsgu;                 // [T, 2I_s] scratch: shared d gate | d up
   float* dx_shared;           // [T, H] scratch: shared expert input gradient
   int* err;                   // error word int32[4]
+  unsigned long long* trace;  // null, or one TraceRec per task (trace.cuh)
   MoEDims dims;
   int accumulate;             // 1: add weight gradients into the existing fp32 contents
-  int pad_;
+  int trace_tasks;            // records behind `trace` (the host's count of the plan's tasks)
   MoEPeers peers;
 };
 static_assert(sizeof(MoEBackwardParams) ==
-                  8 * 8 + 6 * 8 + 6 * 8 + 11 * 8 + 6 * 8 + 11 * 8 + sizeof(MoEDims) + 8 + sizeof(MoEPeers),
+                  8 * 8 + 6 * 8 + 6 * 8 + 11 * 8 + 6 * 8 + 12 * 8 + sizeof(MoEDims) + 8 + sizeof(MoEPeers),
               "MoEBackwardParams layout: update mok_rt/_moe_params.py");
 
 // Tiling shared by the kernels and the host (mok_rt/_moe_params.py mirrors these).

@@ -60,7 +60,7 @@ struct MoEBackwardTmaParams {
   MoEBackwardMaps maps;
   MoEBackwardParams p;
 };
-static_assert(sizeof(MoEBackwardTmaParams) == 3328, "MoEBackwardTmaParams layout: update mok_rt/_moe_params.py");
+static_assert(sizeof(MoEBackwardTmaParams) == 3392, "MoEBackwardTmaParams layout: update mok_rt/_moe_params.py");
 static_assert(sizeof(MoEBackwardTmaParams) <= 4096, "the classic kernel parameter limit");
 
 }  // namespace mok

@@ -10,6 +10,7 @@
 #include "common/errors.cuh"
 #include "common/ptx.cuh"
 #include "moe/params.cuh"
+#include "moe/trace.cuh"
 
 namespace mok {
 
@@ -101,16 +102,22 @@ __device__ __forceinline__ void signal_counters(int* c0, int* c1) {
 // Runs run(task) for task indices grabbed in increasing order until num_tasks is reached or an
 // error is recorded.  The two barriers per grab also separate one task's shared-memory use from
 // the next one's.
+// `trace` (trace.cuh, may be null): one record per task, indexed by the task (grab order = task order).
 template <class Run>
-__device__ __forceinline__ void task_loop(int* task_next, int num_tasks, const int* err, Run&& run) {
+__device__ __forceinline__ void task_loop(int* task_next, int num_tasks, const int* err, unsigned long long* trace,
+                                          Run&& run) {
   __shared__ int s_task;
   for (;;) {
-    if (threadIdx.x == 0) s_task = error_set(err) ? num_tasks : atom_add_relaxed_gpu(task_next, 1);
+    if (threadIdx.x == 0) {
+      s_task = error_set(err) ? num_tasks : atom_add_relaxed_gpu(task_next, 1);
+      if (s_task < num_tasks) trace_grab(trace, s_task, s_task);
+    }
     __syncthreads();
     const int task = s_task;
     __syncthreads();
     if (task >= num_tasks) return;
     run(task);
+    if (threadIdx.x == 0 && !error_set(err)) trace_end(trace, task);  // after its signal (its last barrier)
   }
 }
 
@@ -131,5 +138,6 @@ __device__ __forceinline__ bool check_capacity(int num_blocks, const MoEDims& d,
   return false;
 }
 __device__ __forceinline__ int min_int(int a, int b) { return a < b ? a : b; }
+__device__ __forceinline__ int max_int(int a, int b) { return a > b ? a : b; }
 
 }  // namespace mok

@@ -68,6 +68,7 @@ struct TmaBackward {
   const BackwardTasks& tasks;  // the non-GEMM bodies
   const ws::AheadOrder& order;
   int num_blocks;
+  const ws::PairOrder* pairs;  // clusters of two: not yet for the backward (always null)
 
   // d_weights (B1) waits on nothing and nothing waits on it: on one GPU it trails, overlapping
   // GEMMs; with EP it stays with the shared dA in front, covering the rows' travel (adjacent
@@ -80,11 +81,11 @@ struct TmaBackward {
   }
 
   // Local waits (task counters) and peer waits (ep::wait_all_thread): see ep::local_timeout_ns.
-  __device__ WaitCtx wait_ctx() const {
-    return WaitCtx{p.err, ep::local_timeout_ns(p.peers, p.dims.timeout_ns), p.dims.rank};
-  }
-  __device__ WaitCtx peer_wait_ctx() const { return WaitCtx{p.err, p.dims.timeout_ns, p.dims.rank}; }
+  __device__ WaitCtx wait_ctx() const { return ep::local_wait_ctx(p); }
+  __device__ WaitCtx peer_wait_ctx() const { return ep::peer_wait_ctx(p); }
   __device__ bool ep_on() const { return ep::enabled(p.peers); }
+  __device__ int plan_task(int grabbed) const { return order.map(grabbed); }
+  __device__ unsigned long long* trace() const { return trace_records(p.trace, p.trace_tasks, plan.total); }
   __device__ static int k_tiles_of(int k) { return ceil_div(k, wg::kBK); }
 
   // ---- producer -----------------------------------------------------------------------------------
@@ -267,18 +268,8 @@ struct TmaBackward {
       }
       case kBwdRoutedDX: {
         if (!ws::gemm<wg::kKMajor, wg::kMNMajor>(s, ps, acc, job.k_tiles, consumer, w, job.e)) return false;
-        const int row0 = job.a * kBlockM, h0 = job.b * ws::kBN, cols = min_int(ws::kBN, d.hidden - h0);
-        if (ep_on()) {  // rows go straight to their source rank's slot rows
-          ws::store_rows_bf16(acc, f, kBlockM, cols, [&](int r) {
-            return ep::return_row_ptr(p.sched, p.peers, d, row0 + r, h0, p.err);
-          });
-          ep::signal_counter_sys(p.cnt.dx_done);
-        } else {
-          ws::store_rows_bf16(acc, f, kBlockM, cols, [&](int r) {
-            return route_row_ptr(p.sched, d, p.dx_slot, row0 + r, h0);
-          });
-          signal_counter(p.cnt.dx_done);
-        }
+        store_routed_tile(acc, f, p.sched, p.peers, d, p.err, job.a * kBlockM, job.b * ws::kBN, p.dx_slot,
+                          p.cnt.dx_done);
         return true;
       }
       case kBwdWgradDown: {

@@ -70,6 +70,22 @@ __device__ __forceinline__ void swiglu_epilogue_regs(const float (&acc)[ws::kAcc
   }
 }
 
+// A routed row block's output tile (F4 down, B5 dX: hidden columns h0 ...) to the rows of its
+// routes: with EP straight into the source rank's slot rows (system-scope signal), else into
+// `local` ([T*k, H], one row per route); then `done` += 1.
+__device__ __forceinline__ void store_routed_tile(const float (&acc)[ws::kAccRegs], const ws::Frag& f,
+                                                  const MoESchedule& sc, const MoEPeers& pe, const MoEDims& d,
+                                                  int* err, int row0, int h0, bf16* local, int* done) {
+  const int cols = min_int(ws::kBN, d.hidden - h0);
+  if (ep::enabled(pe)) {
+    ws::store_rows_bf16(acc, f, kBlockM, cols, [&](int r) { return ep::return_row_ptr(sc, pe, d, row0 + r, h0, err); });
+    ep::signal_counter_sys(done);
+  } else {
+    ws::store_rows_bf16(acc, f, kBlockM, cols, [&](int r) { return route_row_ptr(sc, d, local, row0 + r, h0); });
+    signal_counter(done);
+  }
+}
+
 struct TmaForward {
   const MoEForwardMaps& maps;
   const MoEForwardParams& p;
@@ -78,20 +94,71 @@ struct TmaForward {
   const ws::AheadOrder& order;
   int num_blocks;
 
+  const ws::PairOrder* pairs;  // clusters of two (moe_layer_tma2.cu), else null
+
   __device__ static ws::AheadOrder make_order(const ForwardPlan& f) {
     return ws::AheadOrder::make(f.shared_gu, f.dispatch, f.routed_gu, PhaseRange{f.dispatch.begin, 0}, f.gu_tiles);
   }
 
-  // Local waits (task counters) and peer waits (ep::wait_all_thread): see ep::local_timeout_ns.
-  __device__ WaitCtx wait_ctx() const {
-    return WaitCtx{p.err, ep::local_timeout_ns(p.peers, p.dims.timeout_ns), p.dims.rank};
+  // The same walk for clusters of two, in pairs (ws::PairOrder): the plan's phases in its order.
+  __device__ static void make_pairs(const ForwardPlan& f, bool ep, ws::PairOrder& o) {
+    o.count = 0;
+    o.add(f.push);
+    o.add(f.push_notify);
+    const int first = o.add(ep ? f.shared_gu : f.dispatch);
+    const int second = o.add(ep ? f.dispatch : f.shared_gu);
+    const int sgu = ep ? first : second, disp = ep ? second : first;
+    const int gu = o.add(f.routed_gu, f.gu_tiles);
+    o.add(f.shared_down);
+    o.add(f.routed_down, f.h_tiles);
+    o.add(f.down_notify);
+    o.add(f.combine);
+    const PhaseRange d = o.pairs_of(disp);
+    o.order = ws::AheadOrder::make(o.pairs_of(sgu), d, o.pairs_of(gu), PhaseRange{d.begin, 0}, f.gu_tiles,
+                                   static_cast<int>(gridDim.x) / ws::kCluster);
   }
-  __device__ WaitCtx peer_wait_ctx() const { return WaitCtx{p.err, p.dims.timeout_ns, p.dims.rank}; }
+
+  // ---- clusters of two: the pair interface of ws::producer_loop_pairs ----------------------------------
+  __device__ int num_pairs() const { return pairs->num_pairs(); }
+  __device__ int pair_task(int pair, int rank) const { return pairs->task(pair, rank); }
+  __device__ int stages_of(int task) const {
+    const MoEDims& d = p.dims;
+    if (plan.routed_gu.has(task)) return plan.routed_gu.local(task) / plan.gu_tiles < num_blocks ? d.hidden / wg::kBK : 0;
+    if (plan.routed_down.has(task)) return plan.routed_down.local(task) / plan.h_tiles < num_blocks ? d.inter / wg::kBK : 0;
+    if (plan.shared_gu.has(task)) return d.hidden / wg::kBK;
+    if (plan.shared_down.has(task)) return d.shared_inter / wg::kBK;
+    return 0;
+  }
+  __device__ bool shares_b(int t0, int t1) const {
+    PhaseRange r{0, 0};
+    int tiles = 0;
+    if (plan.routed_gu.has(t0) && plan.routed_gu.has(t1)) {
+      r = plan.routed_gu;
+      tiles = plan.gu_tiles;
+    } else if (plan.routed_down.has(t0) && plan.routed_down.has(t1)) {
+      r = plan.routed_down;
+      tiles = plan.h_tiles;
+    } else {
+      return false;
+    }
+    const int b0 = r.local(t0) / tiles, b1 = r.local(t1) / tiles;
+    if (r.local(t0) % tiles != r.local(t1) % tiles || b0 >= num_blocks || b1 >= num_blocks) return false;
+    const int e = p.sched.block_expert[b0];  // a valid expert: prepare_task cannot fail before setting b
+    return e >= 0 && e < p.dims.local_experts && p.sched.block_expert[b1] == e;
+  }
+
+  // Local waits (task counters) and peer waits (ep::wait_all_thread): see ep::local_timeout_ns.
+  __device__ WaitCtx wait_ctx() const { return ep::local_wait_ctx(p); }
+  __device__ WaitCtx peer_wait_ctx() const { return ep::peer_wait_ctx(p); }
   __device__ bool ep_on() const { return ep::enabled(p.peers); }
+  __device__ int plan_task(int grabbed) const { return order.map(grabbed); }
+  __device__ unsigned long long* trace() const { return trace_records(p.trace, p.trace_tasks, plan.total); }
 
   // ---- producer -----------------------------------------------------------------------------------
   __device__ int prepare(int grabbed, ws::Job& job, ws::LoadSrc& a, ws::LoadSrc& b) const {
-    const int task = order.map(grabbed);
+    return prepare_task(order.map(grabbed), job, a, b);
+  }
+  __device__ int prepare_task(int task, ws::Job& job, ws::LoadSrc& a, ws::LoadSrc& b) const {
     const MoEForwardMaps& m = ws::late(maps);
     const MoEDims& d = p.dims;
     const WaitCtx w = wait_ctx();
@@ -127,10 +194,11 @@ struct TmaForward {
       const int e = p.sched.block_expert[blk];
       if (!valid_expert(e, blk, d, p.err)) return -1;
       const int idle = ws::upper_half_idle(p.sched, blk, e);  // loads issued before the acquire
-      if (!wait_counter_thread(p.cnt.block_ready + blk, 1, w, task)) return -1;
-      job = ws::Job{kFwdRoutedGU, 1, d.hidden / wg::kBK, blk, n, e, 0, idle};
+      // a and b before the wait: a cluster pair whose wait fails still multicasts b (ws_pipeline.cuh).
       a = ws::kmajor(&m.x_routed_k, blk * kBlockM);
       b = ws::kmajor(&m.w_gate_k, n * kTmaGateUpCols, e, &m.w_up_k);
+      if (!wait_counter_thread(p.cnt.block_ready + blk, 1, w, task)) return -1;
+      job = ws::Job{kFwdRoutedGU, 1, d.hidden / wg::kBK, blk, n, e, 0, idle};
       return 1;
     }
     if (plan.shared_down.has(task)) {
@@ -147,10 +215,10 @@ struct TmaForward {
       const int e = p.sched.block_expert[blk];
       if (!valid_expert(e, blk, d, p.err)) return -1;
       const int idle = ws::upper_half_idle(p.sched, blk, e);
-      if (!wait_counter_thread(p.cnt.block_act_ready + blk, plan.gu_tiles, w, task)) return -1;
-      job = ws::Job{kFwdRoutedDown, 1, d.inter / wg::kBK, blk, h, e, 0, idle};
       a = ws::kmajor(&m.act_k, blk * kBlockM);
       b = ws::kmajor(&m.w_down_k, h * ws::kBN, e);
+      if (!wait_counter_thread(p.cnt.block_act_ready + blk, plan.gu_tiles, w, task)) return -1;
+      job = ws::Job{kFwdRoutedDown, 1, d.inter / wg::kBK, blk, h, e, 0, idle};
       return 1;
     }
     if (plan.down_notify.has(task)) {
@@ -216,18 +284,8 @@ struct TmaForward {
       }
       case kFwdRoutedDown: {
         if (!ws::gemm<wg::kKMajor, wg::kKMajor>(s, ps, acc, job.k_tiles, consumer, w, job.e)) return false;
-        const int row0 = job.a * kBlockM, h0 = job.b * ws::kBN, cols = min_int(ws::kBN, d.hidden - h0);
-        if (ep_on()) {  // rows go straight to their source rank's slot rows
-          ws::store_rows_bf16(acc, f, kBlockM, cols, [&](int r) {
-            return ep::return_row_ptr(p.sched, p.peers, d, row0 + r, h0, p.err);
-          });
-          ep::signal_counter_sys(p.cnt.down_done);
-        } else {
-          ws::store_rows_bf16(acc, f, kBlockM, cols, [&](int r) {
-            return route_row_ptr(p.sched, d, p.ctx.y_slot, row0 + r, h0);
-          });
-          signal_counter(p.cnt.down_done);
-        }
+        store_routed_tile(acc, f, p.sched, p.peers, d, p.err, job.a * kBlockM, job.b * ws::kBN, p.ctx.y_slot,
+                          p.cnt.down_done);
         return true;
       }
       default:

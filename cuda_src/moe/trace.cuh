@@ -1,0 +1,41 @@
+// Optional per-task timeline of the MoE megakernels (Workspace(trace=True); mok_rt/_trace.py
+// decodes it).  Record g describes the g-th task grabbed in the launch: when it was grabbed, when
+// its waits were done, when its work was done (its counters signalled), and which plan task on
+// which SM.  One writer per word, plain stores; with a null trace pointer (the default) each hook
+// is one uniform branch per task.
+#pragma once
+#include "common/ptx.cuh"
+
+namespace mok {
+
+struct TraceRec {
+  unsigned long long grab;   // %globaltimer ns
+  unsigned long long ready;  // work starts: the TMA kernel's workers took the task (its producer waited
+                             // before); the one-engine kernel: = grab (its waits are inside the task)
+  unsigned long long end;    // counters signalled (0: the task did not finish: an error stopped it)
+  unsigned long long info;   // plan task << 32 | SM id
+};
+static_assert(sizeof(TraceRec) == 32, "mok_rt/_trace.py reads 4 x u64 per record");
+
+// The launch's records, or null: also when the host sized them for another task count than the
+// device's plan (a plan mirror out of date must not write past the buffer).
+__device__ __forceinline__ unsigned long long* trace_records(unsigned long long* tr, int host_tasks, int plan_tasks) {
+  return host_tasks == plan_tasks ? tr : nullptr;
+}
+
+__device__ __forceinline__ void trace_grab(unsigned long long* tr, int g, int task) {
+  if (tr == nullptr) return;
+  TraceRec* r = reinterpret_cast<TraceRec*>(tr) + g;
+  const unsigned long long now = globaltimer_ns();
+  r->grab = now;
+  r->ready = now;
+  r->info = (static_cast<unsigned long long>(static_cast<unsigned>(task)) << 32) | smid();
+}
+__device__ __forceinline__ void trace_ready(unsigned long long* tr, int g) {
+  if (tr != nullptr) reinterpret_cast<TraceRec*>(tr)[g].ready = globaltimer_ns();
+}
+__device__ __forceinline__ void trace_end(unsigned long long* tr, int g) {
+  if (tr != nullptr) reinterpret_cast<TraceRec*>(tr)[g].end = globaltimer_ns();
+}
+
+}  // namespace mok

@@ -1,0 +1,177 @@
+"""Per-task timelines of the MoE megakernels (``Workspace(trace=True)``; cuda_src/moe/trace.cuh).
+
+Every launch of a traced workspace gets one 32-byte record per task of its plan, zeroed before
+the launch: when the task was grabbed, when its waits were done, when its work was done, and
+(plan task << 32 | SM id).  :class:`LaunchTrace` decodes them with the plan's phase table
+(``_moe_launch.forward_phases`` / ``backward_phases``) into :class:`TaskSpan` s, answers the
+questions a profile needs (busy and waiting time per phase, how long SMs sat idle at the end)
+and writes Chrome trace events (chrome://tracing, https://ui.perfetto.dev), one row per SM.
+
+"ready" is when the task's work starts: in the TMA kernel, when the workers take it (the producer
+grabbed it earlier and did its dependency waits, while the workers still ran the task before);
+in the one-engine kernel it equals "grab" (its waits are inside the task, so they count as busy).
+Busy intervals [ready, end] of one SM never overlap; waits [grab, ready] of the TMA kernel overlap
+the previous task's busy interval (the producer runs ahead), so the Chrome trace draws them on a
+separate row per SM.
+"""
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = ["TaskSpan", "PhaseStats", "LaunchTrace", "write_chrome_trace"]
+
+RECORD_BYTES = 32
+
+
+@dataclass(frozen=True)
+class TaskSpan:
+    """One task of one launch; times in microseconds from the launch's first grab."""
+    task: int        # plan index
+    phase: str
+    sm: int
+    grab_us: float
+    ready_us: float
+    end_us: float
+
+
+@dataclass(frozen=True)
+class PhaseStats:
+    phase: str
+    tasks: int
+    wait_us: float     # sum over tasks of ready - grab (the task held its SM but could not start)
+    busy_us: float     # sum over tasks of end - ready
+    first_us: float    # first grab
+    last_us: float     # last end
+
+
+@dataclass
+class LaunchTrace:
+    """The decoded records of one launch.  ``unfinished``: tasks without an end (the launch
+    stopped on an error, or a skipped task of a rank that timed out)."""
+    kind: str                       # "forward", "recompute" (context only) or "backward"
+    engine: str
+    rank: int
+    device_id: int
+    phases: tuple[tuple[str, int], ...]
+    spans: list[TaskSpan] = field(default_factory=list)
+    unfinished: int = 0
+
+    @classmethod
+    def decode(cls, raw: np.ndarray, *, kind: str, engine: str, phases, rank: int = 0,
+               device_id: int = 0) -> "LaunchTrace":
+        """``raw``: the launch's records, uint64 [num_tasks, 4] (or flat)."""
+        phases = tuple((str(n), int(c)) for n, c in phases)
+        total = sum(c for _, c in phases)
+        rec = np.asarray(raw, dtype=np.uint64).reshape(-1, 4)
+        if rec.shape[0] != total:
+            raise ValueError(f"{rec.shape[0]} records for a plan of {total} tasks")
+        starts, names, at = [], [], 0
+        for name, count in phases:
+            if count:
+                starts.append(at)
+                names.append(name)
+            at += count
+        out = cls(kind=kind, engine=engine, rank=rank, device_id=device_id, phases=phases)
+        grabbed = rec[:, 0] != 0
+        if not grabbed.any():
+            return out
+        t0 = int(rec[grabbed, 0].min())
+        for g in np.flatnonzero(grabbed):
+            grab, ready, end, info = (int(v) for v in rec[g])
+            task, sm = info >> 32, info & 0xFFFFFFFF
+            if task >= total:
+                raise ValueError(f"record {g} names task {task} of a plan of {total}")
+            if end == 0:
+                out.unfinished += 1
+                continue
+            phase = names[bisect.bisect_right(starts, task) - 1]
+            out.spans.append(TaskSpan(task=task, phase=phase, sm=sm, grab_us=(grab - t0) / 1e3,
+                                      ready_us=(ready - t0) / 1e3, end_us=(end - t0) / 1e3))
+        out.spans.sort(key=lambda s: (s.grab_us, s.task))
+        return out
+
+    # ---- questions --------------------------------------------------------------------------
+    @property
+    def span_us(self) -> float:
+        """First grab to last end."""
+        return max((s.end_us for s in self.spans), default=0.0)
+
+    def phase_stats(self) -> list[PhaseStats]:
+        by: dict[str, list[TaskSpan]] = {}
+        for s in self.spans:
+            by.setdefault(s.phase, []).append(s)
+        out = []
+        for name, _ in self.phases:
+            ss = by.get(name)
+            if not ss:
+                continue
+            out.append(PhaseStats(phase=name, tasks=len(ss), wait_us=sum(s.ready_us - s.grab_us for s in ss),
+                                  busy_us=sum(s.end_us - s.ready_us for s in ss),
+                                  first_us=min(s.grab_us for s in ss), last_us=max(s.end_us for s in ss)))
+        return out
+
+    def sm_busy_fraction(self) -> dict[int, float]:
+        """Per SM: the share of the launch's span its tasks ran (sum of end - ready)."""
+        span = self.span_us or 1.0
+        busy: dict[int, float] = {}
+        for s in self.spans:
+            busy[s.sm] = busy.get(s.sm, 0.0) + (s.end_us - s.ready_us)
+        return {sm: b / span for sm, b in sorted(busy.items())}
+
+    def tail_idle_us(self) -> float:
+        """SM-microseconds lost at the end: for each SM, launch end minus its last task's end."""
+        last: dict[int, float] = {}
+        for s in self.spans:
+            last[s.sm] = max(last.get(s.sm, 0.0), s.end_us)
+        span = self.span_us
+        return sum(span - t for t in last.values())
+
+    def summary(self) -> str:
+        lines = [f"{self.kind} ({self.engine}, rank {self.rank}, device {self.device_id}): {len(self.spans)} tasks "
+                 f"over {len(self.sm_busy_fraction())} SMs in {self.span_us:.1f} us"
+                 + (f", {self.unfinished} unfinished" if self.unfinished else ""),
+                 f"  {'phase':<16}{'tasks':>7}{'busy us':>11}{'wait us':>10}{'first':>9}{'last':>9}"]
+        for p in self.phase_stats():
+            lines.append(f"  {p.phase:<16}{p.tasks:>7}{p.busy_us:>11.1f}{p.wait_us:>10.1f}"
+                         f"{p.first_us:>9.1f}{p.last_us:>9.1f}")
+        frac = list(self.sm_busy_fraction().values())
+        if frac:
+            lines.append(f"  SM busy share: min {min(frac):.2f} median {float(np.median(frac)):.2f} "
+                         f"max {max(frac):.2f}; idle after each SM's last task: "
+                         f"{self.tail_idle_us() / max(len(frac), 1):.1f} us on average")
+        return "\n".join(lines)
+
+    WAIT_ROW = 100_000   # the Chrome row of SM n's waits: WAIT_ROW + n
+
+    def chrome_events(self, *, pid: int = 0, offset_us: float = 0.0) -> list[dict]:
+        """Complete ("X") events: one row per SM for the work, one more per SM for the waits."""
+        ev = []
+        for sm in sorted({s.sm for s in self.spans}):
+            ev.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": sm, "args": {"name": f"SM {sm}"}})
+            ev.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": self.WAIT_ROW + sm,
+                       "args": {"name": f"SM {sm} waits"}})
+        for s in self.spans:
+            if s.ready_us > s.grab_us:
+                ev.append({"name": f"wait {s.phase}", "cat": "wait", "ph": "X", "pid": pid,
+                           "tid": self.WAIT_ROW + s.sm, "ts": offset_us + s.grab_us, "dur": s.ready_us - s.grab_us,
+                           "args": {"task": s.task}})
+            ev.append({"name": s.phase, "cat": self.kind, "ph": "X", "pid": pid, "tid": s.sm,
+                       "ts": offset_us + s.ready_us, "dur": max(s.end_us - s.ready_us, 0.0),
+                       "args": {"task": s.task}})
+        return ev
+
+
+def write_chrome_trace(path, traces: list[LaunchTrace]) -> None:
+    """One file for several launches: each launch is a process row, laid end to end."""
+    events, offset = [], 0.0
+    for i, t in enumerate(traces):
+        events.append({"name": "process_name", "ph": "M", "pid": i,
+                       "args": {"name": f"{i}: {t.kind} ({t.engine}, rank {t.rank})"}})
+        events.extend(t.chrome_events(pid=i, offset_us=offset))
+        offset += t.span_us + 10.0
+    with open(path, "w") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)

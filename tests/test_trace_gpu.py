@@ -1,0 +1,74 @@
+"""Per-task timelines on the GPU (Workspace(trace=True)): every task of every launch is recorded
+once, in order (grab <= ready <= end), with its plan phase and SM; tracing changes no result bit;
+both engines and an EP pair of ranks sharing one GPU."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+cp = pytest.importorskip("cupy")
+
+import mok_rt as mok  # noqa: E402
+from mok_rt import _moe_launch as L  # noqa: E402
+from mok_rt.launch import multiprocessor_count  # noqa: E402
+from test_layer_gpu import _to_dev, make_problem  # noqa: E402
+
+
+def _step(ws, d):
+    sched = mok.schedule(ws, d["ids"])
+    out, ctx = mok.forward(ws, sched, d["x"], d["tw"], d["w_gate"], d["w_up"], d["w_down"], *d["shared"])
+    g = mok.backward(ws, sched, ctx, d["d_out"], d["x"], d["tw"], d["w_gate"], d["w_up"], d["w_down"], *d["shared"])
+    return out, g
+
+
+def _host(t):
+    return t.to_numpy().view(np.uint16)
+
+
+@pytest.mark.parametrize("engine", L.ENGINES)
+def test_every_task_recorded_once_and_results_unchanged(engine):
+    h = make_problem(31, T=1000, H=1024, I=512, E=16, k=4, Is=256)
+    d = _to_dev(h)
+    cfg = mok.MoEConfig(hidden=1024, intermediate=512, num_experts=16, top_k=4, shared_intermediate=256,
+                        gemm_engine=engine)
+    results = {}
+    for trace in (False, True):
+        with mok.Workspace(cfg, mok.SingleProcessGroup(devices=[0]), max_tokens=1000, trace=trace) as ws:
+            out, g = _step(ws, d)
+            ws.synchronize()
+            results[trace] = (_host(out), _host(g.dx), g.dw_down.to_numpy())
+            traces = ws.take_traces()
+            if not trace:
+                assert traces == []
+                continue
+            assert [t.kind for t in traces] == ["forward", "backward"] and ws.take_traces() == []
+            sms = multiprocessor_count(0)   # (%smid need not be below it: only the count of SMs is)
+            for t in traces:
+                total = sum(c for _, c in t.phases)
+                assert t.unfinished == 0 and len(t.spans) == total, t.summary()
+                assert sorted(s.task for s in t.spans) == list(range(total))
+                assert all(s.grab_us <= s.ready_us <= s.end_us for s in t.spans)
+                assert len({s.sm for s in t.spans}) <= sms
+                assert t.span_us > 0 and {p.phase for p in t.phase_stats()} <= {n for n, _ in t.phases}
+                print(t.summary())
+    for a, b in zip(results[False], results[True]):
+        assert np.array_equal(a, b)
+
+
+def test_ep_ranks_sharing_one_gpu_each_record_their_launches():
+    T, H, I, E, k = 600, 512, 256, 8, 2
+    cfg = mok.MoEConfig(hidden=H, intermediate=I, num_experts=E, top_k=k)
+    probs = [_to_dev(make_problem(40 + r, T=T, H=H, I=I, E=E, k=k)) for r in range(2)]
+    with mok.Workspace(cfg, mok.SingleProcessGroup(devices=[0, 0]), max_tokens=T, trace=True) as ws:
+        ranks = [ws.rank(r) for r in range(2)]
+        scheds = [mok.schedule(ranks[r], probs[r]["ids"]) for r in range(2)]
+        fwd = [mok.forward(ranks[r], scheds[r], probs[r]["x"], probs[r]["tw"], probs[r]["w_gate"][4 * r:4 * r + 4],
+                           probs[r]["w_up"][4 * r:4 * r + 4], probs[r]["w_down"][4 * r:4 * r + 4]) for r in range(2)]
+        ws.synchronize()
+        traces = ws.take_traces()
+        assert sorted((t.rank, t.kind) for t in traces) == [(0, "forward"), (1, "forward")]
+        for t in traces:
+            assert t.unfinished == 0 and len(t.spans) == sum(c for _, c in t.phases)
+            assert "push" in {n for n, _ in t.phases}
+        del fwd
