@@ -3,7 +3,7 @@
 # one-GPU suite (split over the two GPUs), the two-GPU suites, the MPI checks and samples, the
 # one-GPU benchmark and the EP = 2 benchmark.  At most 8 files come back from $OUT: the logs are
 # p1_gpu0, p1_gpu1, p2, bench1, bench2 and the two results JSONs.  Summary last.
-#   MOK_BENCH_COMMIT=<sha> bash scripts/gpu_x2.sh
+#   MOK_BENCH_COMMIT=<sha> bash scripts/gpu_x2.sh      (BENCH=0: the suites alone)
 # On one GPU it runs phase 1 on it and the one-GPU benchmark; phase 2 and EP = 2 need two.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -49,6 +49,7 @@ fi
 
 # 3. benchmarks against the PyTorch baseline in the same run: one GPU (pipelined, then the
 #    serial latency of qwen3), then EP = 2 (one process per GPU).
+if [ "${BENCH:-1}" != 0 ]; then
 { CUDA_VISIBLE_DEVICES=0 timeout -k 5 "${B1_BUDGET:-150}" python3 bench/bench_moe.py --shapes "$shapes" --out "$out"
   echo "rc=$?"; echo "== serial timing (host waits for each call)"
   CUDA_VISIBLE_DEVICES=0 timeout -k 5 60 python3 bench/bench_moe.py --shapes qwen3-30b-a3b --timing serial \
@@ -58,6 +59,7 @@ if [ "$ngpu" -ge 2 ]; then
   timeout -k 5 "${B2_BUDGET:-180}" python3 -m torch.distributed.run --nproc-per-node=2 bench/bench_moe.py \
     --shapes "$shapes" --out "$out" > "$out/bench2.txt" 2>&1; echo "rc=$?" >> "$out/bench2.txt"
   stamp "bench 2 done"
+fi
 fi
 
 for f in p1_gpu0 p1_gpu1 p2; do
