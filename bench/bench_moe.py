@@ -97,7 +97,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "training; serial: the host waits for each call (adds its enqueue latency)")
     ap.add_argument("--comm-sms", type=int, default=None,
                     help="MoEConfig.comm_sms with EP (tasks that push this rank's rows; default: the config's)")
-    ap.add_argument("--engine", choices=("tile", "tma", "tma2"), default=None,
+    ap.add_argument("--engine", choices=("tile", "tma"), default=None,
                     help="mok_rt's GEMM engine (sets $MOK_RT_GEMM_ENGINE; default: that variable, else tma)")
     ap.add_argument("--out", default=None, help="directory for the results JSON (default bench/results)")
     ap.add_argument("--cpu-smoke", action="store_true",

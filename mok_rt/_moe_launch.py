@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 _BF16, _F32, _I32 = 2, 4, 4
-ENGINES = ("tile", "tma", "tma2")
+ENGINES = ("tile", "tma")
 ENGINE_ENV = "MOK_RT_GEMM_ENGINE"
 
 
@@ -59,11 +59,6 @@ class _Engine:
     tile_n: int          # dA / dX / down / wgrad tile width
     gate_up_cols: int    # intermediate columns per fused gate|up tile
     maps: bool           # parameter struct starts with tensor maps
-    forward_cluster: int = 1          # CTAs per cluster of the forward launch (grid a multiple of it)
-    backward_cubin: str | None = None  # where the backward lives when not in `cubin`
-
-    def cubin_of(self, kernel: str) -> str:
-        return self.backward_cubin or self.cubin if kernel == self.backward else self.cubin
 
 
 _ENGINE_SPECS = {
@@ -71,10 +66,6 @@ _ENGINE_SPECS = {
                     P.GATE_UP_COLS, False),
     "tma": _Engine("moe_layer_tma", "moe_forward_tma", "moe_backward_tma", P.TMA_THREADS, P.TMA_SMEM_BYTES,
                    P.TMA_TILE_N, P.TMA_GATE_UP_COLS, True),
-    # Experimental: the forward on clusters of two CTAs that share multicast weight tiles
-    # (moe_layer_tma2.cu); the backward is "tma"'s.
-    "tma2": _Engine("moe_layer_tma2", "moe_forward_tma", "moe_backward_tma", P.TMA_THREADS, P.TMA_SMEM_BYTES,
-                    P.TMA_TILE_N, P.TMA_GATE_UP_COLS, True, forward_cluster=2, backward_cubin="moe_layer_tma"),
 }
 
 
@@ -368,7 +359,7 @@ def forward_phases(dims: LayerDims, *, context_only: bool = False, push_tasks: i
     return tuple(lead + [("routed_gate_up", mb * gu),
                          ("shared_down", tb * h_tiles if shared and not context_only else 0),
                          ("routed_down", mb * h_tiles), ("down_notify", 1 if ep else 0),
-                         ("combine", 0 if context_only and not ep else tb)])
+                         ("combine", 0 if context_only and not ep else tb * P.COMBINE_PARTS)])
 
 
 def backward_phases(dims: LayerDims, *, push_tasks: int = 0, engine: str = "tile") -> tuple[tuple[str, int], ...]:
@@ -386,7 +377,8 @@ def backward_phases(dims: LayerDims, *, push_tasks: int = 0, engine: str = "tile
                          ("routed_dx", mb * h_t), ("dx_notify", 1 if ep else 0),
                          ("wgrad_down", d.local_experts * h_r * i_t),
                          ("wgrad_gate_up", d.local_experts * 2 * i_r * h_t),
-                         ("shared_wgrad", h_r * si_t + 2 * si_r * h_t if shared else 0), ("combine", tb)])
+                         ("shared_wgrad", h_r * si_t + 2 * si_r * h_t if shared else 0),
+                         ("combine", tb * P.COMBINE_PARTS)])
 
 
 def forward_task_count(dims: LayerDims, *, context_only: bool = False, push_tasks: int = 0,
@@ -467,16 +459,12 @@ def _ctas_that_fit(kernel: Kernel, device_id: int, eng: _Engine) -> int:
     return _fit_cache[key]
 
 
-def _grid(kernel: Kernel, device_id: int, knobs: KernelKnobs, num_tasks: int, eng: _Engine,
-          cluster: int = 1) -> int:
-    """CTAs of a persistent launch: the ones that fit at once (or the caller's share of them), at
-    most one per task; with clusters a multiple of the cluster size (each cluster takes a pair)."""
+def _grid(kernel: Kernel, device_id: int, knobs: KernelKnobs, num_tasks: int, eng: _Engine) -> int:
     per_sm = knobs.ctas_per_sm or _ctas_that_fit(kernel, device_id, eng)
     grid = multiprocessor_count(device_id) * per_sm
     if knobs.max_ctas is not None:
         grid = min(grid, knobs.max_ctas)
-    grid = min(grid, num_tasks if cluster == 1 else cluster * -(-num_tasks // cluster))
-    return max(cluster, grid // cluster * cluster)
+    return max(1, min(grid, num_tasks))
 
 
 def _zero_counters(ptr: int, words: int, stream) -> None:
@@ -544,10 +532,9 @@ def launch_forward(bufs: ForwardBuffers, sched: ScheduleBuffers, dims: LayerDims
     _zero_counters(bufs.counters, _forward_counter_words(d), stream)
     if num_tasks == 0:
         return
-    kernel = get_kernel(eng.cubin_of(eng.forward), eng.forward, device_id)
-    c = eng.forward_cluster
-    launch(kernel, grid=_grid(kernel, device_id, knobs, num_tasks, eng, c), block=eng.threads, params=params,
-           stream=stream, device_id=device_id, shared_mem=eng.smem_bytes, cluster=None if c == 1 else (c, 1, 1))
+    kernel = get_kernel(eng.cubin, eng.forward, device_id)
+    launch(kernel, grid=_grid(kernel, device_id, knobs, num_tasks, eng), block=eng.threads, params=params,
+           stream=stream, device_id=device_id, shared_mem=eng.smem_bytes)
 
 
 def launch_backward(bufs: BackwardBuffers, sched: ScheduleBuffers, dims: LayerDims, *, stream, err_ptr: int,
@@ -596,7 +583,7 @@ def launch_backward(bufs: BackwardBuffers, sched: ScheduleBuffers, dims: LayerDi
         params.p = p
         _moe_maps.encode_maps(_moe_maps.map_specs(bufs, d, backward=True), params.maps)
     _zero_counters(bufs.counters, _backward_counter_words(d), stream)
-    kernel = get_kernel(eng.cubin_of(eng.backward), eng.backward, device_id)
+    kernel = get_kernel(eng.cubin, eng.backward, device_id)
     launch(kernel, grid=_grid(kernel, device_id, knobs, num_tasks, eng), block=eng.threads, params=params,
            stream=stream, device_id=device_id, shared_mem=eng.smem_bytes)
 
@@ -609,6 +596,6 @@ def prepare(device_id: int, *, engine: str | None = None) -> None:
     from .launch import _ensure_shared_memory
     eng = _ENGINE_SPECS[resolve_engine(engine)]
     for name in (eng.forward, eng.backward):
-        kernel = get_kernel(eng.cubin_of(name), name, device_id)
+        kernel = get_kernel(eng.cubin, name, device_id)
         _ctas_that_fit(kernel, device_id, eng)
         _ensure_shared_memory(kernel, device_id, eng.smem_bytes)

@@ -12,7 +12,7 @@ import ctypes
 from ._tensormap import TENSOR_MAP_BYTES, TensorMapBytes
 
 __all__ = [
-    "BLOCK_M", "THREADS", "TILE_N", "GATE_UP_COLS", "SMEM_BYTES",
+    "BLOCK_M", "COMBINE_PARTS", "THREADS", "TILE_N", "GATE_UP_COLS", "SMEM_BYTES",
     "TMA_THREADS", "TMA_TILE_N", "TMA_GATE_UP_COLS", "TMA_SMEM_BYTES", "FORWARD_MAP_NAMES", "BACKWARD_MAP_NAMES",
     "MoEForwardMaps", "MoEBackwardMaps", "MoEForwardTmaParams", "MoEBackwardTmaParams",
     "MoESchedule", "MoEDims", "MoEWeights", "MoEContext", "MoEForwardCounters", "MoEForwardParams",
@@ -21,6 +21,7 @@ __all__ = [
 
 # ---- tiling (cuda_src/moe/params.cuh, cuda_src/moe/gemm_tile.cuh) ----------------------------
 BLOCK_M = 128          # rows per row block / token block; the schedule's block_m must equal it
+COMBINE_PARTS = 4      # combine tasks per token block (kCombineParts)
 THREADS = 256          # threads per CTA
 TILE_N = 128           # GEMM tile width
 GATE_UP_COLS = 64      # SwiGLU columns per fused gate|up forward tile
@@ -154,8 +155,8 @@ TMA_THREADS = 384          # producer warpgroup + 2 worker warpgroups
 TMA_TILE_N = 256           # GEMM tile width (128 x 256 tiles)
 TMA_GATE_UP_COLS = 128     # intermediate columns per fused gate|up tile (128 gate + 128 up)
 # 4-slot ring of (128 x 64 A + 256 x 64 B) bf16 + 1024 bytes of alignment slack + ring and queue
-# mbarriers + the cluster mailbox (2 x 2 mbarriers + 2 words) + 2 Jobs of 40 bytes (ws_pipeline.cuh asserts it).
-TMA_SMEM_BYTES = 4 * (BLOCK_M + TMA_TILE_N) * _BK * 2 + 1024 + 2 * 4 * 8 + 2 * 2 * 8 + (2 * 2 * 8 + 2 * 4) + 2 * 40
+# mbarriers + 2 Jobs of 36 bytes (ws_pipeline.cuh asserts it).
+TMA_SMEM_BYTES = 4 * (BLOCK_M + TMA_TILE_N) * _BK * 2 + 1024 + 2 * 4 * 8 + 2 * 2 * 8 + 2 * 36
 
 FORWARD_MAP_NAMES = ("x_k", "x_routed_k", "sact_k", "act_k", "w_gate_k", "w_up_k", "w_down_k", "ws_gate_k",
                      "ws_up_k", "ws_down_k")
@@ -194,4 +195,4 @@ assert ctypes.sizeof(MoEForwardMaps) == 10 * TENSOR_MAP_BYTES
 assert ctypes.sizeof(MoEBackwardMaps) == 18 * TENSOR_MAP_BYTES
 assert ctypes.sizeof(MoEForwardTmaParams) == 2240
 assert ctypes.sizeof(MoEBackwardTmaParams) == 3392
-assert TMA_SMEM_BYTES == 197848
+assert TMA_SMEM_BYTES == 197800

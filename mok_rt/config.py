@@ -8,7 +8,7 @@ from .errors import ArgumentError
 
 __all__ = ["MoEConfig"]
 
-_ENGINES = ("tile", "tma", "tma2")  # mok_rt._moe_launch.ENGINES (kept import-free: config loads without cuda)
+_ENGINES = ("tile", "tma")  # mok_rt._moe_launch.ENGINES (kept import-free: config loads without cuda)
 _ALIGN = 64  # hidden / intermediate sizes must be multiples of the GEMM's K and N granule
 
 
@@ -41,9 +41,7 @@ class MoEConfig:
                     a float f: each rank holds f × (average rows per rank) rows, rounded up.
       gemm_engine   the CUDA kernels' GEMM engine: "tma" (TMA producer warp + 2 wgmma
                     warpgroups, register epilogues) or "tile" (cp.async + wgmma, 256 threads);
-                    "tma2" (experimental): "tma" with the forward on clusters of two CTAs that
-                    share multicast weight tiles.  None: $MOK_RT_GEMM_ENGINE, else "tma".  Same
-                    results within rounding ("tma2" and "tma": bitwise).
+                    None: $MOK_RT_GEMM_ENGINE, else "tma".  Same results within rounding.
     """
 
     hidden: int

@@ -48,7 +48,7 @@ def test_parameter_structs_mirror_params_tma():
         assert [f[0] for f in cls._fields_] == list(names)
         for i, n in enumerate(names):
             assert getattr(cls, n).offset == 128 * i   # each map 64-byte aligned
-    assert P.TMA_SMEM_BYTES == 197848 and P.TMA_THREADS == 384
+    assert P.TMA_SMEM_BYTES == 197800 and P.TMA_THREADS == 384
 
 
 def test_forward_map_specs():
@@ -113,17 +113,18 @@ def test_engine_knob(monkeypatch):
 def test_task_counts_per_engine():
     d = L.LayerDims(capacity_rows=16384 * 8 + 128 * 128, **QWEN)
     mb, tb = d.max_blocks, d.token_blocks
+    cb = tb * P.COMBINE_PARTS  # combine tasks
     # tile: gate|up tiles of 64 columns, N tiles of 128.
-    assert L.forward_task_count(d) == mb + mb * 12 + mb * 16 + tb
+    assert L.forward_task_count(d) == mb + mb * 12 + mb * 16 + cb
     # tma: gate|up tiles of 128 columns (768 / 128 = 6), N tiles of 256 (2048 / 256 = 8).
-    assert L.forward_task_count(d, engine="tma") == mb + mb * 6 + mb * 8 + tb
+    assert L.forward_task_count(d, engine="tma") == mb + mb * 6 + mb * 8 + cb
     E = 128
-    assert L.backward_task_count(d, engine="tma") == (mb + tb + mb * 3 + mb * 8 + E * 16 * 3 + E * 2 * 6 * 8 + tb)
+    assert L.backward_task_count(d, engine="tma") == (mb + tb + mb * 3 + mb * 8 + E * 16 * 3 + E * 2 * 6 * 8 + cb)
     # Ragged widths round up: I = 192 -> 2 gate|up tiles, 1 dA tile; H = 320 -> 2 N tiles.
     r = _dims()
     si_t, si_r = 2, 3   # I_s = 320: 256-wide tiles, 128-row tiles
     want = (r.max_blocks + r.token_blocks + r.token_blocks * si_t + r.max_blocks * 1 + r.token_blocks * 2
-            + r.max_blocks * 2 + 5 * 3 * 1 + 5 * 2 * 2 * 2 + (3 * si_t + 2 * si_r * 2) + r.token_blocks)
+            + r.max_blocks * 2 + 5 * 3 * 1 + 5 * 2 * 2 * 2 + (3 * si_t + 2 * si_r * 2) + r.token_blocks * P.COMBINE_PARTS)
     assert L.backward_task_count(r, engine="tma") == want
     with pytest.raises(ArgumentError, match="engine"):
         L.forward_task_count(d, engine="mma")

@@ -30,13 +30,14 @@ def _cdiv(a, b):
 def test_phase_tables_add_up_to_the_plans(engine, Is, push, T):
     # The closed forms the kernels' plans compute (forward_tasks.cuh / backward_tasks.cuh).
     d = _dims(T=T, Is=Is)
-    tile_n = P.TILE_N if engine == "tile" else P.TMA_TILE_N
-    gu_cols = P.GATE_UP_COLS if engine == "tile" else P.TMA_GATE_UP_COLS
+    tile_n = P.TMA_TILE_N if engine == "tma" else P.TILE_N
+    gu_cols = P.TMA_GATE_UP_COLS if engine == "tma" else P.GATE_UP_COLS
     tb, mb, h_t = d.token_blocks, d.max_blocks, _cdiv(d.hidden, tile_n)
+    cp = P.COMBINE_PARTS  # combine tasks per token block
     gu, sgu = _cdiv(d.intermediate, gu_cols), _cdiv(Is, gu_cols)
     for ctx_only in (False, True):
         want = ((push + 2 if push else 0) + mb + tb * sgu + mb * gu + (tb * h_t if Is and not ctx_only else 0)
-                + mb * h_t + (0 if ctx_only and not push else tb))
+                + mb * h_t + (0 if ctx_only and not push else tb * cp))
         phases = L.forward_phases(d, context_only=ctx_only, push_tasks=push, engine=engine)
         assert sum(n for _, n in phases) == want == L.forward_task_count(
             d, context_only=ctx_only, push_tasks=push, engine=engine)
@@ -45,7 +46,7 @@ def test_phase_tables_add_up_to_the_plans(engine, Is, push, T):
     h_r, i_r, si_r = _cdiv(d.hidden, 128), _cdiv(d.intermediate, 128), _cdiv(Is, 128)
     want = ((push + 2 if push else 0) + mb + tb + (tb * si_t if Is else 0) + mb * i_t + (tb * h_t if Is else 0)
             + mb * h_t + d.local_experts * h_r * i_t + d.local_experts * 2 * i_r * h_t
-            + (h_r * si_t + 2 * si_r * h_t if Is else 0) + tb)
+            + (h_r * si_t + 2 * si_r * h_t if Is else 0) + tb * cp)
     assert sum(n for _, n in L.backward_phases(d, push_tasks=push, engine=engine)) == want
 
 

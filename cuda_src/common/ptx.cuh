@@ -41,6 +41,20 @@ __device__ __forceinline__ int atom_add_relaxed_gpu(int* p, int v) {
   return old;
 }
 
+// ---- streaming stores ---------------------------------------------------------------------------
+// An L2 policy that evicts these lines first: for results nothing in the launch reads again (the
+// weight gradients), so that they do not push operands that other tiles share out of L2.
+__device__ __forceinline__ uint64_t l2_evict_first_policy() {
+  uint64_t p; asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p)); return p;
+}
+__device__ __forceinline__ uint64_t l2_evict_normal_policy() {
+  uint64_t p; asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(p)); return p;
+}
+__device__ __forceinline__ void st_global_f4_hint(float* p, float4 v, uint64_t policy) {
+  asm volatile("st.global.L2::cache_hint.v4.f32 [%0], {%1, %2, %3, %4}, %5;"
+               :: "l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "l"(policy) : "memory");
+}
+
 // ---- fences -----------------------------------------------------------------------------------
 __device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }

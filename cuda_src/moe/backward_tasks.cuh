@@ -79,7 +79,7 @@ struct BackwardPlan {
     f.wgrad_down = next(d.local_experts * f.h_rows * f.i_tiles);
     f.wgrad_gate_up = next(d.local_experts * 2 * f.i_rows * f.h_tiles);
     f.shared_wgrad = next(shared ? f.h_rows * f.si_tiles + 2 * f.si_rows * f.h_tiles : 0);
-    f.combine = next(f.token_blocks);
+    f.combine = next(f.token_blocks * kCombineParts);
     f.total = at;
     return f;
   }
@@ -305,21 +305,23 @@ struct BackwardTasks {
   }
 
   // B9: dx[t] = dx_shared[t] + sum_j dx_slot[t*k+j], fp32, j in order.
-  __device__ void combine(int tb, int task) const {
+  // `q`: the combine task (token block q / kCombineParts, its part q % kCombineParts).
+  __device__ void combine(int q, int task) const {
     const MoEDims& d = p.dims;
+    const int tb = q / kCombineParts;
     if (ep_on()) {  // dx_slot is this rank's slot rows, written by every destination
       if (!ep::wait_all(p.peers, kFlagBwdReturn, kFlagBwdRows, peer_wait_ctx(), ep::kStageBwdReturn)) return;
     } else if (!wait_counter(p.cnt.dx_done, num_blocks * plan.h_tiles, wait_ctx(), task)) {
       return;
     }
     if (d.shared_inter > 0 && !wait_counter(p.cnt.token_dxs_ready + tb, plan.h_tiles, wait_ctx(), task)) return;
-    combine_body(tb);
+    combine_body(q);
   }
-  // B9 after its waits.
-  __device__ void combine_body(int tb) const {
+  // B9 after its waits: the kCombineRows tokens of combine task q.
+  __device__ void combine_body(int q) const {
     const MoEDims& d = p.dims;
     const bool shared = d.shared_inter > 0;
-    const int t0 = tb * kBlockM, rows = token_rows(tb), chunks = d.hidden / 8;
+    const int t0 = q * kCombineRows, rows = min_int(kCombineRows, d.tokens - t0), chunks = d.hidden / 8;
     for (int idx = worker_tid(); idx < rows * chunks; idx += kThreads) {
       const int r = idx / chunks, c = (idx - r * chunks) * 8;
       const size_t t = (size_t)(t0 + r);

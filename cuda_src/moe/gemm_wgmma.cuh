@@ -35,7 +35,6 @@
 #pragma once
 #include <stdint.h>
 #include "common/errors.cuh"
-#include "common/cluster.cuh"
 #include "common/mbarrier.cuh"
 #include "common/tma.cuh"
 #include "common/wgmma.cuh"
@@ -118,12 +117,11 @@ struct Engine {
   }
 
   // Thread 0 initialises the barriers; every thread must then pass a CTA barrier before use.
-  // `empty_arrivals`: releases that free a slot (the consumer warps of every CTA reading it).
-  __device__ __forceinline__ static void init(const Ring& r, uint32_t empty_arrivals = kEmptyArrivals) {
+  __device__ __forceinline__ static void init(const Ring& r) {
     if (threadIdx.x == 0) {
       for (int s = 0; s < kStages; ++s) {
         mbar_init(r.full(s), 1);
-        mbar_init(r.empty(s), empty_arrivals);
+        mbar_init(r.empty(s), kEmptyArrivals);
       }
       mbar_fence_init();
     }
@@ -165,17 +163,10 @@ struct Engine {
     else return smem_desc_mnmajor_sw128(r.b_tile(s), kPanelBytes);
   }
 
-  // Lane 0 of each consumer warp frees slot s: here, and (peer_bars != 0: the cluster address of
-  // the peer CTA's ring barriers) in the peer CTA whose producer multicasts into this ring too.
-  __device__ __forceinline__ static void release(const Ring& r, int s, uint32_t peer_bars) {
-    mbar_arrive(r.empty(s));
-    if (peer_bars != 0) mbar_arrive_remote(peer_bars + 8u * (kStages + s));
-  }
-
   // acc = A[64 rows of this warpgroup] * B^T over k_tiles stages.  Every thread of the warpgroup
   // calls it; returns the warpgroup-uniform verdict (false: stop, a wait failed somewhere).
   __device__ __forceinline__ static bool consume(const Ring& r, PipeState& ps, float (&acc)[kAccRegs], int k_tiles,
-                                                 int consumer, const MbarWaitCtx& w, uint32_t peer_bars = 0) {
+                                                 int consumer, const MbarWaitCtx& w) {
     constexpr uint32_t a_step = kAMajor == kKMajor ? kStepBytesK : kStepBytesMN;
     constexpr uint32_t b_step = kBMajor == kKMajor ? kStepBytesK : kStepBytesMN;
     const bool arriver = (threadIdx.x & 31) == 0;
@@ -194,13 +185,13 @@ struct Engine {
       wgmma_commit();
       wgmma_wait<1>();  // the previous slot's MMAs have read their operands
       wgmma_fence_operand(acc);
-      if (prev >= 0 && arriver) release(r, prev, peer_bars);
+      if (prev >= 0 && arriver) mbar_arrive(r.empty(prev));
       prev = ps.slot;
       ps.advance(kStages);
     }
     wgmma_wait<0>();
     wgmma_fence_operand(acc);
-    if (prev >= 0 && arriver) release(r, prev, peer_bars);
+    if (prev >= 0 && arriver) mbar_arrive(r.empty(prev));
     return !warpgroup_any(failed, consumer);
   }
 

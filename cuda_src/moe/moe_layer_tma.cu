@@ -11,20 +11,14 @@ using namespace mok;
 
 namespace {
 
-// Uniform start: thread 0 sets up the barriers (with clusters, the whole cluster meets before
-// anyone may touch a peer's barriers), then every thread takes the same verdicts.
+// Uniform start: every thread takes the same verdicts, then thread 0 sets up the barriers.
 __device__ __forceinline__ bool start(const int* err, int num_blocks, const MoEDims& d, int* err_w,
                                       const ws::Shared& s) {
+  if (__syncthreads_or(threadIdx.x == 0 && error_set(err))) return false;
+  if (!check_capacity(num_blocks, d, err_w)) return false;
   ws::init(s);
   __syncthreads();
-  if constexpr (ws::kCluster > 1) {
-    // Both CTAs must take the same verdict: the capacity check is deterministic, and the error
-    // word is left to the leader's loop (it reads it before every grab).
-    cluster_sync();
-    return check_capacity(num_blocks, d, err_w);
-  }
-  if (__syncthreads_or(threadIdx.x == 0 && error_set(err))) return false;
-  return check_capacity(num_blocks, d, err_w);
+  return true;
 }
 
 // The descriptors into the TMA unit's cache before the first loads need them (unused views are
@@ -51,29 +45,21 @@ __device__ __forceinline__ void run_megakernel(const Params& p, const Maps& maps
     plan = make_plan();
     order = Kernel::make_order(plan);
   }
-  const ws::PairOrder* pairs = nullptr;
-  if constexpr (ws::kCluster > 1) {
-    __shared__ ws::PairOrder cluster_order;
-    if (threadIdx.x == 0) Kernel::make_pairs(plan, ep::enabled(p.peers), cluster_order);
-    pairs = &cluster_order;
-  }
   if (!start(p.err, num_blocks, p.dims, p.err, s)) return;
   const Tasks tasks{p, plan, num_blocks, smem};
-  const Kernel k{maps, p, plan, tasks, order, num_blocks, pairs};
+  const Kernel k{maps, p, plan, tasks, order, num_blocks};
   const WaitCtx wc{p.err, p.dims.timeout_ns, p.dims.rank};
   if (threadIdx.x < 128) {
     setmaxnreg_dec<ws::kProducerRegs>();
     if (threadIdx.x == 0) {
       prefetch_maps(maps);
       ws::producer_loop(k, s, p.cnt.task_next, plan.total, wc);
-      ws::cluster_exit();
     }
     return;
   }
   setmaxnreg_inc<ws::kWorkerRegs>();
   ws::worker_loop(k, s, wc);
   if (ep::enabled(p.peers)) ep::end_of_launch(p.peers, p.cnt.ctas_done, p.err, p.dims.timeout_ns);
-  ws::cluster_exit();
 }
 
 }  // namespace
@@ -87,7 +73,6 @@ extern "C" __global__ void __launch_bounds__(ws::kCtaThreads, 1)
   });
 }
 
-#if MOK_CLUSTER == 1  // clusters: the forward only, for now (moe_layer_tma2.cu)
 extern "C" __global__ void __launch_bounds__(ws::kCtaThreads, 1)
     moe_backward_tma(const __grid_constant__ MoEBackwardTmaParams tp) {
   extern __shared__ __align__(1024) unsigned char smem[];
@@ -96,4 +81,3 @@ extern "C" __global__ void __launch_bounds__(ws::kCtaThreads, 1)
     return BackwardPlan::make(p.dims, p.peers, kTmaBackwardCols);
   });
 }
-#endif

@@ -182,6 +182,10 @@ static_assert(sizeof(MoEBackwardParams) ==
 
 // Tiling shared by the kernels and the host (mok_rt/_moe_params.py mirrors these).
 constexpr int kBlockM = 128;       // rows per row block / token block (= GEMM tile height)
+// The combines (F5, B9) run last and read k rows per token: each token block is kCombineParts
+// tasks of kCombineRows tokens, so that every SM takes part in the launch's tail.
+constexpr int kCombineParts = 4;
+constexpr int kCombineRows = kBlockM / kCombineParts;
 constexpr int kThreads = 256;      // threads per CTA
 constexpr int kGateUpCols = 64;    // SwiGLU columns per fused gate|up forward tile
 

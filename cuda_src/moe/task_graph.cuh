@@ -138,6 +138,5 @@ __device__ __forceinline__ bool check_capacity(int num_blocks, const MoEDims& d,
   return false;
 }
 __device__ __forceinline__ int min_int(int a, int b) { return a < b ? a : b; }
-__device__ __forceinline__ int max_int(int a, int b) { return a > b ? a : b; }
 
 }  // namespace mok

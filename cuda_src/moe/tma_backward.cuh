@@ -30,7 +30,7 @@ enum BackwardJob : int {
   kBwdWgradGateUp,       // a = expert, b = up, c = intermediate row tile (128), d = hidden tile (256)
   kBwdSharedWgradDown,   // b = hidden row tile, c = intermediate tile
   kBwdSharedWgradGateUp, // b = up, c = intermediate row tile, d = hidden tile
-  kBwdCombine,           // a = token block
+  kBwdCombine,           // a = combine task (kCombineRows tokens)
 };
 
 // SwiGLU backward epilogue: the tile holds dA for intermediate columns col0 + c (c < cols); reads
@@ -68,7 +68,6 @@ struct TmaBackward {
   const BackwardTasks& tasks;  // the non-GEMM bodies
   const ws::AheadOrder& order;
   int num_blocks;
-  const ws::PairOrder* pairs;  // clusters of two: not yet for the backward (always null)
 
   // d_weights (B1) waits on nothing and nothing waits on it: on one GPU it trails, overlapping
   // GEMMs; with EP it stays with the shared dA in front, covering the rows' travel (adjacent
@@ -76,8 +75,8 @@ struct TmaBackward {
   __device__ static ws::AheadOrder make_order(const BackwardPlan& f) {
     if (f.push_notify.count > 0)
       return ws::AheadOrder::make(PhaseRange{f.d_weights.begin, f.d_weights.count + f.shared_da.count}, f.dispatch,
-                                  f.routed_da, PhaseRange{f.dispatch.begin, 0}, f.i_tiles);
-    return ws::AheadOrder::make(f.shared_da, f.dispatch, f.routed_da, f.d_weights, f.i_tiles);
+                                  f.routed_da, PhaseRange{f.dispatch.begin, 0}, f.i_tiles, f.routed_dx, f.h_tiles);
+    return ws::AheadOrder::make(f.shared_da, f.dispatch, f.routed_da, f.d_weights, f.i_tiles, f.routed_dx, f.h_tiles);
   }
 
   // Local waits (task counters) and peer waits (ep::wait_all_thread): see ep::local_timeout_ns.
@@ -208,14 +207,14 @@ struct TmaBackward {
       return 1;
     }
     if (plan.combine.has(task)) {
-      const int tb = plan.combine.local(task);
+      const int q = plan.combine.local(task), tb = q / kCombineParts;
       if (ep_on()) {
         if (!ep::wait_all_thread(p.peers, kFlagBwdReturn, kFlagBwdRows, peer_wait_ctx(), ep::kStageBwdReturn)) return -1;
       } else if (!wait_counter_thread(p.cnt.dx_done, num_blocks * plan.h_tiles, w, task)) {
         return -1;
       }
       if (d.shared_inter > 0 && !wait_counter_thread(p.cnt.token_dxs_ready + tb, plan.h_tiles, w, task)) return -1;
-      job = ws::Job{kBwdCombine, 0, 0, tb};
+      job = ws::Job{kBwdCombine, 0, 0, q};
       return 1;
     }
     return 0;
@@ -262,7 +261,7 @@ struct TmaBackward {
         if (!ws::gemm<wg::kKMajor, wg::kMNMajor>(s, ps, acc, job.k_tiles, consumer, w)) return false;
         const int t0 = job.a * kBlockM, h0 = job.b * ws::kBN;
         ws::store_f32(acc, f, p.dx_shared + (size_t)t0 * d.hidden + h0, d.hidden, min_int(kBlockM, d.tokens - t0),
-                      min_int(ws::kBN, d.hidden - h0), false);
+                      min_int(ws::kBN, d.hidden - h0), false, false);
         signal_counter(p.cnt.token_dxs_ready + job.a);
         return true;
       }
@@ -276,7 +275,7 @@ struct TmaBackward {
         if (!ws::gemm<wg::kMNMajor, wg::kMNMajor>(s, ps, acc, job.k_tiles, consumer, w)) return false;
         const int e = job.a, h0 = job.b * kBlockM, i0 = job.c * ws::kBN;
         ws::store_f32(acc, f, p.grads.dw_down + ((size_t)e * d.hidden + h0) * d.inter + i0, d.inter,
-                      min_int(kBlockM, d.hidden - h0), min_int(ws::kBN, d.inter - i0), acc_in);
+                      min_int(kBlockM, d.hidden - h0), min_int(ws::kBN, d.inter - i0), acc_in, true);
         return true;
       }
       case kBwdWgradGateUp: {
@@ -284,14 +283,14 @@ struct TmaBackward {
         const int e = job.a, i0 = job.c * kBlockM, h0 = job.d * ws::kBN;
         float* dw = job.b ? p.grads.dw_up : p.grads.dw_gate;
         ws::store_f32(acc, f, dw + ((size_t)e * d.inter + i0) * d.hidden + h0, d.hidden,
-                      min_int(kBlockM, d.inter - i0), min_int(ws::kBN, d.hidden - h0), acc_in);
+                      min_int(kBlockM, d.inter - i0), min_int(ws::kBN, d.hidden - h0), acc_in, true);
         return true;
       }
       case kBwdSharedWgradDown: {
         if (!ws::gemm<wg::kMNMajor, wg::kMNMajor>(s, ps, acc, job.k_tiles, consumer, w)) return false;
         const int h0 = job.b * kBlockM, i0 = job.c * ws::kBN;
         ws::store_f32(acc, f, p.grads.dws_down + (size_t)h0 * d.shared_inter + i0, d.shared_inter,
-                      min_int(kBlockM, d.hidden - h0), min_int(ws::kBN, d.shared_inter - i0), acc_in);
+                      min_int(kBlockM, d.hidden - h0), min_int(ws::kBN, d.shared_inter - i0), acc_in, true);
         return true;
       }
       case kBwdSharedWgradGateUp: {
@@ -299,7 +298,7 @@ struct TmaBackward {
         const int i0 = job.c * kBlockM, h0 = job.d * ws::kBN;
         float* dw = job.b ? p.grads.dws_up : p.grads.dws_gate;
         ws::store_f32(acc, f, dw + (size_t)i0 * d.hidden + h0, d.hidden, min_int(kBlockM, d.shared_inter - i0),
-                      min_int(ws::kBN, d.hidden - h0), acc_in);
+                      min_int(ws::kBN, d.hidden - h0), acc_in, true);
         return true;
       }
       default:

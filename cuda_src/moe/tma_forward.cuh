@@ -23,7 +23,7 @@ enum ForwardJob : int {
   kFwdRoutedGU,    // a = row block, b = gate|up tile, c = expert, e = upper half idle
   kFwdSharedDown,  // a = token block, b = hidden tile
   kFwdRoutedDown,  // a = row block, b = hidden tile, c = expert, e = upper half idle
-  kFwdCombine,     // a = token block
+  kFwdCombine,     // a = combine task (kCombineRows tokens)
 };
 
 // SwiGLU epilogue of a 128 x 256 gate|up tile from registers: column c < 128 is gate and 128 + c
@@ -94,57 +94,9 @@ struct TmaForward {
   const ws::AheadOrder& order;
   int num_blocks;
 
-  const ws::PairOrder* pairs;  // clusters of two (moe_layer_tma2.cu), else null
-
   __device__ static ws::AheadOrder make_order(const ForwardPlan& f) {
-    return ws::AheadOrder::make(f.shared_gu, f.dispatch, f.routed_gu, PhaseRange{f.dispatch.begin, 0}, f.gu_tiles);
-  }
-
-  // The same walk for clusters of two, in pairs (ws::PairOrder): the plan's phases in its order.
-  __device__ static void make_pairs(const ForwardPlan& f, bool ep, ws::PairOrder& o) {
-    o.count = 0;
-    o.add(f.push);
-    o.add(f.push_notify);
-    const int first = o.add(ep ? f.shared_gu : f.dispatch);
-    const int second = o.add(ep ? f.dispatch : f.shared_gu);
-    const int sgu = ep ? first : second, disp = ep ? second : first;
-    const int gu = o.add(f.routed_gu, f.gu_tiles);
-    o.add(f.shared_down);
-    o.add(f.routed_down, f.h_tiles);
-    o.add(f.down_notify);
-    o.add(f.combine);
-    const PhaseRange d = o.pairs_of(disp);
-    o.order = ws::AheadOrder::make(o.pairs_of(sgu), d, o.pairs_of(gu), PhaseRange{d.begin, 0}, f.gu_tiles,
-                                   static_cast<int>(gridDim.x) / ws::kCluster);
-  }
-
-  // ---- clusters of two: the pair interface of ws::producer_loop_pairs ----------------------------------
-  __device__ int num_pairs() const { return pairs->num_pairs(); }
-  __device__ int pair_task(int pair, int rank) const { return pairs->task(pair, rank); }
-  __device__ int stages_of(int task) const {
-    const MoEDims& d = p.dims;
-    if (plan.routed_gu.has(task)) return plan.routed_gu.local(task) / plan.gu_tiles < num_blocks ? d.hidden / wg::kBK : 0;
-    if (plan.routed_down.has(task)) return plan.routed_down.local(task) / plan.h_tiles < num_blocks ? d.inter / wg::kBK : 0;
-    if (plan.shared_gu.has(task)) return d.hidden / wg::kBK;
-    if (plan.shared_down.has(task)) return d.shared_inter / wg::kBK;
-    return 0;
-  }
-  __device__ bool shares_b(int t0, int t1) const {
-    PhaseRange r{0, 0};
-    int tiles = 0;
-    if (plan.routed_gu.has(t0) && plan.routed_gu.has(t1)) {
-      r = plan.routed_gu;
-      tiles = plan.gu_tiles;
-    } else if (plan.routed_down.has(t0) && plan.routed_down.has(t1)) {
-      r = plan.routed_down;
-      tiles = plan.h_tiles;
-    } else {
-      return false;
-    }
-    const int b0 = r.local(t0) / tiles, b1 = r.local(t1) / tiles;
-    if (r.local(t0) % tiles != r.local(t1) % tiles || b0 >= num_blocks || b1 >= num_blocks) return false;
-    const int e = p.sched.block_expert[b0];  // a valid expert: prepare_task cannot fail before setting b
-    return e >= 0 && e < p.dims.local_experts && p.sched.block_expert[b1] == e;
+    return ws::AheadOrder::make(f.shared_gu, f.dispatch, f.routed_gu, PhaseRange{f.dispatch.begin, 0}, f.gu_tiles,
+                                f.routed_down, f.h_tiles);
   }
 
   // Local waits (task counters) and peer waits (ep::wait_all_thread): see ep::local_timeout_ns.
@@ -156,9 +108,7 @@ struct TmaForward {
 
   // ---- producer -----------------------------------------------------------------------------------
   __device__ int prepare(int grabbed, ws::Job& job, ws::LoadSrc& a, ws::LoadSrc& b) const {
-    return prepare_task(order.map(grabbed), job, a, b);
-  }
-  __device__ int prepare_task(int task, ws::Job& job, ws::LoadSrc& a, ws::LoadSrc& b) const {
+    const int task = order.map(grabbed);
     const MoEForwardMaps& m = ws::late(maps);
     const MoEDims& d = p.dims;
     const WaitCtx w = wait_ctx();
@@ -194,11 +144,10 @@ struct TmaForward {
       const int e = p.sched.block_expert[blk];
       if (!valid_expert(e, blk, d, p.err)) return -1;
       const int idle = ws::upper_half_idle(p.sched, blk, e);  // loads issued before the acquire
-      // a and b before the wait: a cluster pair whose wait fails still multicasts b (ws_pipeline.cuh).
-      a = ws::kmajor(&m.x_routed_k, blk * kBlockM);
-      b = ws::kmajor(&m.w_gate_k, n * kTmaGateUpCols, e, &m.w_up_k);
       if (!wait_counter_thread(p.cnt.block_ready + blk, 1, w, task)) return -1;
       job = ws::Job{kFwdRoutedGU, 1, d.hidden / wg::kBK, blk, n, e, 0, idle};
+      a = ws::kmajor(&m.x_routed_k, blk * kBlockM);
+      b = ws::kmajor(&m.w_gate_k, n * kTmaGateUpCols, e, &m.w_up_k);
       return 1;
     }
     if (plan.shared_down.has(task)) {
@@ -215,10 +164,10 @@ struct TmaForward {
       const int e = p.sched.block_expert[blk];
       if (!valid_expert(e, blk, d, p.err)) return -1;
       const int idle = ws::upper_half_idle(p.sched, blk, e);
-      a = ws::kmajor(&m.act_k, blk * kBlockM);
-      b = ws::kmajor(&m.w_down_k, h * ws::kBN, e);
       if (!wait_counter_thread(p.cnt.block_act_ready + blk, plan.gu_tiles, w, task)) return -1;
       job = ws::Job{kFwdRoutedDown, 1, d.inter / wg::kBK, blk, h, e, 0, idle};
+      a = ws::kmajor(&m.act_k, blk * kBlockM);
+      b = ws::kmajor(&m.w_down_k, h * ws::kBN, e);
       return 1;
     }
     if (plan.down_notify.has(task)) {
@@ -227,7 +176,7 @@ struct TmaForward {
       return 0;
     }
     if (plan.combine.has(task)) {
-      const int tb = plan.combine.local(task);
+      const int q = plan.combine.local(task), tb = q / kCombineParts;
       if (ep_on()) {
         if (!ep::wait_all_thread(p.peers, kFlagFwdReturn, kFlagFwdRows, peer_wait_ctx(), ep::kStageFwdReturn)) return -1;
       } else if (!wait_counter_thread(p.cnt.down_done, num_blocks * plan.h_tiles, w, task)) {
@@ -236,7 +185,7 @@ struct TmaForward {
       const bool shared = d.shared_inter > 0 && p.context_only == 0;
       if (shared && !wait_counter_thread(p.cnt.token_shared_done + tb, plan.h_tiles, w, task)) return -1;
       job.kind = kFwdCombine;
-      job.a = tb;
+      job.a = q;
       return 1;
     }
     return 0;
@@ -278,7 +227,7 @@ struct TmaForward {
         if (!ws::gemm<wg::kKMajor, wg::kKMajor>(s, ps, acc, job.k_tiles, consumer, w)) return false;
         const int t0 = job.a * kBlockM, h0 = job.b * ws::kBN;
         ws::store_f32(acc, f, p.shared_y + (size_t)t0 * d.hidden + h0, d.hidden, min_int(kBlockM, d.tokens - t0),
-                      min_int(ws::kBN, d.hidden - h0), false);
+                      min_int(ws::kBN, d.hidden - h0), false, false);
         signal_counter(p.cnt.token_shared_done + job.a);
         return true;
       }

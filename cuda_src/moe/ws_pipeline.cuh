@@ -20,27 +20,14 @@
 // give up on someone else's error (watch_err = false): a GEMM that was published is always
 // drained, and no CTA exits with a TMA load in flight.  They are still bounded (a bug reports
 // kErrTimeout instead of hanging); every worker decision is made uniform with workers_any.
-// With clusters of two (below) ring and mailbox waits also depend on the peer CTA: a failed side
-// still completes its pair's stages, the pair boundary is where both stop, and the two CTAs meet
-// at cluster_exit() before leaving, so neither leaves while the other may touch its memory.
 #pragma once
 #include <climits>
 #include "common/mma.cuh"
-#include "common/cluster.cuh"
 #include "moe/gemm_wgmma.cuh"
 #include "moe/task_graph.cuh"
 
-// CTAs per cluster: 1, or 2 (moe_layer_tma2.cu): the two CTAs of a cluster take tasks in pairs and
-// the leader multicasts a weight tile the pair shares into both rings (see "cluster pairs" below).
-#ifndef MOK_CLUSTER
-#define MOK_CLUSTER 1
-#endif
-
 namespace mok {
 namespace ws {
-
-constexpr int kCluster = MOK_CLUSTER;
-static_assert(kCluster == 1 || kCluster == 2, "clusters of one or two CTAs");
 
 static_assert(kWorkerThread0 == 128, "moe_layer_tma.cu defines MOK_WORKER_THREAD0=128 before its includes");
 constexpr int kBN = 256;                       // tile: 128 rows x 256 columns
@@ -68,66 +55,42 @@ struct Job {
   int gemm;     // 1: the producer loads k_tiles stages for it
   int k_tiles;
   int a, b, c, d, e;
-  int slot;     // the task's trace record (grab position; plan task with clusters), -1: none
-  int pad;      // clusters: empty ring stages the workers release after the task (lockstep)
+  int slot;     // the task's grab position (its trace record)
 };
-static_assert(sizeof(Job) == 40, "Job layout");
-constexpr int kJobPadOnly = 1000;  // a Job with no task body: the workers only release `pad` stages
+static_assert(sizeof(Job) == 36, "Job layout");
 
 constexpr int kQueueBarrierBytes = 2 * kQueue * 8;
-constexpr int kMail = 2;                                  // pair indices in flight, leader -> follower
-constexpr int kMailBytes = 2 * kMail * 8 + kMail * 4;     // mail_full, mail_empty barriers + the indices
-// Dynamic shared memory: ring (1024-aligned, + slack) + ring barriers + queue barriers + mailbox + Jobs.
-// (The mailbox is reserved in both builds, so the layout and its mirror do not depend on kCluster.)
-constexpr int kSmemBytes = Geometry::kRingBytes + 1024 + Geometry::kBarrierBytes + kQueueBarrierBytes + kMailBytes +
+// Dynamic shared memory: ring (1024-aligned, + slack) + ring barriers + queue barriers + Jobs.
+constexpr int kSmemBytes = Geometry::kRingBytes + 1024 + Geometry::kBarrierBytes + kQueueBarrierBytes +
                            kQueue * static_cast<int>(sizeof(Job));
-static_assert(kSmemBytes == 197848, "mok_rt/_moe_params.py TMA_SMEM_BYTES mirrors this");
+static_assert(kSmemBytes == 197800, "mok_rt/_moe_params.py TMA_SMEM_BYTES mirrors this");
 static_assert(kSmemBytes <= 227 * 1024, "fits the opt-in shared memory of sm_90");
 
 struct Shared {
   Geometry::Ring ring;
   uint32_t queue_bars;  // job_full[q] at +8q, job_empty[q] at +8(kQueue + q)
-  uint32_t mail_bars;   // mail_full[q] at +8q, mail_empty[q] at +8(kMail + q); the indices follow
   Job* jobs;
-  // Clusters of two: this CTA's rank, and the cluster addresses of the peer's ring barriers and
-  // mailbox (0 with one CTA per cluster).
-  uint32_t rank = 0, peer_ring_bars = 0, peer_mail_bars = 0;
   __device__ __forceinline__ uint32_t job_full(int q) const { return queue_bars + 8u * q; }
   __device__ __forceinline__ uint32_t job_empty(int q) const { return queue_bars + 8u * (kQueue + q); }
-  __device__ __forceinline__ uint32_t mail_full(int q) const { return mail_bars + 8u * q; }
-  __device__ __forceinline__ uint32_t mail_empty(int q) const { return mail_bars + 8u * (kMail + q); }
-  __device__ __forceinline__ uint32_t mail_word(int q) const { return mail_bars + 16u * kMail + 4u * q; }
 };
 
 __device__ __forceinline__ Shared layout(unsigned char* smem) {
   Shared s;
   s.ring = Geometry::ring(smem);
   s.queue_bars = s.ring.bars + Geometry::kBarrierBytes;
-  s.mail_bars = s.queue_bars + kQueueBarrierBytes;
-  s.jobs = reinterpret_cast<Job*>(smem + (s.mail_bars + kMailBytes - smem_u32(smem)));
-  if constexpr (kCluster == 2) {
-    s.rank = cluster_ctarank();
-    s.peer_ring_bars = mapa_shared(s.ring.bars, s.rank ^ 1u);
-    s.peer_mail_bars = mapa_shared(s.mail_bars, s.rank ^ 1u);
-  }
+  s.jobs = reinterpret_cast<Job*>(smem + (s.queue_bars + kQueueBarrierBytes - smem_u32(smem)));
   return s;
 }
 
-// Thread 0 initialises every barrier; the caller then passes __syncthreads (and, with clusters,
-// cluster_sync) before any use.  With clusters a ring slot is free when the consumer warps of
-// both CTAs released it: the leader's multicast writes into both rings.
+// Thread 0 initialises every barrier; the caller then passes __syncthreads before any use.
 __device__ __forceinline__ void init(const Shared& s) {
   if (threadIdx.x == 0) {
     for (int q = 0; q < kQueue; ++q) {
       mbar_init(s.job_full(q), 1);
       mbar_init(s.job_empty(q), kThreads / 32);  // one arrival per worker warp
     }
-    for (int q = 0; q < kMail; ++q) {
-      mbar_init(s.mail_full(q), 1);
-      mbar_init(s.mail_empty(q), 1);
-    }
   }
-  Geometry::init(s.ring, wg::kEmptyArrivals * kCluster);  // thread 0; ends with fence.mbarrier_init
+  Geometry::init(s.ring);  // thread 0; ends with fence.mbarrier_init
 }
 
 // ---- operand loads (producer) -------------------------------------------------------------------
@@ -163,91 +126,37 @@ __device__ __forceinline__ const Maps& late(const Maps& m) {
   return *p;
 }
 
-// One box: into this CTA, or (mask != 0) multicast into every CTA of the mask.
-__device__ __forceinline__ void load_box(uint32_t dst, const TensorMap* m, uint32_t bar, int c0, int c1, int c2,
-                                         uint16_t mask) {
-  if (mask == 0) {
-    tma_load_3d(dst, m, bar, c0, c1, c2);
-  } else {
-    tma_load_3d_multicast(dst, m, bar, c0, c1, c2, mask);
-  }
-}
-
 template <int kRows>
-__device__ __forceinline__ void load_tile(const LoadSrc& s, int kt, uint32_t dst, uint32_t bar, uint16_t mask = 0) {
+__device__ __forceinline__ void load_tile(const LoadSrc& s, int kt, uint32_t dst, uint32_t bar) {
   if (s.major == wg::kKMajor) {
     const int k = s.k0 + kt * wg::kBK;
-    load_box(dst, s.map, bar, k, s.row0, s.group, mask);
-    if (s.map2 != nullptr) load_box(dst + (kRows / 2) * wg::kLineBytes, s.map2, bar, k, s.row0, s.group, mask);
+    if (s.map2 == nullptr) {
+      tma_load_3d(dst, s.map, bar, k, s.row0, s.group);
+    } else {
+      tma_load_3d(dst, s.map, bar, k, s.row0, s.group);
+      tma_load_3d(dst + (kRows / 2) * wg::kLineBytes, s.map2, bar, k, s.row0, s.group);
+    }
   } else {
     const bool first = kt < s.k_switch;
     const TensorMap* m = first ? s.map : s.map2;
     const int k = s.k0 + (first ? kt : kt - s.k_switch) * wg::kBK;
 #pragma unroll
-    for (int p = 0; p < kRows / 64; ++p) load_box(dst + p * wg::kPanelBytes, m, bar, s.row0 + 64 * p, k, s.group, mask);
+    for (int p = 0; p < kRows / 64; ++p) tma_load_3d(dst + p * wg::kPanelBytes, m, bar, s.row0 + 64 * p, k, s.group);
   }
 }
 
-// How B gets into this CTA's ring: its own load, the leader's multicast (the follower loads no
-// B), or the leader's multicast issued here.
-enum BLoad : int { kBOwn = 0, kBFromPeer = 1, kBMulticast = 2 };
-
 // Issues the k_tiles stages of one GEMM (every box credits its full size, zero-filled or not).
-// The stage's bytes are expected on this CTA's barrier whoever issues them; with clusters a
-// peer's multicast may complete before the expect (the tx-count dips below zero meanwhile).
 __device__ __forceinline__ bool produce(const Shared& s, wg::PipeState& ps, const LoadSrc& a, const LoadSrc& b,
-                                        int k_tiles, const MbarWaitCtx& w, BLoad bl = kBOwn) {
+                                        int k_tiles, const MbarWaitCtx& w) {
   for (int kt = 0; kt < k_tiles; ++kt) {
     if (!mbar_wait(s.ring.empty(ps.slot), ps.phase ^ 1u, w)) return false;
     const uint32_t full = s.ring.full(ps.slot);
     mbar_arrive_expect_tx(full, Geometry::kStageBytes);
     load_tile<wg::kBM>(a, kt, s.ring.a_tile(ps.slot), full);
-    if (bl != kBFromPeer) load_tile<kBN>(b, kt, s.ring.b_tile(ps.slot), full, bl == kBMulticast ? 0x3 : 0);
+    load_tile<kBN>(b, kt, s.ring.b_tile(ps.slot), full);
     ps.advance(kStages);
   }
   return true;
-}
-
-// Clusters: `n` stages with nothing in them (a pair's shorter side), so that both rings stay in
-// step: the slot is taken and marked full at once.
-__device__ __forceinline__ bool produce_empty(const Shared& s, wg::PipeState& ps, int n, const MbarWaitCtx& w) {
-  for (int i = 0; i < n; ++i) {
-    if (!mbar_wait(s.ring.empty(ps.slot), ps.phase ^ 1u, w)) return false;
-    mbar_arrive(s.ring.full(ps.slot));
-    ps.advance(kStages);
-  }
-  return true;
-}
-
-// Clusters, a failed side of a multicast pair: the stages still take the B the leader multicasts
-// (so the follower's barriers balance), without an A.  The leader issues B; the follower only
-// expects it.
-__device__ __forceinline__ bool produce_b_only(const Shared& s, wg::PipeState& ps, const LoadSrc& b, int n, bool leader,
-                                               const MbarWaitCtx& w) {
-  for (int kt = 0; kt < n; ++kt) {
-    if (!mbar_wait(s.ring.empty(ps.slot), ps.phase ^ 1u, w)) return false;
-    const uint32_t full = s.ring.full(ps.slot);
-    mbar_arrive_expect_tx(full, Geometry::kBBytes);
-    if (leader) load_tile<kBN>(b, kt, s.ring.b_tile(ps.slot), full, 0x3);
-    ps.advance(kStages);
-  }
-  return true;
-}
-
-// Clusters, at the producer's exit: wait until every slot it filled was released by both CTAs,
-// so no peer arrives on (or multicasts into) a CTA that has left.
-__device__ __forceinline__ void producer_tail(const Shared& s, wg::PipeState ps, const MbarWaitCtx& w) {
-  for (int i = 0; i < kStages; ++i) {
-    if (!mbar_wait(s.ring.empty(ps.slot), ps.phase ^ 1u, w)) return;  // (a bug or a peer's error: give up)
-    ps.advance(kStages);
-  }
-}
-
-// Clusters: every thread still running meets the peer CTA's here before leaving (threads that
-// exited count as arrived), so no CTA leaves while its peer may still touch its shared memory
-// (a mailbox acknowledgement, a remote release, a multicast) -- also after an error.
-__device__ __forceinline__ void cluster_exit() {
-  if constexpr (kCluster > 1) cluster_arrive_wait();
 }
 
 // ---- the Job queue ---------------------------------------------------------------------------------
@@ -287,25 +196,50 @@ __device__ __forceinline__ Job take(const Shared& s, QueueState& qs, const MbarW
 //   [dispatch b + D, GEMM tiles of block b] for each block b  (the last D blocks: tiles only)
 //   [trail (tasks nothing waits on)]
 // D = two waves of tasks ahead, so a block's rows are in place before its tiles are grabbed.
-// Every task still comes after everything it waits on (tiles of b after dispatch b; the lead
-// and trail phases wait on nothing here), so the task-graph argument holds unchanged.
+// Inside both row-block GEMM phases (the one after dispatch and a later `tiled` one) the tiles are
+// walked in block groups (BlockGroups).  Every task still comes after everything it waits on
+// (tiles of b after dispatch b, as group <= D + 1; the lead, trail and tiled phases wait only on
+// earlier phases), so the task-graph argument holds unchanged.
+//
+// Row blocks of one expert share their weight (B) tiles, but in plan order (block-major) the
+// copies of one tile are a block's worth of grabs apart: long enough for L2 to drop the tile
+// between its readers (the deepseek-v3 forward read its weights about twice from DRAM).  A group
+// of up to kBlockGroup consecutive blocks is walked tile-major instead: the tasks that stream one
+// B tile are grabbed together and read it through L2 once, and each block's A rows are re-read
+// `group` grabs apart.
+constexpr int kBlockGroup = 8;
+
+struct BlockGroups {
+  int blocks, per_block, group;
+  // The j-th task of the walk -> its index in the phase (block * per_block + tile).
+  __device__ int map(int j) const {
+    const int span = group * per_block, gi = j / span, w = j - gi * span;
+    const int first = gi * group, size = min_int(group, blocks - first);
+    const int tile = w / size;
+    return (first + (w - tile * size)) * per_block + tile;
+  }
+};
+
 struct AheadOrder {
   int begin, end;                // the reordered index range (contiguous phases)
-  PhaseRange lead, dispatch, gemm, trail;
+  PhaseRange lead, dispatch, gemm, trail, tiled;
   int per_block, ahead;
+  BlockGroups gemm_walk, tiled_walk;
 
-  // takers: who grabs from the order at once (CTAs; clusters when it orders pairs).
   __device__ static AheadOrder make(const PhaseRange& lead, const PhaseRange& dispatch, const PhaseRange& gemm,
-                                    const PhaseRange& trail, int per_block,
-                                    int takers = static_cast<int>(gridDim.x)) {
-    AheadOrder o{0, 0, lead, dispatch, gemm, trail, per_block, 0};
+                                    const PhaseRange& trail, int per_block, const PhaseRange& tiled,
+                                    int tiled_per_block) {
+    AheadOrder o{0, 0, lead, dispatch, gemm, trail, tiled, per_block, 0, {}, {}};
     o.begin = min_int(min_int(lead.begin, dispatch.begin), trail.count > 0 ? trail.begin : dispatch.begin);
     o.end = o.begin + lead.count + dispatch.count + gemm.count + trail.count;
-    o.ahead = min_int(dispatch.count, ceil_div(2 * takers, per_block + 1));
+    o.ahead = min_int(dispatch.count, ceil_div(2 * static_cast<int>(gridDim.x), per_block + 1));
+    o.gemm_walk = BlockGroups{dispatch.count, per_block, min_int(kBlockGroup, o.ahead + 1)};
+    o.tiled_walk = BlockGroups{tiled_per_block > 0 ? tiled.count / tiled_per_block : 0, tiled_per_block, kBlockGroup};
     return o;
   }
   // The plan index of the task grabbed at position t.
   __device__ int map(int t) const {
+    if (tiled.has(t)) return tiled.begin + tiled_walk.map(tiled.local(t));
     if (t < begin || t >= end) return t;
     int u = t - begin;
     if (u < lead.count) return lead.begin + u;
@@ -316,50 +250,11 @@ struct AheadOrder {
     const int mid = (blocks - d) * (g + 1);
     if (u < mid) {
       const int b = u / (g + 1), r = u - b * (g + 1);
-      return r == 0 ? dispatch.begin + b + d : gemm.begin + b * g + (r - 1);
+      return r == 0 ? dispatch.begin + b + d : gemm.begin + gemm_walk.map(b * g + (r - 1));
     }
     u -= mid;
-    if (u < d * g) return gemm.begin + (blocks - d) * g + u;
+    if (u < d * g) return gemm.begin + gemm_walk.map((blocks - d) * g + u);
     return trail.begin + (u - d * g);
-  }
-};
-
-// The task order of a cluster of two: the plan's phases in plan order, each cut into pairs -- two
-// consecutive tasks, or in a row-block GEMM phase (`tiles` per row block) the same tile of row
-// blocks 2q and 2q + 1, the pair that can share its B tile -- then AheadOrder over pair indices
-// (a row-block pair's dispatch pair two waves ahead of its tiles).  Lives in shared memory.
-struct PairOrder {
-  static constexpr int kMaxPhases = 12;
-  int count;  // (no initialisers: it lives in __shared__ memory; make_pairs sets everything)
-  int begin[kMaxPhases], tasks[kMaxPhases], tiles[kMaxPhases], pair0[kMaxPhases + 1];
-  AheadOrder order;
-
-  // Appends the next phase of the plan (phases are contiguous); returns its index.
-  __device__ int add(const PhaseRange& r, int tiles_per_block = 0) {
-    const int i = count++;
-    begin[i] = r.begin;
-    tasks[i] = r.count;
-    tiles[i] = tiles_per_block;
-    if (i == 0) pair0[0] = 0;
-    const int pairs = tiles_per_block > 0 ? ceil_div(r.count / tiles_per_block, 2) * tiles_per_block
-                                          : ceil_div(r.count, 2);
-    pair0[i + 1] = pair0[i] + pairs;
-    return i;
-  }
-  __device__ PhaseRange pairs_of(int i) const { return PhaseRange{pair0[i], pair0[i + 1] - pair0[i]}; }
-  __device__ int num_pairs() const { return pair0[count]; }
-  // The plan task of CTA `rank` in pair `pair` (-1: none).
-  __device__ int task(int pair, int rank) const {
-    const int u = order.map(pair);
-    int i = 0;
-    while (i + 1 < count && u >= pair0[i + 1]) ++i;
-    const int j = u - pair0[i];
-    if (tiles[i] > 0) {
-      const int t = tiles[i], blk = 2 * (j / t) + rank;
-      return blk < tasks[i] / t ? begin[i] + blk * t + j % t : -1;
-    }
-    const int q = 2 * j + rank;
-    return q < tasks[i] ? begin[i] + q : -1;
   }
 };
 
@@ -371,17 +266,11 @@ struct PairOrder {
 //   unsigned long long* trace() const   the launch's trace records (trace.cuh), or null
 //   bool run(const Job&, const Shared&, wg::PipeState&, float (&acc)[kAccRegs], int consumer) const
 //        workers: false = stop (every worker returns the same verdict)
-// With clusters of two (kCluster == 2) K also provides, in plan task indices (-1: none):
-//   int  num_pairs() const; int pair_task(int pair, int rank) const   the cluster's task order
-//   int  prepare_task(int task, Job&, LoadSrc&, LoadSrc&) const      prepare() without the order
-//   int  stages_of(int task) const        ring stages the task's GEMM takes (0: none or skipped)
-//   bool shares_b(int t0, int t1) const   both GEMMs read the same B tile (same expert / columns)
-//
-// k.trace() (trace.cuh, may be null): record g = the task grabbed at position g (the plan task
-// with clusters).  Read from the parameter space where it is used: it holds no producer register.
+// k.trace() (trace.cuh, may be null): record g = the task grabbed at position g.  Read from the
+// parameter space where it is used, so that it holds no producer register.
 template <class K>
-__device__ __forceinline__ void producer_loop_single(const K& k, const Shared& s, int* task_next, int num_tasks,
-                                                     const WaitCtx& wc) {
+__device__ __forceinline__ void producer_loop(const K& k, const Shared& s, int* task_next, int num_tasks,
+                                              const WaitCtx& wc) {
   const MbarWaitCtx w{wc.err, wc.timeout_ns, wc.rank, -1, false};
   wg::PipeState ps;
   QueueState qs;
@@ -418,155 +307,13 @@ __device__ __forceinline__ void producer_loop_single(const K& k, const Shared& s
   publish(s, qs, stop, w);
 }
 
-// ---- cluster pairs -------------------------------------------------------------------------------
-// The two CTAs of a cluster work as one: the leader (rank 0) grabs pair indices and mails each
-// to the follower; pair P is the plan tasks pair_task(P, 0) and pair_task(P, 1), one per CTA.
-// Their rings move in lockstep -- a slot is free only when both CTAs' consumers released it --
-// so every pair takes the same number of stages on both CTAs: the shorter side pads with empty
-// stages.  When both tasks read the same B tile (two row blocks of one expert), the leader loads
-// B once, multicast into both rings, and the follower loads only its A.  The two tasks of a pair
-// never depend on each other (the order pairs independent tasks of one phase), and each waits
-// only on tasks of earlier pairs, so the task-graph argument holds for pairs.
-struct MailState {
-  int slot = 0;
-  uint32_t phase = 0;
-  __device__ __forceinline__ void advance() {
-    if (++slot == kMail) { slot = 0; phase ^= 1u; }
-  }
-};
-
-// A bounded wait on a barrier that a peer CTA arrives on (acquire at cluster scope).
-__device__ __forceinline__ bool mbar_wait_cluster(uint32_t bar, uint32_t parity, const MbarWaitCtx& w) {
-  if (mbar_try_wait_cluster(bar, parity)) return true;
-  const uint64_t start = globaltimer_ns();
-  while (!mbar_try_wait_cluster(bar, parity)) {
-    if (globaltimer_ns() - start > static_cast<uint64_t>(w.timeout_ns)) {
-      set_error(w.err, kErrTimeout, w.rank, -1, w.what);
-      return false;
-    }
-  }
-  return true;
-}
-
-// Leader: wait until mailbox slot `ms.slot` is free (the follower took what it held) ...
-__device__ __forceinline__ bool mail_ready(const Shared& s, const MailState& ms, const MbarWaitCtx& w) {
-  return mbar_wait_cluster(s.mail_empty(ms.slot), ms.phase ^ 1u, w);
-}
-// ... then post the next pair index into the follower's copy of it (released at cluster scope).
-__device__ __forceinline__ void mail_post(const Shared& s, MailState& ms, int pair) {
-  st_shared_remote(s.peer_mail_bars + (s.mail_word(ms.slot) - s.mail_bars), pair);
-  mbar_arrive_remote(s.peer_mail_bars + (s.mail_full(ms.slot) - s.mail_bars));
-  ms.advance();
-}
-
-// Follower: the next pair index (acquire at cluster scope), then the slot back to the leader
-// (both CTAs meet at cluster_exit() before either leaves, so the acknowledgement always lands).
-__device__ __forceinline__ bool mail_recv(const Shared& s, MailState& ms, int& pair, const MbarWaitCtx& w) {
-  if (!mbar_wait_cluster(s.mail_full(ms.slot), ms.phase, w)) return false;
-  pair = *reinterpret_cast<volatile int*>(__cvta_shared_to_generic(s.mail_word(ms.slot)));
-  mbar_arrive_remote(s.peer_mail_bars + (s.mail_empty(ms.slot) - s.mail_bars));
-  ms.advance();
-  return true;
-}
-
-// A failed prepare (an error elsewhere, a timeout) still completes its pair's ring stages, so
-// that the peer's rings stay balanced; the leader then mails the stop at the next pair boundary
-// (it reads the error word before each grab) and the follower follows it there.
-template <class K>
-__device__ __forceinline__ void producer_loop_pairs(const K& k, const Shared& s, int* task_next, const WaitCtx& wc) {
-  const MbarWaitCtx w{wc.err, wc.timeout_ns, wc.rank, -1, false};
-  // The peer's producer may sit in a dependency wait (up to twice timeout_ns) before it reads or
-  // frees a mailbox slot, and its ring releases follow; these waits get the workers' longer bound.
-  const MbarWaitCtx wm{wc.err, 4 * wc.timeout_ns, wc.rank, -4, false};
-  wg::PipeState ps;
-  QueueState qs;
-  MailState ms;
-  const int num_pairs = k.num_pairs();
-  const bool leader = s.rank == 0;
-  bool stopped = false;  // the leader posted the stop
-  for (;;) {
-    int pair;
-    if (leader) {
-      if (!mail_ready(s, ms, wm)) break;  // a free slot first: a grabbed pair is never held back
-      pair = error_set(wc.err) ? num_pairs : min_int(atom_add_relaxed_gpu(task_next, 1), num_pairs);
-      mail_post(s, ms, pair);
-      stopped = pair >= num_pairs;
-    } else if (!mail_recv(s, ms, pair, wm)) {
-      break;
-    }
-    if (pair >= num_pairs) break;
-    const int own = k.pair_task(pair, leader ? 0 : 1), peer = k.pair_task(pair, leader ? 1 : 0);
-    const int stages = max_int(own >= 0 ? k.stages_of(own) : 0, peer >= 0 ? k.stages_of(peer) : 0);
-    const bool mc = own >= 0 && peer >= 0 && k.shares_b(own, peer);
-    Job job{};
-    LoadSrc a, b;
-    int r = 0;
-    if (own >= 0) {
-      trace_grab(k.trace(), own, own);
-      r = k.prepare_task(own, job, a, b);  // (a, b are set before any wait of a routed GEMM)
-      if (r >= 0) trace_ready(k.trace(), own);
-    }
-    const int own_stages = r == 1 && job.gemm ? job.k_tiles : 0;
-    const int pad = stages - own_stages;  // >= 0: stages_of() bounds what prepare_task() asks for
-    if (r <= 0) {
-      if (r == 0 && pad == 0) {
-        if (own >= 0) trace_end(k.trace(), own);
-        continue;
-      }
-      job = Job{};
-      job.kind = kJobPadOnly;
-    }
-    job.slot = r < 0 ? -1 : own;
-    job.pad = pad;
-    if (!publish(s, qs, job, wm)) break;
-    MbarWaitCtx wt = wm;
-    wt.what = own;
-    if (own_stages > 0) {
-      fence_proxy_async_global();
-      if (!produce(s, ps, a, b, own_stages, wt, !mc ? kBOwn : leader ? kBMulticast : kBFromPeer)) break;
-    } else if (mc) {  // this side failed: the peer's stages still get (or give) the shared B
-      if (!produce_b_only(s, ps, b, pad, leader, wt)) break;
-      continue;
-    }
-    if (!produce_empty(s, ps, pad, wm)) break;
-  }
-  if (leader && !stopped && mail_ready(s, ms, wm)) mail_post(s, ms, num_pairs);  // an early exit stops the follower too
-  Job stop{};
-  publish(s, qs, stop, wm);
-  producer_tail(s, ps, wm);
-}
-
-template <class K>
-__device__ __forceinline__ void producer_loop(const K& k, const Shared& s, int* task_next, int num_tasks,
-                                              const WaitCtx& wc) {
-  if constexpr (kCluster == 1) {
-    producer_loop_single(k, s, task_next, num_tasks, wc);
-  } else {
-    producer_loop_pairs(k, s, task_next, wc);
-  }
-}
-
-// Workers, clusters: release n empty stages (a pair's shorter side); uniform verdict.
-__device__ __forceinline__ bool release_empty(const Shared& s, wg::PipeState& ps, int n, const MbarWaitCtx& w) {
-  bool failed = false;
-  for (int i = 0; i < n; ++i) {
-    if (!failed) failed = !mbar_wait(s.ring.full(ps.slot), ps.phase, w);
-    __syncwarp();
-    if ((threadIdx.x & 31) == 0) Geometry::release(s.ring, ps.slot, s.peer_ring_bars);
-    ps.advance(kStages);
-  }
-  return !workers_any(failed);
-}
-
 template <class K>
 __device__ __forceinline__ void worker_loop(const K& k, const Shared& s, const WaitCtx& wc) {
   const int consumer = worker_tid() >> 7;
   // A producer dependency wait may last up to timeout_ns (twice for some tasks) before it
   // publishes a stop, so the workers' own bound is longer.
   const MbarWaitCtx wq{wc.err, 4 * wc.timeout_ns, wc.rank, -2, false};
-  // With clusters a stage's B may come from the peer, whose producer may first sit in a
-  // dependency wait: ring waits then get the longer bound as well.
-  const MbarWaitCtx wr{wc.err, (kCluster > 1 ? 4 : 1) * wc.timeout_ns, wc.rank, -3, false};
+  const MbarWaitCtx wr{wc.err, wc.timeout_ns, wc.rank, -3, false};
   wg::PipeState ps;
   QueueState qs;
   float acc[kAccRegs];
@@ -578,11 +325,10 @@ __device__ __forceinline__ void worker_loop(const K& k, const Shared& s, const W
     if (job.kind == 0) return;
     if (worker_tid() == 0) {
       s_trace_slot = job.slot;
-      if (job.slot >= 0) trace_ready(k.trace(), job.slot);  // the workers start it (the producer's stamp: its waits done)
+      trace_ready(k.trace(), job.slot);  // the workers start it (the producer's stamp: its waits done)
     }
-    if (job.kind != kJobPadOnly && !k.run(job, s, ps, acc, consumer, wr)) return;
-    if (kCluster > 1 && job.pad > 0 && !release_empty(s, ps, job.pad, wr)) return;
-    if (worker_tid() == 0 && s_trace_slot >= 0) trace_end(k.trace(), s_trace_slot);  // after the task's signal
+    if (!k.run(job, s, ps, acc, consumer, wr)) return;
+    if (worker_tid() == 0) trace_end(k.trace(), s_trace_slot);  // after the task's signal (a worker barrier)
   }
 }
 
@@ -598,7 +344,7 @@ __device__ __forceinline__ bool drain(const Shared& s, wg::PipeState& ps, float 
   for (int kt = 0; kt < k_tiles; ++kt) {
     if (!failed) failed = !mbar_wait(s.ring.full(ps.slot), ps.phase, w);
     __syncwarp();
-    if ((threadIdx.x & 31) == 0) Geometry::release(s.ring, ps.slot, s.peer_ring_bars);
+    if ((threadIdx.x & 31) == 0) mbar_arrive(s.ring.empty(ps.slot));
     ps.advance(kStages);
   }
   return !failed;
@@ -613,7 +359,7 @@ __device__ __forceinline__ bool gemm(const Shared& s, wg::PipeState& ps, float (
   using E = Engine<kAMajor, kBMajor>;
   const typename E::Ring r{s.ring.data, s.ring.bars};
   const bool ok = idle_hi && consumer == 1 ? drain(s, ps, acc, k_tiles, w)
-                                           : E::consume(r, ps, acc, k_tiles, consumer, w, s.peer_ring_bars);
+                                           : E::consume(r, ps, acc, k_tiles, consumer, w);
   return !workers_any(!ok);
 }
 
@@ -668,6 +414,11 @@ __device__ __forceinline__ uint4 group_bf16(const float (&acc)[kAccRegs], int q,
   quad_transpose(w);
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
+__device__ __forceinline__ float4 shfl_xor_f4(float4 v, int mask) {
+  constexpr unsigned kAll = 0xffffffffu;
+  return make_float4(__shfl_xor_sync(kAll, v.x, mask), __shfl_xor_sync(kAll, v.y, mask),
+                     __shfl_xor_sync(kAll, v.z, mask), __shfl_xor_sync(kAll, v.w, mask));
+}
 // ... or as 8 fp32.
 __device__ __forceinline__ void group_f32(const float (&acc)[kAccRegs], int q, int h, float (&v)[8]) {
   uint32_t x[4], y[4];
@@ -704,9 +455,12 @@ __device__ __forceinline__ void store_rows_bf16(const float (&acc)[kAccRegs], co
 }
 
 // Tile rows r < rows, columns c < cols to fp32 dst[r * ld + c], optionally added to what is
-// there (one writer per element: deterministic).  dst and ld keep 32-byte alignment.
+// there (one writer per element: deterministic).  dst and ld keep 32-byte alignment.  `streamed`:
+// nothing in the launch reads the result again (weight gradients): its lines leave L2 first.
 __device__ __forceinline__ void store_f32(const float (&acc)[kAccRegs], const Frag& f, float* dst, int ld, int rows,
-                                          int cols, bool accumulate) {
+                                          int cols, bool accumulate, bool streamed) {
+  const uint64_t policy = streamed ? l2_evict_first_policy() : l2_evict_normal_policy();
+  const bool odd = (f.quad & 1) != 0;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = f.row0 + 8 * h;
@@ -716,16 +470,22 @@ __device__ __forceinline__ void store_f32(const float (&acc)[kAccRegs], const Fr
       if (32 * q >= cols) break;
       float v[8];
       group_f32(acc, q, h, v);
+      // Lane c now holds chunk c: 8 fp32, one 32-byte sector, which takes two 16-byte stores.  Lane
+      // pairs swap halves so that each store instruction writes whole sectors (half-sector writes
+      // cost the L2 as much as whole ones): first the even lane's chunk, then the odd lane's.
+      const float4 lo = make_float4(v[0], v[1], v[2], v[3]), hi = make_float4(v[4], v[5], v[6], v[7]);
+      const float4 got = shfl_xor_f4(odd ? lo : hi, 1);
+      float4 first = odd ? got : lo, second = odd ? hi : got;
       if (r >= rows) continue;
-      float4* p = reinterpret_cast<float4*>(d + f.chunk_col(q));
-      float4 lo = make_float4(v[0], v[1], v[2], v[3]), hi = make_float4(v[4], v[5], v[6], v[7]);
+      float* p0 = d + 32 * q + 8 * (f.quad & 2) + (odd ? 4 : 0);
+      float* p1 = p0 + 8;
       if (accumulate) {
-        const float4 o0 = p[0], o1 = p[1];
-        lo.x += o0.x; lo.y += o0.y; lo.z += o0.z; lo.w += o0.w;
-        hi.x += o1.x; hi.y += o1.y; hi.z += o1.z; hi.w += o1.w;
+        const float4 o0 = *reinterpret_cast<const float4*>(p0), o1 = *reinterpret_cast<const float4*>(p1);
+        first.x += o0.x; first.y += o0.y; first.z += o0.z; first.w += o0.w;
+        second.x += o1.x; second.y += o1.y; second.z += o1.z; second.w += o1.w;
       }
-      p[0] = lo;
-      p[1] = hi;
+      st_global_f4_hint(p0, first, policy);
+      st_global_f4_hint(p1, second, policy);
     }
   }
 }
