@@ -2,7 +2,8 @@
 cuda_src/moe/ws_pipeline.cuh, make_order in tma_forward.cuh / tma_backward.cuh), mirrored here line
 by line and checked without a GPU: every plan task grabbed exactly once, every task after the
 tasks it waits on (so the task-graph argument of task_graph.cuh holds), and the row-block GEMM
-phases walked tile-major inside block groups (the tasks that share a weight tile grabbed together)."""
+phase after it (forward down, backward dX) walked tile-major inside block groups (the tasks that share
+a weight tile grabbed together)."""
 from __future__ import annotations
 
 import pytest
@@ -44,7 +45,6 @@ class _Ahead:  # ws::AheadOrder
         self.begin = min(lead.begin, dispatch.begin, trail.begin if trail.count > 0 else dispatch.begin)
         self.end = self.begin + lead.count + dispatch.count + gemm.count + trail.count
         self.ahead = min(dispatch.count, _cdiv(2 * grid, per_block + 1))
-        self.gemm_walk = _Groups(dispatch.count, per_block, min(BLOCK_GROUP, self.ahead + 1))
         self.tiled_walk = _Groups(tiled.count // tiled_per_block if tiled_per_block else 0, tiled_per_block,
                                   BLOCK_GROUP)
 
@@ -64,10 +64,10 @@ class _Ahead:  # ws::AheadOrder
         mid = (blocks - d) * (g + 1)
         if u < mid:
             b, r = divmod(u, g + 1)
-            return self.dispatch.begin + b + d if r == 0 else self.gemm.begin + self.gemm_walk.map(b * g + (r - 1))
+            return self.dispatch.begin + b + d if r == 0 else self.gemm.begin + b * g + (r - 1)
         u -= mid
         if u < d * g:
-            return self.gemm.begin + self.gemm_walk.map((blocks - d) * g + u)
+            return self.gemm.begin + (blocks - d) * g + u
         return self.trail.begin + (u - d * g)
 
 
@@ -119,7 +119,6 @@ def test_order_is_a_permutation_that_respects_dependencies(kind, push, T, H, I, 
     assert sorted(order) == list(range(total))
     pos = {task: at for at, task in enumerate(order)}
     gemm, dispatch, tiled = o.gemm, o.dispatch, o.tiled
-    assert o.gemm_walk.group <= o.ahead + 1
     for b in range(blocks):
         d = pos[dispatch.begin + b]
         last_gemm = max(pos[gemm.begin + b * g + n] for n in range(g))
@@ -137,18 +136,16 @@ def test_order_is_a_permutation_that_respects_dependencies(kind, push, T, H, I, 
 def test_block_groups_walk_tile_major(kind):
     """deepseek-v3 sizes: the blocks of a group take one weight tile in consecutive grabs."""
     o, rng, total, blocks, g, tg = _order(kind, _dims(8192, 7168, 2048, 0, 256, k=8), 0, 132)
-    assert o.gemm_walk.group == BLOCK_GROUP and o.tiled_walk.group == BLOCK_GROUP
+    assert o.tiled_walk.group == BLOCK_GROUP
     tiled = o.tiled
     walk = [o.map(tiled.begin + j) - tiled.begin for j in range(2 * BLOCK_GROUP * tg)]
     for j, q in enumerate(walk):
         group, w = divmod(j, BLOCK_GROUP * tg)
         assert q % tg == w // BLOCK_GROUP            # the tile
         assert q // tg == group * BLOCK_GROUP + w % BLOCK_GROUP  # the block
-    # the GEMM phase after dispatch: tiles of the group's blocks, tile-major between dispatches
+    # the GEMM phase after dispatch stays block-major: all tiles of block b, then block b + 1
     gemm_tasks = [t - o.gemm.begin for t in (o.map(u) for u in range(total)) if o.gemm.has(t)]
-    first = gemm_tasks[:BLOCK_GROUP * g]
-    assert [q % g for q in first] == [n for n in range(g) for _ in range(BLOCK_GROUP)]
-    assert [q // g for q in first] == list(range(BLOCK_GROUP)) * g
+    assert gemm_tasks == list(range(o.gemm.count))
 
 
 def test_groups_cover_a_partial_last_group():

@@ -41,18 +41,27 @@ __device__ __forceinline__ int atom_add_relaxed_gpu(int* p, int v) {
   return old;
 }
 
-// ---- streaming stores ---------------------------------------------------------------------------
-// An L2 policy that evicts these lines first: for results nothing in the launch reads again (the
-// weight gradients), so that they do not push operands that other tiles share out of L2.
-__device__ __forceinline__ uint64_t l2_evict_first_policy() {
-  uint64_t p; asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p)); return p;
+// ---- predicated 16-byte accesses -----------------------------------------------------------------
+// Predicated instructions, not branches: epilogues stay straight-line (fewer live registers).
+// Loads give zeros where `pred` is false.  Stores with kStreaming use the .cs cache operator
+// (evict-first in L2): for results nothing in the launch reads again (the weight gradients), so
+// that they do not push operands other tiles share out of L2.
+__device__ __forceinline__ float4 ld_global_f4_if(bool pred, const float* p) {
+  float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+  asm volatile("{\n\t.reg .pred q;\n\tsetp.ne.u32 q, %5, 0;\n\t"
+               "@q ld.global.v4.f32 {%0, %1, %2, %3}, [%4];\n\t}"
+               : "+f"(v.x), "+f"(v.y), "+f"(v.z), "+f"(v.w) : "l"(p), "r"(static_cast<uint32_t>(pred)) : "memory");
+  return v;
 }
-__device__ __forceinline__ uint64_t l2_evict_normal_policy() {
-  uint64_t p; asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(p)); return p;
-}
-__device__ __forceinline__ void st_global_f4_hint(float* p, float4 v, uint64_t policy) {
-  asm volatile("st.global.L2::cache_hint.v4.f32 [%0], {%1, %2, %3, %4}, %5;"
-               :: "l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "l"(policy) : "memory");
+template <bool kStreaming>
+__device__ __forceinline__ void st_global_f4_if(bool pred, float* p, float4 v) {
+  if constexpr (kStreaming) {
+    asm volatile("{\n\t.reg .pred q;\n\tsetp.ne.u32 q, %5, 0;\n\t@q st.global.cs.v4.f32 [%0], {%1, %2, %3, %4};\n\t}"
+                 :: "l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(static_cast<uint32_t>(pred)) : "memory");
+  } else {
+    asm volatile("{\n\t.reg .pred q;\n\tsetp.ne.u32 q, %5, 0;\n\t@q st.global.v4.f32 [%0], {%1, %2, %3, %4};\n\t}"
+                 :: "l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(static_cast<uint32_t>(pred)) : "memory");
+  }
 }
 
 // ---- fences -----------------------------------------------------------------------------------

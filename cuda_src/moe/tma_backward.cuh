@@ -260,8 +260,8 @@ struct TmaBackward {
       case kBwdSharedDX: {
         if (!ws::gemm<wg::kKMajor, wg::kMNMajor>(s, ps, acc, job.k_tiles, consumer, w)) return false;
         const int t0 = job.a * kBlockM, h0 = job.b * ws::kBN;
-        ws::store_f32(acc, f, p.dx_shared + (size_t)t0 * d.hidden + h0, d.hidden, min_int(kBlockM, d.tokens - t0),
-                      min_int(ws::kBN, d.hidden - h0), false, false);
+        ws::store_f32<false>(acc, f, p.dx_shared + (size_t)t0 * d.hidden + h0, d.hidden, min_int(kBlockM, d.tokens - t0),
+                      min_int(ws::kBN, d.hidden - h0), false);
         signal_counter(p.cnt.token_dxs_ready + job.a);
         return true;
       }
@@ -274,31 +274,31 @@ struct TmaBackward {
       case kBwdWgradDown: {
         if (!ws::gemm<wg::kMNMajor, wg::kMNMajor>(s, ps, acc, job.k_tiles, consumer, w)) return false;
         const int e = job.a, h0 = job.b * kBlockM, i0 = job.c * ws::kBN;
-        ws::store_f32(acc, f, p.grads.dw_down + ((size_t)e * d.hidden + h0) * d.inter + i0, d.inter,
-                      min_int(kBlockM, d.hidden - h0), min_int(ws::kBN, d.inter - i0), acc_in, true);
+        ws::store_f32<true>(acc, f, p.grads.dw_down + ((size_t)e * d.hidden + h0) * d.inter + i0, d.inter,
+                      min_int(kBlockM, d.hidden - h0), min_int(ws::kBN, d.inter - i0), acc_in);
         return true;
       }
       case kBwdWgradGateUp: {
         if (!ws::gemm<wg::kMNMajor, wg::kMNMajor>(s, ps, acc, job.k_tiles, consumer, w)) return false;
         const int e = job.a, i0 = job.c * kBlockM, h0 = job.d * ws::kBN;
         float* dw = job.b ? p.grads.dw_up : p.grads.dw_gate;
-        ws::store_f32(acc, f, dw + ((size_t)e * d.inter + i0) * d.hidden + h0, d.hidden,
-                      min_int(kBlockM, d.inter - i0), min_int(ws::kBN, d.hidden - h0), acc_in, true);
+        ws::store_f32<true>(acc, f, dw + ((size_t)e * d.inter + i0) * d.hidden + h0, d.hidden,
+                      min_int(kBlockM, d.inter - i0), min_int(ws::kBN, d.hidden - h0), acc_in);
         return true;
       }
       case kBwdSharedWgradDown: {
         if (!ws::gemm<wg::kMNMajor, wg::kMNMajor>(s, ps, acc, job.k_tiles, consumer, w)) return false;
         const int h0 = job.b * kBlockM, i0 = job.c * ws::kBN;
-        ws::store_f32(acc, f, p.grads.dws_down + (size_t)h0 * d.shared_inter + i0, d.shared_inter,
-                      min_int(kBlockM, d.hidden - h0), min_int(ws::kBN, d.shared_inter - i0), acc_in, true);
+        ws::store_f32<true>(acc, f, p.grads.dws_down + (size_t)h0 * d.shared_inter + i0, d.shared_inter,
+                      min_int(kBlockM, d.hidden - h0), min_int(ws::kBN, d.shared_inter - i0), acc_in);
         return true;
       }
       case kBwdSharedWgradGateUp: {
         if (!ws::gemm<wg::kMNMajor, wg::kMNMajor>(s, ps, acc, job.k_tiles, consumer, w)) return false;
         const int i0 = job.c * kBlockM, h0 = job.d * ws::kBN;
         float* dw = job.b ? p.grads.dws_up : p.grads.dws_gate;
-        ws::store_f32(acc, f, dw + (size_t)i0 * d.hidden + h0, d.hidden, min_int(kBlockM, d.shared_inter - i0),
-                      min_int(ws::kBN, d.hidden - h0), acc_in, true);
+        ws::store_f32<true>(acc, f, dw + (size_t)i0 * d.hidden + h0, d.hidden, min_int(kBlockM, d.shared_inter - i0),
+                      min_int(ws::kBN, d.hidden - h0), acc_in);
         return true;
       }
       default:

@@ -226,8 +226,8 @@ struct TmaForward {
       case kFwdSharedDown: {
         if (!ws::gemm<wg::kKMajor, wg::kKMajor>(s, ps, acc, job.k_tiles, consumer, w)) return false;
         const int t0 = job.a * kBlockM, h0 = job.b * ws::kBN;
-        ws::store_f32(acc, f, p.shared_y + (size_t)t0 * d.hidden + h0, d.hidden, min_int(kBlockM, d.tokens - t0),
-                      min_int(ws::kBN, d.hidden - h0), false, false);
+        ws::store_f32<false>(acc, f, p.shared_y + (size_t)t0 * d.hidden + h0, d.hidden, min_int(kBlockM, d.tokens - t0),
+                      min_int(ws::kBN, d.hidden - h0), false);
         signal_counter(p.cnt.token_shared_done + job.a);
         return true;
       }

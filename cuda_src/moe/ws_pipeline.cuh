@@ -196,17 +196,18 @@ __device__ __forceinline__ Job take(const Shared& s, QueueState& qs, const MbarW
 //   [dispatch b + D, GEMM tiles of block b] for each block b  (the last D blocks: tiles only)
 //   [trail (tasks nothing waits on)]
 // D = two waves of tasks ahead, so a block's rows are in place before its tiles are grabbed.
-// Inside both row-block GEMM phases (the one after dispatch and a later `tiled` one) the tiles are
-// walked in block groups (BlockGroups).  Every task still comes after everything it waits on
-// (tiles of b after dispatch b, as group <= D + 1; the lead, trail and tiled phases wait only on
-// earlier phases), so the task-graph argument holds unchanged.
+// A later row-block GEMM phase (`tiled`: the forward's down, the backward's dX) is walked in
+// block groups (BlockGroups).  Every task still comes after everything it waits on (tiles of b
+// after dispatch b; the lead, trail and tiled phases wait only on earlier phases), so the
+// task-graph argument holds unchanged.
 //
 // Row blocks of one expert share their weight (B) tiles, but in plan order (block-major) the
-// copies of one tile are a block's worth of grabs apart: long enough for L2 to drop the tile
-// between its readers (the deepseek-v3 forward read its weights about twice from DRAM).  A group
-// of up to kBlockGroup consecutive blocks is walked tile-major instead: the tasks that stream one
-// B tile are grabbed together and read it through L2 once, and each block's A rows are re-read
-// `group` grabs apart.
+// copies of one tile are a block's worth of grabs apart, long enough for L2 to drop the tile
+// between its readers.  A group of kBlockGroup consecutive blocks is walked tile-major instead:
+// the tasks that stream one B tile are grabbed together, and each block's A rows are re-read
+// `group` grabs apart.  Measured on deepseek-v3 (bench/NOTES.md): the down and dX phases got
+// faster; the gate|up phase after dispatch got slower (its A rows, 1.8 MB a block, are re-read
+// across the group's whole walk), so that one stays block-major.
 constexpr int kBlockGroup = 8;
 
 struct BlockGroups {
@@ -224,16 +225,15 @@ struct AheadOrder {
   int begin, end;                // the reordered index range (contiguous phases)
   PhaseRange lead, dispatch, gemm, trail, tiled;
   int per_block, ahead;
-  BlockGroups gemm_walk, tiled_walk;
+  BlockGroups tiled_walk;
 
   __device__ static AheadOrder make(const PhaseRange& lead, const PhaseRange& dispatch, const PhaseRange& gemm,
                                     const PhaseRange& trail, int per_block, const PhaseRange& tiled,
                                     int tiled_per_block) {
-    AheadOrder o{0, 0, lead, dispatch, gemm, trail, tiled, per_block, 0, {}, {}};
+    AheadOrder o{0, 0, lead, dispatch, gemm, trail, tiled, per_block, 0, {}};
     o.begin = min_int(min_int(lead.begin, dispatch.begin), trail.count > 0 ? trail.begin : dispatch.begin);
     o.end = o.begin + lead.count + dispatch.count + gemm.count + trail.count;
     o.ahead = min_int(dispatch.count, ceil_div(2 * static_cast<int>(gridDim.x), per_block + 1));
-    o.gemm_walk = BlockGroups{dispatch.count, per_block, min_int(kBlockGroup, o.ahead + 1)};
     o.tiled_walk = BlockGroups{tiled_per_block > 0 ? tiled.count / tiled_per_block : 0, tiled_per_block, kBlockGroup};
     return o;
   }
@@ -250,10 +250,10 @@ struct AheadOrder {
     const int mid = (blocks - d) * (g + 1);
     if (u < mid) {
       const int b = u / (g + 1), r = u - b * (g + 1);
-      return r == 0 ? dispatch.begin + b + d : gemm.begin + gemm_walk.map(b * g + (r - 1));
+      return r == 0 ? dispatch.begin + b + d : gemm.begin + b * g + (r - 1);
     }
     u -= mid;
-    if (u < d * g) return gemm.begin + gemm_walk.map((blocks - d) * g + u);
+    if (u < d * g) return gemm.begin + (blocks - d) * g + u;
     return trail.begin + (u - d * g);
   }
 };
@@ -414,6 +414,9 @@ __device__ __forceinline__ uint4 group_bf16(const float (&acc)[kAccRegs], int q,
   quad_transpose(w);
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
+__device__ __forceinline__ void add_f4(float4& a, const float4& b) {
+  a.x += b.x; a.y += b.y; a.z += b.z; a.w += b.w;
+}
 __device__ __forceinline__ float4 shfl_xor_f4(float4 v, int mask) {
   constexpr unsigned kAll = 0xffffffffu;
   return make_float4(__shfl_xor_sync(kAll, v.x, mask), __shfl_xor_sync(kAll, v.y, mask),
@@ -455,37 +458,36 @@ __device__ __forceinline__ void store_rows_bf16(const float (&acc)[kAccRegs], co
 }
 
 // Tile rows r < rows, columns c < cols to fp32 dst[r * ld + c], optionally added to what is
-// there (one writer per element: deterministic).  dst and ld keep 32-byte alignment.  `streamed`:
+// there (one writer per element: deterministic).  dst and ld keep 32-byte alignment.  kStreaming:
 // nothing in the launch reads the result again (weight gradients): its lines leave L2 first.
+//
+// After group_f32 the quad of row r holds the row's 128 bytes of a group, lane c chunk c (32
+// bytes), which takes two 16-byte stores.  The quads of rows 2m and 2m + 1 (lanes l and l ^ 4)
+// swap halves so that each store instruction writes whole 128-byte lines (one L2 request of 4
+// sectors instead of 4 requests of half sectors): first row 2m, then row 2m + 1.
+template <bool kStreaming>
 __device__ __forceinline__ void store_f32(const float (&acc)[kAccRegs], const Frag& f, float* dst, int ld, int rows,
-                                          int cols, bool accumulate, bool streamed) {
-  const uint64_t policy = streamed ? l2_evict_first_policy() : l2_evict_normal_policy();
-  const bool odd = (f.quad & 1) != 0;
+                                          int cols, bool accumulate) {
+  const bool odd = (f.row0 & 1) != 0;
+  const int r_even = f.row0 - (odd ? 1 : 0);  // the pair's even row (h = 0)
+  float* const d0 = dst + (size_t)r_even * ld + 8 * f.quad + (odd ? 4 : 0);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int r = f.row0 + 8 * h;
-    float* d = dst + (size_t)r * ld;
 #pragma unroll
     for (int q = 0; q < kGroups; ++q) {
       if (32 * q >= cols) break;
       float v[8];
       group_f32(acc, q, h, v);
-      // Lane c now holds chunk c: 8 fp32, one 32-byte sector, which takes two 16-byte stores.  Lane
-      // pairs swap halves so that each store instruction writes whole sectors (half-sector writes
-      // cost the L2 as much as whole ones): first the even lane's chunk, then the odd lane's.
       const float4 lo = make_float4(v[0], v[1], v[2], v[3]), hi = make_float4(v[4], v[5], v[6], v[7]);
-      const float4 got = shfl_xor_f4(odd ? lo : hi, 1);
-      float4 first = odd ? got : lo, second = odd ? hi : got;
-      if (r >= rows) continue;
-      float* p0 = d + 32 * q + 8 * (f.quad & 2) + (odd ? 4 : 0);
-      float* p1 = p0 + 8;
-      if (accumulate) {
-        const float4 o0 = *reinterpret_cast<const float4*>(p0), o1 = *reinterpret_cast<const float4*>(p1);
-        first.x += o0.x; first.y += o0.y; first.z += o0.z; first.w += o0.w;
-        second.x += o1.x; second.y += o1.y; second.z += o1.z; second.w += o1.w;
+      const float4 got = shfl_xor_f4(odd ? lo : hi, 4);
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {  // row r_even + 8h + s
+        const bool ok = r_even + 8 * h + s < rows;
+        float4 val = s ? (odd ? hi : got) : (odd ? got : lo);
+        float* p = d0 + ((8 * h + s) * ld + 32 * q);  // 32-bit offset: one live 64-bit base
+        if (accumulate) add_f4(val, ld_global_f4_if(ok, p));
+        st_global_f4_if<kStreaming>(ok, p, val);
       }
-      st_global_f4_hint(p0, first, policy);
-      st_global_f4_hint(p1, second, policy);
     }
   }
 }
