@@ -13,6 +13,9 @@ in the one-engine kernel it equals "grab" (its waits are inside the task, so the
 Busy intervals [ready, end] of one SM never overlap; waits [grab, ready] of the TMA kernel overlap
 the previous task's busy interval (the producer runs ahead), so the Chrome trace draws them on a
 separate row per SM.
+"end" is stamped by worker 0 after the task's body: for tasks that signal counters that is after
+a barrier of all workers; the TMA kernel's weight-gradient tiles signal nothing, so their "end" is
+when worker 0's warpgroup finished its stores (the other warpgroup may still be storing).
 """
 from __future__ import annotations
 
