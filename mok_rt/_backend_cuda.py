@@ -8,6 +8,7 @@ workspace's symmetric heap instead (see _ep.py); everything else stays per call 
 """
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,6 +27,7 @@ from .routing import build_schedule, build_schedule_ep
 from .tensor import Tensor
 
 _WEIGHT_GRADS = ("dw_gate", "dw_up", "dw_down", "dws_gate", "dws_up", "dws_down")
+_MAX_PENDING_TRACES = 64   # traced launches kept until take_traces() (the oldest are dropped)
 
 
 @dataclass
@@ -63,7 +65,8 @@ class CudaBackend:
         self.knobs = L.KernelKnobs(ctas_per_sm=cfg.ctas_per_sm, max_ctas=max_ctas,
                                    timeout_ns=int(cfg.timeout_s * 1e9), engine=engine)
         self._streams: dict[int, object] = {}   # streams with mok_rt work since the last synchronize
-        self._traces: list[tuple[str, tuple, Tensor]] = []   # Workspace(trace=True): (kind, phases, records)
+        # Workspace(trace=True): (kind, phases, records) of the latest launches not yet taken.
+        self._traces: collections.deque[tuple[str, tuple, Tensor]] = collections.deque(maxlen=_MAX_PENDING_TRACES)
 
     # -- lifetime / errors ---------------------------------------------------------------------
     def close(self) -> None:
@@ -118,14 +121,15 @@ class CudaBackend:
 
     def take_traces(self) -> list:
         """The decoded timelines of the launches since the last call (waits for the streams).
-        Every traced launch keeps its records on the device until then."""
+        Every traced launch keeps its records on the device until then, the latest
+        _MAX_PENDING_TRACES of them (a traced loop that never takes them stays bounded)."""
         self._sync_streams()
         rank = 0 if self.ep is None else self.ep.rank
         out = [_trace.LaunchTrace.decode(buf.to_numpy().view(np.uint64)[:4 * sum(c for _, c in phases)],
                                          kind=kind, engine=self.knobs.engine, phases=phases, rank=rank,
                                          device_id=self.device_id)
                for kind, phases, buf in self._traces]
-        self._traces = []   # only once every launch decoded: an error keeps them for another try
+        self._traces.clear()   # only once every launch decoded: an error keeps them for another try
         return out
 
     # -- helpers -----------------------------------------------------------------------------------

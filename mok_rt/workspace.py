@@ -268,7 +268,8 @@ class Workspace:
         """The per-task timelines (``mok_rt._trace.LaunchTrace``: ``summary()``, ``phase_stats()``,
         ``chrome_events()``) of every local rank's megakernel launches since the last call, after
         waiting for their streams; empty unless the workspace was made with ``trace=True`` (and
-        always with the reference backend, which launches no kernels)."""
+        always with the reference backend, which launches no kernels).  Each rank keeps the
+        records of its latest 64 launches until then (32 bytes per task, on the device)."""
         if self._closed:
             raise ArgumentError("ws", "the workspace is closed")
         out = []
