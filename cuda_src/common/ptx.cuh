@@ -64,6 +64,16 @@ __device__ __forceinline__ void st_global_f4_if(bool pred, float* p, float4 v) {
   }
 }
 
+// ---- named barriers -----------------------------------------------------------------------------
+// `count` threads take part: sync waits for all of them, arrive counts itself and goes on (the
+// producer / consumer handoff between two warpgroups).
+__device__ __forceinline__ void named_bar_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(count) : "memory");
+}
+
 // ---- fences -----------------------------------------------------------------------------------
 __device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }

@@ -221,8 +221,13 @@ struct TmaBackward {
   }
 
   // ---- workers -------------------------------------------------------------------------------------
+  // The weight gradients: short K, long fp32 epilogues (ws_pipeline.cuh, "GEMMs in turns").
+  __device__ static bool in_turns(const ws::Job& job) {
+    return job.kind == kBwdWgradDown || job.kind == kBwdWgradGateUp || job.kind == kBwdSharedWgradDown ||
+           job.kind == kBwdSharedWgradGateUp;
+  }
   __device__ bool run(const ws::Job& job, const ws::Shared& s, wg::PipeState& ps, float (&acc)[ws::kAccRegs],
-                      int consumer, const MbarWaitCtx& w) const {
+                      int consumer, const MbarWaitCtx& w, const ws::Turns& turns) const {
     const MoEDims& d = p.dims;
     const ws::Frag f = ws::Frag::of(consumer);
     const bool acc_in = p.accumulate != 0;
@@ -272,14 +277,14 @@ struct TmaBackward {
         return true;
       }
       case kBwdWgradDown: {
-        if (!ws::gemm<wg::kMNMajor, wg::kMNMajor>(s, ps, acc, job.k_tiles, consumer, w)) return false;
+        if (!ws::gemm_in_turns<wg::kMNMajor, wg::kMNMajor>(s, ps, acc, job.k_tiles, consumer, w, turns)) return false;
         const int e = job.a, h0 = job.b * kBlockM, i0 = job.c * ws::kBN;
         ws::store_f32<true>(acc, f, p.grads.dw_down + ((size_t)e * d.hidden + h0) * d.inter + i0, d.inter,
                       min_int(kBlockM, d.hidden - h0), min_int(ws::kBN, d.inter - i0), acc_in);
         return true;
       }
       case kBwdWgradGateUp: {
-        if (!ws::gemm<wg::kMNMajor, wg::kMNMajor>(s, ps, acc, job.k_tiles, consumer, w)) return false;
+        if (!ws::gemm_in_turns<wg::kMNMajor, wg::kMNMajor>(s, ps, acc, job.k_tiles, consumer, w, turns)) return false;
         const int e = job.a, i0 = job.c * kBlockM, h0 = job.d * ws::kBN;
         float* dw = job.b ? p.grads.dw_up : p.grads.dw_gate;
         ws::store_f32<true>(acc, f, dw + ((size_t)e * d.inter + i0) * d.hidden + h0, d.hidden,
@@ -287,14 +292,14 @@ struct TmaBackward {
         return true;
       }
       case kBwdSharedWgradDown: {
-        if (!ws::gemm<wg::kMNMajor, wg::kMNMajor>(s, ps, acc, job.k_tiles, consumer, w)) return false;
+        if (!ws::gemm_in_turns<wg::kMNMajor, wg::kMNMajor>(s, ps, acc, job.k_tiles, consumer, w, turns)) return false;
         const int h0 = job.b * kBlockM, i0 = job.c * ws::kBN;
         ws::store_f32<true>(acc, f, p.grads.dws_down + (size_t)h0 * d.shared_inter + i0, d.shared_inter,
                       min_int(kBlockM, d.hidden - h0), min_int(ws::kBN, d.shared_inter - i0), acc_in);
         return true;
       }
       case kBwdSharedWgradGateUp: {
-        if (!ws::gemm<wg::kMNMajor, wg::kMNMajor>(s, ps, acc, job.k_tiles, consumer, w)) return false;
+        if (!ws::gemm_in_turns<wg::kMNMajor, wg::kMNMajor>(s, ps, acc, job.k_tiles, consumer, w, turns)) return false;
         const int i0 = job.c * kBlockM, h0 = job.d * ws::kBN;
         float* dw = job.b ? p.grads.dws_up : p.grads.dws_gate;
         ws::store_f32<true>(acc, f, dw + (size_t)i0 * d.hidden + h0, d.hidden, min_int(kBlockM, d.shared_inter - i0),

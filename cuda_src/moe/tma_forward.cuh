@@ -192,8 +192,9 @@ struct TmaForward {
   }
 
   // ---- workers -------------------------------------------------------------------------------------
+  __device__ static bool in_turns(const ws::Job&) { return false; }
   __device__ bool run(const ws::Job& job, const ws::Shared& s, wg::PipeState& ps, float (&acc)[ws::kAccRegs],
-                      int consumer, const MbarWaitCtx& w) const {
+                      int consumer, const MbarWaitCtx& w, const ws::Turns&) const {
     const MoEDims& d = p.dims;
     const ws::Frag f = ws::Frag::of(consumer);
     switch (job.kind) {

@@ -177,16 +177,44 @@ __device__ __forceinline__ bool publish(const Shared& s, QueueState& qs, const J
   return true;
 }
 
-// Workers: the next Job (try_wait acquires the producer's writes); kind 0 on a timeout, for all.
-__device__ __forceinline__ Job take(const Shared& s, QueueState& qs, const MbarWaitCtx& w) {
+// Workers: the next Job (try_wait acquires the producer's writes); kind 0 on a timeout, for the
+// whole warpgroup.  worker_loop makes the verdict uniform over both warpgroups, except for Jobs
+// they run in turns (below), which must not hold one warpgroup at the other's barrier.
+__device__ __forceinline__ Job take(const Shared& s, QueueState& qs, const MbarWaitCtx& w, int consumer) {
   const bool ok = mbar_wait(s.job_full(qs.slot), qs.phase, w);
   Job job = s.jobs[qs.slot];
   __syncwarp();  // every lane has read the entry before lane 0 frees it
   if ((threadIdx.x & 31) == 0) mbar_arrive(s.job_empty(qs.slot));
   qs.advance();
-  if (workers_any(!ok)) job.kind = 0;
+  if (wg::warpgroup_any(!ok, consumer)) job.kind = 0;
   return job;
 }
+
+// ---- GEMMs in turns ---------------------------------------------------------------------------------
+// A weight-gradient tile has a short K (an expert's rows, ~4 k-tiles) and a long fp32 epilogue
+// (128 KB): with both warpgroups in step the tensor cores idle through every epilogue.  For those
+// Jobs (K::in_turns) the warpgroups take turns instead: warpgroup 0 runs its 64 rows' MMAs, hands
+// the tensor cores to warpgroup 1 (named barrier kTurnTo1) and stores while warpgroup 1 runs its
+// MMAs, which hands them back (kTurnTo0) before warpgroup 0's next tile.  Both still read every
+// ring stage (a slot is refilled when both released it), so warpgroup 1 trails by one mainloop
+// and the producer refills a slot as soon as warpgroup 1 is done with it.  Each warpgroup arrives
+// on its hand-over barrier after every mainloop it runs, failed or not, so the other never waits
+// for a turn that does not come; warpgroup 0 waits for warpgroup 1's hand-back lazily (`owed`):
+// before its next mainloop, or before the first Job not run in turns.
+constexpr int kTurnTo0 = 4;  // named barriers (0: __syncthreads, 1-2: warpgroup votes, 3: workers)
+constexpr int kTurnTo1 = 5;
+
+// Warpgroup 0's `owed` flag lives in shared memory (every thread of warpgroup 0 writes the same
+// value, each reads back its own write): a register held across run() made the backward spill.
+struct Turns {
+  volatile int* owed;  // warpgroup 0: warpgroup 1 still hands the tensor cores back once
+  __device__ __forceinline__ void settle(int consumer) const {
+    if (consumer == 0 && *owed != 0) {
+      named_bar_sync(kTurnTo0, kThreads);
+      *owed = 0;
+    }
+  }
+};
 
 // ---- task order ----------------------------------------------------------------------------------
 // The plans put every row block's dispatch (memory-bound) before the first GEMM tile that needs
@@ -264,8 +292,10 @@ struct AheadOrder {
 //        1 = publish the Job, 0 = nothing for the workers (done or skipped), -1 = stop (error)
 //   int  plan_task(int task) const   the plan index of the task grabbed at position `task`
 //   unsigned long long* trace() const   the launch's trace records (trace.cuh), or null
-//   bool run(const Job&, const Shared&, wg::PipeState&, float (&acc)[kAccRegs], int consumer) const
-//        workers: false = stop (every worker returns the same verdict)
+//   bool run(const Job&, const Shared&, wg::PipeState&, float (&acc)[kAccRegs], int consumer,
+//            const MbarWaitCtx&, const Turns&) const
+//        workers: false = stop (every worker returns the same verdict; per warpgroup for Jobs in turns)
+//   bool in_turns(const Job&) const   whether the warpgroups run this Job's GEMM in turns (gemm_in_turns)
 // k.trace() (trace.cuh, may be null): record g = the task grabbed at position g.  Read from the
 // parameter space where it is used, so that it holds no producer register.
 template <class K>
@@ -317,17 +347,24 @@ __device__ __forceinline__ void worker_loop(const K& k, const Shared& s, const W
   wg::PipeState ps;
   QueueState qs;
   float acc[kAccRegs];
+  __shared__ int s_turn_owed;
+  if (consumer == 0) s_turn_owed = 0;  // read only by warpgroup 0, after its own write
+  const Turns turns{&s_turn_owed};
   // Worker 0 parks the Job's trace slot in shared memory: kept in a register across run(), it
   // made the backward's largest task body spill.
   __shared__ int s_trace_slot;
   for (;;) {
-    const Job job = take(s, qs, wq);
+    Job job = take(s, qs, wq, consumer);
+    if (!k.in_turns(job)) {  // both warpgroups in step again: one verdict for both
+      turns.settle(consumer);
+      if (workers_any(job.kind == 0)) job.kind = 0;
+    }
     if (job.kind == 0) return;
     if (worker_tid() == 0) {
       s_trace_slot = job.slot;
       trace_ready(k.trace(), job.slot);  // the workers start it (the producer's stamp: its waits done)
     }
-    if (!k.run(job, s, ps, acc, consumer, wr)) return;
+    if (!k.run(job, s, ps, acc, consumer, wr, turns)) return;
     if (worker_tid() == 0) trace_end(k.trace(), s_trace_slot);  // after the task's signal (a worker barrier)
   }
 }
@@ -361,6 +398,28 @@ __device__ __forceinline__ bool gemm(const Shared& s, wg::PipeState& ps, float (
   const bool ok = idle_hi && consumer == 1 ? drain(s, ps, acc, k_tiles, w)
                                            : E::consume(r, ps, acc, k_tiles, consumer, w);
   return !workers_any(!ok);
+}
+
+// gemm() for a Job in turns (see "GEMMs in turns"): this warpgroup's verdict only; no barrier
+// with the other warpgroup except the turn hand-overs.
+template <int kAMajor, int kBMajor>
+__device__ __forceinline__ bool gemm_in_turns(const Shared& s, wg::PipeState& ps, float (&acc)[kAccRegs], int k_tiles,
+                                              int consumer, const MbarWaitCtx& w, const Turns& t) {
+  using E = Engine<kAMajor, kBMajor>;
+  const typename E::Ring r{s.ring.data, s.ring.bars};
+  if (consumer == 0) {
+    t.settle(0);
+  } else {
+    named_bar_sync(kTurnTo1, kThreads);
+  }
+  const bool ok = E::consume(r, ps, acc, k_tiles, consumer, w);  // ends with wgmma_wait<0>
+  if (consumer == 0) {
+    named_bar_arrive(kTurnTo1, kThreads);
+    *t.owed = 1;
+  } else {
+    named_bar_arrive(kTurnTo0, kThreads);
+  }
+  return ok;
 }
 
 // Producer: whether rows 64..127 of row block b (expert e) are all padding.  A schedule that
