@@ -165,8 +165,11 @@ struct Engine {
 
   // acc = A[64 rows of this warpgroup] * B^T over k_tiles stages.  Every thread of the warpgroup
   // calls it; returns the warpgroup-uniform verdict (false: stop, a wait failed somewhere).
+  // hand_over >= 0: after issuing k-tile `hand_over`'s MMAs the warpgroup arrives on named
+  // barrier hand_over_bar (256 threads: the other consumer warpgroup waits there for its turn).
   __device__ __forceinline__ static bool consume(const Ring& r, PipeState& ps, float (&acc)[kAccRegs], int k_tiles,
-                                                 int consumer, const MbarWaitCtx& w) {
+                                                 int consumer, const MbarWaitCtx& w, int hand_over = -1,
+                                                 int hand_over_bar = 0) {
     constexpr uint32_t a_step = kAMajor == kKMajor ? kStepBytesK : kStepBytesMN;
     constexpr uint32_t b_step = kBMajor == kKMajor ? kStepBytesK : kStepBytesMN;
     const bool arriver = (threadIdx.x & 31) == 0;
@@ -188,6 +191,7 @@ struct Engine {
       if (prev >= 0 && arriver) mbar_arrive(r.empty(prev));
       prev = ps.slot;
       ps.advance(kStages);
+      if (kt == hand_over) asm volatile("bar.arrive %0, 256;" :: "r"(hand_over_bar) : "memory");
     }
     wgmma_wait<0>();
     wgmma_fence_operand(acc);

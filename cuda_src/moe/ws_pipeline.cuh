@@ -196,11 +196,13 @@ __device__ __forceinline__ Job take(const Shared& s, QueueState& qs, const MbarW
 // Jobs (K::in_turns) the warpgroups take turns instead: warpgroup 0 runs its 64 rows' MMAs, hands
 // the tensor cores to warpgroup 1 (named barrier kTurnTo1) and stores while warpgroup 1 runs its
 // MMAs, which hands them back (kTurnTo0) before warpgroup 0's next tile.  Both still read every
-// ring stage (a slot is refilled when both released it), so warpgroup 1 trails by one mainloop
-// and the producer refills a slot as soon as warpgroup 1 is done with it.  Each warpgroup arrives
-// on its hand-over barrier after every mainloop it runs, failed or not, so the other never waits
-// for a turn that does not come; warpgroup 0 waits for warpgroup 1's hand-back lazily (`owed`):
-// before its next mainloop, or before the first Job not run in turns.
+// ring stage (a slot is refilled when both released it), so warpgroup 0 cannot run more than
+// kStages k-tiles ahead of warpgroup 1: it hands over after min(K, kStages) k-tiles (for
+// K > kStages the two then share the tensor cores for the rest; the hand-over must come before
+// warpgroup 0 waits for a slot that only warpgroup 1 can free, or neither moves).  Each
+// warpgroup arrives on its hand-over barrier once per mainloop, failed or not, so the other never
+// waits for a turn that does not come; warpgroup 0 waits for warpgroup 1's hand-back lazily
+// (`owed`): before its next mainloop, or before the first Job not run in turns.
 constexpr int kTurnTo0 = 4;  // named barriers (0: __syncthreads, 1-2: warpgroup votes, 3: workers)
 constexpr int kTurnTo1 = 5;
 
@@ -412,9 +414,11 @@ __device__ __forceinline__ bool gemm_in_turns(const Shared& s, wg::PipeState& ps
   } else {
     named_bar_sync(kTurnTo1, kThreads);
   }
-  const bool ok = E::consume(r, ps, acc, k_tiles, consumer, w);  // ends with wgmma_wait<0>
+  // Warpgroup 0 hands over inside the mainloop (after k-tile min(K, kStages) - 1), or after it for K = 0.
+  const int hand_over = consumer == 0 ? min_int(k_tiles, kStages) - 1 : -1;
+  const bool ok = E::consume(r, ps, acc, k_tiles, consumer, w, hand_over, kTurnTo1);
   if (consumer == 0) {
-    named_bar_arrive(kTurnTo1, kThreads);
+    if (k_tiles == 0) named_bar_arrive(kTurnTo1, kThreads);
     *t.owed = 1;
   } else {
     named_bar_arrive(kTurnTo0, kThreads);
