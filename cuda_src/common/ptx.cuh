@@ -84,7 +84,7 @@ __device__ __forceinline__ uint64_t globaltimer_ns() {
   uint64_t t; asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t)); return t;
 }
 
-// The SM this thread runs on (for timelines; a CTA never migrates).
+// The SM this thread runs on (for timelines; read at each record: %smid may change after a preemption).
 __device__ __forceinline__ uint32_t smid() {
   uint32_t r; asm volatile("mov.u32 %0, %smid;" : "=r"(r)); return r;
 }

@@ -8,7 +8,7 @@
 //   B6 wgrad down      expert x H/128 x I/128:    dW_down[e] = dy_e^T * act_e
 //   B7 wgrad gate|up   expert x {g,u} x I/128 x H/128: dW_{gate,up}[e] = dG_e^T / dU_e^T * x_routed_e
 //   B8 shared wgrad    H/128 x I_s/128, then {g,u} x I_s/128 x H/128 (K = T)
-//   B9 combine dx      token block:               dx = dx_shared + sum_j dx_slot[t*k+j]
+//   B9 combine dx      part of a token block:     dx = dx_shared + sum_j dx_slot[t*k+j]
 // With expert parallelism (ep.cuh) the order is
 //   Bp push (weighted d_out rows -> their destinations' routed rows = dy_routed), Bp' notify,
 //   B1, B2, B0 receive (wait for every source; zero the padding rows), B3, B4,

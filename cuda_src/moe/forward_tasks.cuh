@@ -4,7 +4,7 @@
 //   F2 routed g|u    row block x I/64:       [x_routed | W_gate[e]; W_up[e]] -> gu, act
 //   F3 shared down   token block x H/128:    sact * ws_down^T -> shared_y (fp32)
 //   F4 routed down   row block x H/128:      act * W_down[e]^T -> y_slot[route] (unweighted)
-//   F5 combine       token block:            out = shared_y + sum_j w[t,j] y_slot[t*k+j]
+//   F5 combine       part of a token block:  out = shared_y + sum_j w[t,j] y_slot[t*k+j]
 // With expert parallelism (ep.cuh) the order is
 //   Fp push (this rank's token rows -> their destinations' routed rows), Fp' notify "rows sent",
 //   F1 (overlaps the dispatch), F0 receive (wait for every source; routed rows -> x_routed),

@@ -36,6 +36,7 @@
 #include <stdint.h>
 #include "common/errors.cuh"
 #include "common/mbarrier.cuh"
+#include "common/ptx.cuh"
 #include "common/tma.cuh"
 #include "common/wgmma.cuh"
 
@@ -191,7 +192,7 @@ struct Engine {
       if (prev >= 0 && arriver) mbar_arrive(r.empty(prev));
       prev = ps.slot;
       ps.advance(kStages);
-      if (kt == hand_over) asm volatile("bar.arrive %0, 256;" :: "r"(hand_over_bar) : "memory");
+      if (kt == hand_over) named_bar_arrive(hand_over_bar, 2 * 128);  // both consumer warpgroups
     }
     wgmma_wait<0>();
     wgmma_fence_operand(acc);

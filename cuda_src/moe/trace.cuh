@@ -1,7 +1,8 @@
 // Optional per-task timeline of the MoE megakernels (Workspace(trace=True); mok_rt/_trace.py
 // decodes it).  Record g describes the g-th task grabbed in the launch: when it was grabbed, when
 // its waits were done, when its work was done (its counters signalled), and which plan task on
-// which SM.  One writer per word, plain stores; with a null trace pointer (the default) each hook
+// which SM.  Plain stores, one writer at a time per word (`ready`: the producer, then worker 0
+// after the Job hand-off orders them); with a null trace pointer (the default) each hook
 // is one uniform branch per task.
 #pragma once
 #include "common/ptx.cuh"

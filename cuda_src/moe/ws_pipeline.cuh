@@ -57,7 +57,7 @@ struct Job {
   int a, b, c, d, e;
   int slot;     // the task's grab position (its trace record)
 };
-static_assert(sizeof(Job) == 36, "Job layout");
+static_assert(sizeof(Job) == 36, "Job layout (kSmemBytes and mok_rt/_moe_params.py TMA_SMEM_BYTES count it)");
 
 constexpr int kQueueBarrierBytes = 2 * kQueue * 8;
 // Dynamic shared memory: ring (1024-aligned, + slack) + ring barriers + queue barriers + Jobs.
@@ -203,6 +203,11 @@ __device__ __forceinline__ Job take(const Shared& s, QueueState& qs, const MbarW
 // warpgroup arrives on its hand-over barrier once per mainloop, failed or not, so the other never
 // waits for a turn that does not come; warpgroup 0 waits for warpgroup 1's hand-back lazily
 // (`owed`): before its next mainloop, or before the first Job not run in turns.
+// Known gap (review): verdicts are per warpgroup here, and named barriers do not time out.  If
+// only one warpgroup fails (a ring wait of one, or a take() timeout just before a Job in turns)
+// it leaves while the other waits at a hand-over or at the next vote of both: a hang instead of
+// kErrTimeout.  Both need a bug to happen; the fix is mbarrier hand-overs (bounded waits) and a
+// failed warpgroup that keeps taking Jobs until the next vote of both.
 constexpr int kTurnTo0 = 4;  // named barriers (0: __syncthreads, 1-2: warpgroup votes, 3: workers)
 constexpr int kTurnTo1 = 5;
 
