@@ -359,7 +359,7 @@ def forward_phases(dims: LayerDims, *, context_only: bool = False, push_tasks: i
     return tuple(lead + [("routed_gate_up", mb * gu),
                          ("shared_down", tb * h_tiles if shared and not context_only else 0),
                          ("routed_down", mb * h_tiles), ("down_notify", 1 if ep else 0),
-                         ("combine", 0 if context_only and not ep else tb * P.COMBINE_PARTS)])
+                         ("combine", 0 if context_only and not ep else tb * P.combine_parts(tb))])
 
 
 def backward_phases(dims: LayerDims, *, push_tasks: int = 0, engine: str = "tile") -> tuple[tuple[str, int], ...]:
@@ -378,7 +378,7 @@ def backward_phases(dims: LayerDims, *, push_tasks: int = 0, engine: str = "tile
                          ("wgrad_down", d.local_experts * h_r * i_t),
                          ("wgrad_gate_up", d.local_experts * 2 * i_r * h_t),
                          ("shared_wgrad", h_r * si_t + 2 * si_r * h_t if shared else 0),
-                         ("combine", tb * P.COMBINE_PARTS)])
+                         ("combine", tb * P.combine_parts(tb))])
 
 
 def forward_task_count(dims: LayerDims, *, context_only: bool = False, push_tasks: int = 0,

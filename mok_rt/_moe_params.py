@@ -12,7 +12,7 @@ import ctypes
 from ._tensormap import TENSOR_MAP_BYTES, TensorMapBytes
 
 __all__ = [
-    "BLOCK_M", "COMBINE_PARTS", "THREADS", "TILE_N", "GATE_UP_COLS", "SMEM_BYTES",
+    "BLOCK_M", "combine_parts", "THREADS", "TILE_N", "GATE_UP_COLS", "SMEM_BYTES",
     "TMA_THREADS", "TMA_TILE_N", "TMA_GATE_UP_COLS", "TMA_SMEM_BYTES", "FORWARD_MAP_NAMES", "BACKWARD_MAP_NAMES",
     "MoEForwardMaps", "MoEBackwardMaps", "MoEForwardTmaParams", "MoEBackwardTmaParams",
     "MoESchedule", "MoEDims", "MoEWeights", "MoEContext", "MoEForwardCounters", "MoEForwardParams",
@@ -21,10 +21,16 @@ __all__ = [
 
 # ---- tiling (cuda_src/moe/params.cuh, cuda_src/moe/gemm_tile.cuh) ----------------------------
 BLOCK_M = 128          # rows per row block / token block; the schedule's block_m must equal it
-COMBINE_PARTS = 4      # combine tasks per token block (kCombineParts)
 THREADS = 256          # threads per CTA
 TILE_N = 128           # GEMM tile width
 GATE_UP_COLS = 64      # SwiGLU columns per fused gate|up forward tile
+
+
+def combine_parts(token_blocks: int) -> int:
+    """Combine tasks per token block (params.cuh combine_parts): 1 from 128 token blocks, 2 from 64, else 4."""
+    return 1 if token_blocks >= 128 else 2 if token_blocks >= 64 else 4
+
+
 # The wgmma engine's ring: 6 slots of a 128x64 A and a 128x64 B bf16 slice (128B-swizzled,
 # 1024-byte aligned: + 1024 bytes of slack); the fp32 C tile reuses it.  gemm_tile.cuh asserts it.
 _BK, _STAGES = 64, 6
@@ -148,7 +154,6 @@ assert ctypes.sizeof(MoEWeightGrads) == 6 * 8
 assert ctypes.sizeof(MoEBackwardParams) == (8 * 8 + 6 * 8 + 6 * 8 + 11 * 8 + 6 * 8 + 12 * 8 + (8 + 12 * 4) + 8
                                             + _PEERS)
 assert SMEM_BYTES == 197632
-
 
 # ---- the warp-specialised TMA + wgmma kernels (cuda_src/moe/moe_layer_tma.cu, params_tma.cuh) ----
 TMA_THREADS = 384          # producer warpgroup + 2 worker warpgroups

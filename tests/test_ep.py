@@ -12,7 +12,7 @@ import pytest
 import mok_rt as mok
 from mok_rt import _ep
 from mok_rt._moe_launch import LayerDims, PeerSpec, backward_task_count, forward_task_count
-from mok_rt._moe_params import COMBINE_PARTS
+from mok_rt._moe_params import combine_parts
 from mok_rt.errors import ArgumentError
 from mok_rt.group import ProcessGroup
 from mok_rt.schedule_ref import schedule_reference, schedule_reference_all_ranks
@@ -221,5 +221,5 @@ def test_task_counts_with_peers():
     # push tasks + "rows sent" + "outputs returned"; a context-only EP launch still collects y
     assert forward_task_count(d, push_tasks=5) == forward_task_count(d) + 5 + 2
     assert forward_task_count(d, context_only=True, push_tasks=5) == \
-        forward_task_count(d, context_only=True) + 5 + 2 + d.token_blocks * COMBINE_PARTS
+        forward_task_count(d, context_only=True) + 5 + 2 + d.token_blocks * combine_parts(d.token_blocks)
     assert backward_task_count(d, push_tasks=5) == backward_task_count(d) + 5 + 2

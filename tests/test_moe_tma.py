@@ -113,7 +113,7 @@ def test_engine_knob(monkeypatch):
 def test_task_counts_per_engine():
     d = L.LayerDims(capacity_rows=16384 * 8 + 128 * 128, **QWEN)
     mb, tb = d.max_blocks, d.token_blocks
-    cb = tb * P.COMBINE_PARTS  # combine tasks
+    cb = tb * P.combine_parts(tb)  # combine tasks
     # tile: gate|up tiles of 64 columns, N tiles of 128.
     assert L.forward_task_count(d) == mb + mb * 12 + mb * 16 + cb
     # tma: gate|up tiles of 128 columns (768 / 128 = 6), N tiles of 256 (2048 / 256 = 8).
@@ -124,7 +124,7 @@ def test_task_counts_per_engine():
     r = _dims()
     si_t, si_r = 2, 3   # I_s = 320: 256-wide tiles, 128-row tiles
     want = (r.max_blocks + r.token_blocks + r.token_blocks * si_t + r.max_blocks * 1 + r.token_blocks * 2
-            + r.max_blocks * 2 + 5 * 3 * 1 + 5 * 2 * 2 * 2 + (3 * si_t + 2 * si_r * 2) + r.token_blocks * P.COMBINE_PARTS)
+            + r.max_blocks * 2 + 5 * 3 * 1 + 5 * 2 * 2 * 2 + (3 * si_t + 2 * si_r * 2) + r.token_blocks * P.combine_parts(r.token_blocks))
     assert L.backward_task_count(r, engine="tma") == want
     with pytest.raises(ArgumentError, match="engine"):
         L.forward_task_count(d, engine="mma")

@@ -33,7 +33,7 @@ def test_phase_tables_add_up_to_the_plans(engine, Is, push, T):
     tile_n = P.TMA_TILE_N if engine == "tma" else P.TILE_N
     gu_cols = P.TMA_GATE_UP_COLS if engine == "tma" else P.GATE_UP_COLS
     tb, mb, h_t = d.token_blocks, d.max_blocks, _cdiv(d.hidden, tile_n)
-    cp = P.COMBINE_PARTS  # combine tasks per token block
+    cp = P.combine_parts(tb)  # combine tasks per token block
     gu, sgu = _cdiv(d.intermediate, gu_cols), _cdiv(Is, gu_cols)
     for ctx_only in (False, True):
         want = ((push + 2 if push else 0) + mb + tb * sgu + mb * gu + (tb * h_t if Is and not ctx_only else 0)

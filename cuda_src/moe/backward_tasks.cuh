@@ -41,7 +41,7 @@ __device__ __forceinline__ void swiglu_bwd_epilogue(const unsigned char* smem, i
 // wgrad rows come in kBlockM-row tiles (h_rows, i_rows, si_rows).  n_cols = kBlockM for the
 // one-engine kernel, where both counts coincide.
 struct BackwardPlan {
-  int token_blocks, i_tiles, si_tiles, h_tiles, h_rows, i_rows, si_rows;
+  int token_blocks, i_tiles, si_tiles, h_tiles, h_rows, i_rows, si_rows, combine_parts;
   PhaseRange push, push_notify, dispatch, d_weights, shared_da, routed_da, shared_dx, routed_dx, dx_notify,
       wgrad_down, wgrad_gate_up, shared_wgrad, combine;
   int total;
@@ -79,7 +79,8 @@ struct BackwardPlan {
     f.wgrad_down = next(d.local_experts * f.h_rows * f.i_tiles);
     f.wgrad_gate_up = next(d.local_experts * 2 * f.i_rows * f.h_tiles);
     f.shared_wgrad = next(shared ? f.h_rows * f.si_tiles + 2 * f.si_rows * f.h_tiles : 0);
-    f.combine = next(f.token_blocks * kCombineParts);
+    f.combine_parts = mok::combine_parts(f.token_blocks);
+    f.combine = next(f.token_blocks * f.combine_parts);
     f.total = at;
     return f;
   }
@@ -305,10 +306,10 @@ struct BackwardTasks {
   }
 
   // B9: dx[t] = dx_shared[t] + sum_j dx_slot[t*k+j], fp32, j in order.
-  // `q`: the combine task (token block q / kCombineParts, its part q % kCombineParts).
+  // `q`: the combine task (token block q / plan.combine_parts, its part q % plan.combine_parts).
   __device__ void combine(int q, int task) const {
     const MoEDims& d = p.dims;
-    const int tb = q / kCombineParts;
+    const int tb = q / plan.combine_parts;
     if (ep_on()) {  // dx_slot is this rank's slot rows, written by every destination
       if (!ep::wait_all(p.peers, kFlagBwdReturn, kFlagBwdRows, peer_wait_ctx(), ep::kStageBwdReturn)) return;
     } else if (!wait_counter(p.cnt.dx_done, num_blocks * plan.h_tiles, wait_ctx(), task)) {
@@ -317,11 +318,12 @@ struct BackwardTasks {
     if (d.shared_inter > 0 && !wait_counter(p.cnt.token_dxs_ready + tb, plan.h_tiles, wait_ctx(), task)) return;
     combine_body(q);
   }
-  // B9 after its waits: the kCombineRows tokens of combine task q.
+  // B9 after its waits: the kBlockM / plan.combine_parts tokens of combine task q.
   __device__ void combine_body(int q) const {
     const MoEDims& d = p.dims;
     const bool shared = d.shared_inter > 0;
-    const int t0 = q * kCombineRows, rows = min_int(kCombineRows, d.tokens - t0), chunks = d.hidden / 8;
+    const int part_rows = kBlockM / plan.combine_parts;
+    const int t0 = q * part_rows, rows = min_int(part_rows, d.tokens - t0), chunks = d.hidden / 8;
     for (int idx = worker_tid(); idx < rows * chunks; idx += kThreads) {
       const int r = idx / chunks, c = (idx - r * chunks) * 8;
       const size_t t = (size_t)(t0 + r);

@@ -156,7 +156,7 @@ struct TileWidths {
 };
 
 struct ForwardPlan {
-  int token_blocks, gu_tiles, sgu_tiles, h_tiles;
+  int token_blocks, gu_tiles, sgu_tiles, h_tiles, combine_parts;
   PhaseRange push, push_notify, dispatch, shared_gu, routed_gu, shared_down, routed_down, down_notify, combine;
   int total;
 
@@ -187,7 +187,8 @@ struct ForwardPlan {
     f.routed_down = next(d.max_blocks * f.h_tiles);
     f.down_notify = next(ep ? 1 : 0);
     // With EP a context-only launch still collects its routes' outputs (y_slot is context).
-    f.combine = next(context_only && !ep ? 0 : f.token_blocks * kCombineParts);
+    f.combine_parts = mok::combine_parts(f.token_blocks);
+    f.combine = next(context_only && !ep ? 0 : f.token_blocks * f.combine_parts);
     f.total = at;
     return f;
   }
@@ -312,10 +313,10 @@ struct ForwardTasks {
   // F5: out[t] = shared_y[t] + sum_j w[t,j] * y_slot[t*k+j], fp32, j in order.  With EP the
   // routes' outputs arrive in this rank's slot rows: they are also copied into y_slot (context),
   // and a context-only launch stops there.
-  // `q`: the combine task (token block q / kCombineParts, its part q % kCombineParts).
+  // `q`: the combine task (token block q / plan.combine_parts, its part q % plan.combine_parts).
   __device__ void combine(int q, int task) const {
     const MoEDims& d = p.dims;
-    const int tb = q / kCombineParts;
+    const int tb = q / plan.combine_parts;
     if (ep_on()) {
       if (!ep::wait_all(p.peers, kFlagFwdReturn, kFlagFwdRows, peer_wait_ctx(), ep::kStageFwdReturn)) return;
     } else if (!wait_counter(p.cnt.down_done, num_blocks * plan.h_tiles, wait_ctx(), task)) {
@@ -325,14 +326,15 @@ struct ForwardTasks {
     if (shared && !wait_counter(p.cnt.token_shared_done + tb, plan.h_tiles, wait_ctx(), task)) return;
     combine_body(q);
   }
-  // F5 after its waits: the kCombineRows tokens of combine task q.
+  // F5 after its waits: the kBlockM / plan.combine_parts tokens of combine task q.
   __device__ void combine_body(int q) const {
     const MoEDims& d = p.dims;
     const bool ep = ep_on();
     const bool write_out = p.context_only == 0;
     const bool shared = d.shared_inter > 0 && write_out;
     const bf16* y_src = ep ? ep::slot_rows(p.peers, p.peers.rank) : p.ctx.y_slot;
-    const int t0 = q * kCombineRows, rows = min_int(kCombineRows, d.tokens - t0), chunks = d.hidden / 8;
+    const int part_rows = kBlockM / plan.combine_parts;
+    const int t0 = q * part_rows, rows = min_int(part_rows, d.tokens - t0), chunks = d.hidden / 8;
     for (int idx = worker_tid(); idx < rows * chunks; idx += kThreads) {
       const int r = idx / chunks, c = (idx - r * chunks) * 8;
       const size_t t = (size_t)(t0 + r);

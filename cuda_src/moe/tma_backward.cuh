@@ -30,7 +30,7 @@ enum BackwardJob : int {
   kBwdWgradGateUp,       // a = expert, b = up, c = intermediate row tile (128), d = hidden tile (256)
   kBwdSharedWgradDown,   // b = hidden row tile, c = intermediate tile
   kBwdSharedWgradGateUp, // b = up, c = intermediate row tile, d = hidden tile
-  kBwdCombine,           // a = combine task (kCombineRows tokens)
+  kBwdCombine,           // a = combine task (a part of a token block)
 };
 
 // SwiGLU backward epilogue: the tile holds dA for intermediate columns col0 + c (c < cols); reads
@@ -207,7 +207,7 @@ struct TmaBackward {
       return 1;
     }
     if (plan.combine.has(task)) {
-      const int q = plan.combine.local(task), tb = q / kCombineParts;
+      const int q = plan.combine.local(task), tb = q / plan.combine_parts;
       if (ep_on()) {
         if (!ep::wait_all_thread(p.peers, kFlagBwdReturn, kFlagBwdRows, peer_wait_ctx(), ep::kStageBwdReturn)) return -1;
       } else if (!wait_counter_thread(p.cnt.dx_done, num_blocks * plan.h_tiles, w, task)) {

@@ -23,7 +23,7 @@ enum ForwardJob : int {
   kFwdRoutedGU,    // a = row block, b = gate|up tile, c = expert, e = upper half idle
   kFwdSharedDown,  // a = token block, b = hidden tile
   kFwdRoutedDown,  // a = row block, b = hidden tile, c = expert, e = upper half idle
-  kFwdCombine,     // a = combine task (kCombineRows tokens)
+  kFwdCombine,     // a = combine task (a part of a token block)
 };
 
 // SwiGLU epilogue of a 128 x 256 gate|up tile from registers: column c < 128 is gate and 128 + c
@@ -176,7 +176,7 @@ struct TmaForward {
       return 0;
     }
     if (plan.combine.has(task)) {
-      const int q = plan.combine.local(task), tb = q / kCombineParts;
+      const int q = plan.combine.local(task), tb = q / plan.combine_parts;
       if (ep_on()) {
         if (!ep::wait_all_thread(p.peers, kFlagFwdReturn, kFlagFwdRows, peer_wait_ctx(), ep::kStageFwdReturn)) return -1;
       } else if (!wait_counter_thread(p.cnt.down_done, num_blocks * plan.h_tiles, w, task)) {
