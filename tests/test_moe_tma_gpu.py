@@ -36,6 +36,9 @@ TMA_CASES.update({
     "ragged": dict(seed=11, tokens=389, hidden=320, inter=192, experts=7, top_k=4, shared_inter=320, limit=None),
     # Many row blocks per expert (wgrad K of several hundred rows), clamp on.
     "deep_k": dict(seed=12, tokens=1024, hidden=512, inter=384, experts=4, top_k=2, shared_inter=128, limit=1.0),
+    # Enough token blocks for the combines' other splits (combine_parts: 2 from 64 blocks, 1 from 128).
+    "blocks_64": dict(seed=13, tokens=8100, hidden=128, inter=64, experts=3, top_k=1, shared_inter=64, limit=None),
+    "blocks_128": dict(seed=14, tokens=16384, hidden=128, inter=64, experts=5, top_k=2, shared_inter=0, limit=None),
 })
 
 
