@@ -64,6 +64,14 @@ __device__ __forceinline__ void st_global_f4_if(bool pred, float* p, float4 v) {
   }
 }
 
+// ---- shared memory ----------------------------------------------------------------------------
+__device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
+  return v;
+}
+
 // ---- named barriers -----------------------------------------------------------------------------
 // `count` threads take part: sync waits for all of them, arrive counts itself and goes on (the
 // producer / consumer handoff between two warpgroups).

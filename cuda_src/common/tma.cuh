@@ -49,6 +49,13 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const TensorMap* m, ui
       :: "r"(dst), "l"(tmap_addr(m)), "r"(bar), "r"(c0), "r"(c1), "r"(c2) : "memory");
 }
 
+// Plain bulk copy (no tensor map): `bytes` contiguous bytes, both addresses and the size multiples
+// of 16.  Completion is credited to the mbarrier like a tensor load.
+__device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+
 // ---- stores: shared -> global, tracked by bulk async-groups of the issuing thread --------------
 __device__ __forceinline__ void tma_store_2d(const TensorMap* m, uint32_t src, int c0, int c1) {
   asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [%0, {%2, %3}], [%1];"

@@ -11,6 +11,7 @@
 //             dy_routed, act, dgu and x_routed (dispatch writes zeros, and zeros stay zero).
 #pragma once
 #include "moe/backward_tasks.cuh"
+#include "moe/staged_rows.cuh"
 #include "moe/tma_forward.cuh"
 
 namespace mok {
@@ -110,16 +111,21 @@ struct TmaBackward {
       const int e = p.sched.block_expert[blk];
       if (!valid_expert(e, blk, d, p.err)) return -1;
       if (ep_on() && !ep::wait_all_thread(p.peers, kFlagBwdRows, -1, peer_wait_ctx(), ep::kStageBwdRows)) return -1;
-      job = ws::Job{kBwdDispatch, 0, 0, blk, e};
+      job = ws::Job{kBwdDispatch, ws::kLoadNone, 0, blk, e};
+      const rows::Stages g = rows::Stages::of(d.hidden);
+      if (!ep_on() && g.rows > 0) {  // one GPU: d_out rows through the ring (staged_rows.cuh)
+        job.gemm = ws::kLoadRows;
+        job.k_tiles = g.count;
+      }
       return 1;
     }
     if (plan.d_weights.has(task)) {
-      job = ws::Job{kBwdDWeights, 0, 0, plan.d_weights.local(task)};
+      job = ws::Job{kBwdDWeights, ws::kLoadNone, 0, plan.d_weights.local(task)};
       return 1;
     }
     if (plan.shared_da.has(task)) {
       const int q = plan.shared_da.local(task), tb = q / plan.si_tiles, n = q % plan.si_tiles;
-      job = ws::Job{kBwdSharedDA, 1, d.hidden / wg::kBK, tb, n};
+      job = ws::Job{kBwdSharedDA, ws::kLoadGemm, d.hidden / wg::kBK, tb, n};
       a = ws::kmajor(&m.d_out_k, tb * kBlockM);
       b = ws::mnmajor(&m.ws_down_mn, n * ws::kBN);
       return 1;
@@ -131,7 +137,7 @@ struct TmaBackward {
       if (!valid_expert(e, blk, d, p.err)) return -1;
       const int idle = ws::upper_half_idle(p.sched, blk, e);  // loads issued before the acquire
       if (!wait_counter_thread(p.cnt.block_dy_ready + blk, 1, w, task)) return -1;
-      job = ws::Job{kBwdRoutedDA, 1, d.hidden / wg::kBK, blk, n, e, 0, idle};
+      job = ws::Job{kBwdRoutedDA, ws::kLoadGemm, d.hidden / wg::kBK, blk, n, e, 0, idle};
       a = ws::kmajor(&m.dy_routed_k, blk * kBlockM);
       b = ws::mnmajor(&m.w_down_mn, n * ws::kBN, 0, e);
       return 1;
@@ -139,7 +145,7 @@ struct TmaBackward {
     if (plan.shared_dx.has(task)) {
       const int q = plan.shared_dx.local(task), tb = q / plan.h_tiles, h = q % plan.h_tiles;
       if (!wait_counter_thread(p.cnt.token_dsgu_ready + tb, plan.si_tiles, w, task)) return -1;
-      job = ws::Job{kBwdSharedDX, 1, 2 * d.shared_inter / wg::kBK, tb, h};
+      job = ws::Job{kBwdSharedDX, ws::kLoadGemm, 2 * d.shared_inter / wg::kBK, tb, h};
       a = ws::kmajor(&m.dsgu_k, tb * kBlockM);
       b = ws::mnmajor(&m.ws_gate_mn, h * ws::kBN, 0, 0, &m.ws_up_mn, d.shared_inter / wg::kBK);
       return 1;
@@ -151,7 +157,7 @@ struct TmaBackward {
       if (!valid_expert(e, blk, d, p.err)) return -1;
       const int idle = ws::upper_half_idle(p.sched, blk, e);
       if (!wait_counter_thread(p.cnt.block_dgu_ready + blk, plan.i_tiles, w, task)) return -1;
-      job = ws::Job{kBwdRoutedDX, 1, 2 * d.inter / wg::kBK, blk, h, e, 0, idle};
+      job = ws::Job{kBwdRoutedDX, ws::kLoadGemm, 2 * d.inter / wg::kBK, blk, h, e, 0, idle};
       a = ws::kmajor(&m.dgu_k, blk * kBlockM);
       b = ws::mnmajor(&m.w_gate_mn, h * ws::kBN, 0, e, &m.w_up_mn, d.inter / wg::kBK);
       return 1;
@@ -167,7 +173,7 @@ struct TmaBackward {
       const BackwardTasks::ExpertRows er = tasks.expert_rows(e);
       if (er.count == 0 && p.accumulate) return 0;  // adding zero: leave the caller's buffer alone
       if (er.blocks > 0 && !wait_counter_thread(p.cnt.expert_dy_ready + e, er.blocks, w, task)) return -1;
-      job = ws::Job{kBwdWgradDown, 1, k_tiles_of(er.count), e, h, n};
+      job = ws::Job{kBwdWgradDown, ws::kLoadGemm, k_tiles_of(er.count), e, h, n};
       a = ws::mnmajor(&m.dy_routed_mn, h * kBlockM, er.first);
       b = ws::mnmajor(&m.act_mn, n * ws::kBN, er.first);
       return 1;
@@ -180,7 +186,7 @@ struct TmaBackward {
       if (er.count == 0 && p.accumulate) return 0;
       if (er.blocks > 0 &&
           !wait_counter_thread(p.cnt.expert_dgu_ready + e, er.blocks * plan.i_tiles, w, task)) return -1;
-      job = ws::Job{kBwdWgradGateUp, 1, k_tiles_of(er.count), e, up, n, h};
+      job = ws::Job{kBwdWgradGateUp, ws::kLoadGemm, k_tiles_of(er.count), e, up, n, h};
       // Gate tile rows past I read up columns: garbage confined to rows the epilogue drops.
       a = ws::mnmajor(&m.dgu_mn, up * d.inter + n * kBlockM, er.first);
       b = ws::mnmajor(&m.x_routed_mn, h * ws::kBN, er.first);
@@ -192,7 +198,7 @@ struct TmaBackward {
       const int down_tiles = plan.h_rows * plan.si_tiles;
       if (q < down_tiles) {  // dWs_down[h, i] = sum_t d_out[t, h] * sact[t, i]
         const int h = q / plan.si_tiles, n = q % plan.si_tiles;
-        job = ws::Job{kBwdSharedWgradDown, 1, k_tiles_of(d.tokens), 0, h, n};
+        job = ws::Job{kBwdSharedWgradDown, ws::kLoadGemm, k_tiles_of(d.tokens), 0, h, n};
         a = ws::mnmajor(&m.d_out_mn, h * kBlockM);
         b = ws::mnmajor(&m.sact_mn, n * ws::kBN);
         return 1;
@@ -201,7 +207,7 @@ struct TmaBackward {
       const int per_up = plan.si_rows * plan.h_tiles;
       const int up = q / per_up, rem = q % per_up, n = rem / plan.h_tiles, h = rem % plan.h_tiles;
       if (!wait_counter_thread(p.cnt.dsgu_done, plan.token_blocks * plan.si_tiles, w, task)) return -1;
-      job = ws::Job{kBwdSharedWgradGateUp, 1, k_tiles_of(d.tokens), 0, up, n, h};
+      job = ws::Job{kBwdSharedWgradGateUp, ws::kLoadGemm, k_tiles_of(d.tokens), 0, up, n, h};
       a = ws::mnmajor(&m.dsgu_mn, up * d.shared_inter + n * kBlockM);
       b = ws::mnmajor(&m.x_mn, h * ws::kBN);
       return 1;
@@ -214,10 +220,26 @@ struct TmaBackward {
         return -1;
       }
       if (d.shared_inter > 0 && !wait_counter_thread(p.cnt.token_dxs_ready + tb, plan.h_tiles, w, task)) return -1;
-      job = ws::Job{kBwdCombine, 0, 0, q};
+      job = ws::Job{kBwdCombine, ws::kLoadNone, 0, q};
       return 1;
     }
     return 0;
+  }
+
+  // Dispatch through the ring (one GPU): routed row `row`'s token row in d_out, or nullptr (padding).
+  __device__ const bf16* dispatch_src(int row) const {
+    const int slot = p.sched.row_slot[row];
+    if (slot < 0) return nullptr;
+    if (slot >= p.dims.tokens * p.dims.top_k) {  // corrupt schedule: never read past d_out
+      set_error(p.err, kErrInternal, __LINE__, row, slot);
+      return nullptr;
+    }
+    return p.d_out + (size_t)(slot / p.dims.top_k) * p.dims.hidden;
+  }
+  __device__ uint32_t stage_rows(const ws::Job& job, int stage, uint32_t dst, uint32_t bar) const {
+    const int hidden = p.dims.hidden;
+    return rows::issue_stage(job.a, stage, rows::Stages::of(hidden), hidden, dst, bar,
+                             [&](int row) { return dispatch_src(row); });
   }
 
   // ---- workers -------------------------------------------------------------------------------------
@@ -235,9 +257,23 @@ struct TmaBackward {
       case kBwdPush:
         tasks.push(job.a);
         return true;
-      case kBwdDispatch:
-        tasks.dispatch_body(job.a, job.b);
+      case kBwdDispatch: {
+        if (job.gemm != ws::kLoadRows) {
+          tasks.dispatch_body(job.a, job.b);
+          return true;
+        }
+        const int slots = d.tokens * d.top_k;
+        const bool ok = rows::drain_stages(s, ps, job.a, rows::Stages::of(d.hidden), d.hidden, w,
+                                           [&](int row, uint32_t src) {
+                                             const int slot = p.sched.row_slot[row];
+                                             const bool valid = slot >= 0 && slot < slots;
+                                             rows::store_row(p.dy_routed + (size_t)row * d.hidden, src, valid,
+                                                             valid ? p.topk_weights + slot : nullptr, d.hidden);
+                                           });
+        if (!ok) return false;
+        signal_counters(p.cnt.block_dy_ready + job.a, p.cnt.expert_dy_ready + job.b);
         return true;
+      }
       case kBwdDWeights:
         tasks.d_weights(job.a);
         return true;

@@ -3,11 +3,13 @@
 // and their epilogues straight from registers.  Tiles are 128 x 256:
 //   F1/F2 gate|up: 128 intermediate columns (B = 128 gate rows | 128 up rows, two TMA boxes);
 //   F3/F4 down:    256 hidden columns.
-// Non-GEMM tasks (push, dispatch, combine) run the one-engine kernel's bodies on the 256 workers
-// after the producer did their waits; the notify tasks run entirely on the producer.
+// The one-GPU dispatch streams its rows through the ring (staged_rows.cuh).  The other non-GEMM
+// tasks (push, EP dispatch, combine) run the one-engine kernel's bodies on the 256 workers after
+// the producer did their waits; the notify tasks run entirely on the producer.
 #pragma once
 #include "moe/forward_tasks.cuh"
 #include "moe/params_tma.cuh"
+#include "moe/staged_rows.cuh"
 #include "moe/ws_pipeline.cuh"
 
 namespace mok {
@@ -129,11 +131,16 @@ struct TmaForward {
       if (ep_on() && !ep::wait_all_thread(p.peers, kFlagFwdRows, -1, peer_wait_ctx(), ep::kStageFwdRows)) return -1;
       job.kind = kFwdDispatch;
       job.a = blk;
+      const rows::Stages g = rows::Stages::of(d.hidden);
+      if (!ep_on() && g.rows > 0) {
+        job.gemm = ws::kLoadRows;
+        job.k_tiles = g.count;
+      }
       return 1;
     }
     if (plan.shared_gu.has(task)) {
       const int q = plan.shared_gu.local(task), tb = q / plan.sgu_tiles, n = q % plan.sgu_tiles;
-      job = ws::Job{kFwdSharedGU, 1, d.hidden / wg::kBK, tb, n};
+      job = ws::Job{kFwdSharedGU, ws::kLoadGemm, d.hidden / wg::kBK, tb, n};
       a = ws::kmajor(&m.x_k, tb * kBlockM);
       b = ws::kmajor(&m.ws_gate_k, n * kTmaGateUpCols, 0, &m.ws_up_k);
       return 1;
@@ -145,7 +152,7 @@ struct TmaForward {
       if (!valid_expert(e, blk, d, p.err)) return -1;
       const int idle = ws::upper_half_idle(p.sched, blk, e);  // loads issued before the acquire
       if (!wait_counter_thread(p.cnt.block_ready + blk, 1, w, task)) return -1;
-      job = ws::Job{kFwdRoutedGU, 1, d.hidden / wg::kBK, blk, n, e, 0, idle};
+      job = ws::Job{kFwdRoutedGU, ws::kLoadGemm, d.hidden / wg::kBK, blk, n, e, 0, idle};
       a = ws::kmajor(&m.x_routed_k, blk * kBlockM);
       b = ws::kmajor(&m.w_gate_k, n * kTmaGateUpCols, e, &m.w_up_k);
       return 1;
@@ -153,7 +160,7 @@ struct TmaForward {
     if (plan.shared_down.has(task)) {
       const int q = plan.shared_down.local(task), tb = q / plan.h_tiles, h = q % plan.h_tiles;
       if (!wait_counter_thread(p.cnt.token_sact_ready + tb, plan.sgu_tiles, w, task)) return -1;
-      job = ws::Job{kFwdSharedDown, 1, d.shared_inter / wg::kBK, tb, h};
+      job = ws::Job{kFwdSharedDown, ws::kLoadGemm, d.shared_inter / wg::kBK, tb, h};
       a = ws::kmajor(&m.sact_k, tb * kBlockM);
       b = ws::kmajor(&m.ws_down_k, h * ws::kBN);
       return 1;
@@ -165,7 +172,7 @@ struct TmaForward {
       if (!valid_expert(e, blk, d, p.err)) return -1;
       const int idle = ws::upper_half_idle(p.sched, blk, e);
       if (!wait_counter_thread(p.cnt.block_act_ready + blk, plan.gu_tiles, w, task)) return -1;
-      job = ws::Job{kFwdRoutedDown, 1, d.inter / wg::kBK, blk, h, e, 0, idle};
+      job = ws::Job{kFwdRoutedDown, ws::kLoadGemm, d.inter / wg::kBK, blk, h, e, 0, idle};
       a = ws::kmajor(&m.act_k, blk * kBlockM);
       b = ws::kmajor(&m.w_down_k, h * ws::kBN, e);
       return 1;
@@ -191,6 +198,22 @@ struct TmaForward {
     return 0;
   }
 
+  // Dispatch through the ring (one GPU): routed row `row`'s token row in x, or nullptr (padding).
+  __device__ const bf16* dispatch_src(int row) const {
+    const int slot = p.sched.row_slot[row];
+    if (slot < 0) return nullptr;
+    if (slot >= p.dims.tokens * p.dims.top_k) {  // corrupt schedule: never read past x
+      set_error(p.err, kErrInternal, __LINE__, row, slot);
+      return nullptr;
+    }
+    return p.x + (size_t)(slot / p.dims.top_k) * p.dims.hidden;
+  }
+  __device__ uint32_t stage_rows(const ws::Job& job, int stage, uint32_t dst, uint32_t bar) const {
+    const int hidden = p.dims.hidden;
+    return rows::issue_stage(job.a, stage, rows::Stages::of(hidden), hidden, dst, bar,
+                             [&](int row) { return dispatch_src(row); });
+  }
+
   // ---- workers -------------------------------------------------------------------------------------
   __device__ static bool in_turns(const ws::Job&) { return false; }
   __device__ bool run(const ws::Job& job, const ws::Shared& s, wg::PipeState& ps, float (&acc)[ws::kAccRegs],
@@ -201,9 +224,22 @@ struct TmaForward {
       case kFwdPush:
         tasks.push(job.a);
         return true;
-      case kFwdDispatch:
-        tasks.dispatch_body(job.a);
+      case kFwdDispatch: {
+        if (job.gemm != ws::kLoadRows) {
+          tasks.dispatch_body(job.a);
+          return true;
+        }
+        const int slots = d.tokens * d.top_k;
+        const bool ok = rows::drain_stages(s, ps, job.a, rows::Stages::of(d.hidden), d.hidden, w,
+                                           [&](int row, uint32_t src) {
+                                             const int slot = p.sched.row_slot[row];
+                                             rows::store_row(p.ctx.x_routed + (size_t)row * d.hidden, src,
+                                                             slot >= 0 && slot < slots, nullptr, d.hidden);
+                                           });
+        if (!ok) return false;
+        signal_counter(p.cnt.block_ready + job.a);
         return true;
+      }
       case kFwdCombine:
         tasks.combine_body(job.a);
         return true;

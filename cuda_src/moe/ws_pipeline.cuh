@@ -52,11 +52,14 @@ using Geometry = Engine<wg::kKMajor, wg::kKMajor>;  // the ring's layout does no
 // e = 1 on a routed row block whose rows 64..127 are padding (see gemm()).
 struct Job {
   int kind;
-  int gemm;     // 1: the producer loads k_tiles stages for it
+  int gemm;     // what the producer streams into the ring: kLoadNone, kLoadGemm or kLoadRows
   int k_tiles;
   int a, b, c, d, e;
   int slot;     // the task's grab position (its trace record)
 };
+// Job::gemm: nothing; the k_tiles stages of a GEMM (prepare's LoadSrc a, b); or k_tiles stages of
+// whole rows (K::stage_rows, moe/staged_rows.cuh).
+enum JobLoads : int { kLoadNone = 0, kLoadGemm = 1, kLoadRows = 2 };
 static_assert(sizeof(Job) == 36, "Job layout (kSmemBytes and mok_rt/_moe_params.py TMA_SMEM_BYTES count it)");
 
 constexpr int kQueueBarrierBytes = 2 * kQueue * 8;
@@ -143,6 +146,20 @@ __device__ __forceinline__ void load_tile(const LoadSrc& s, int kt, uint32_t dst
 #pragma unroll
     for (int p = 0; p < kRows / 64; ++p) tma_load_3d(dst + p * wg::kPanelBytes, m, bar, s.row0 + 64 * p, k, s.group);
   }
+}
+
+// Issues the k_tiles stages of a Job of rows: K::stage_rows(job, stage, slot address, full barrier)
+// issues the stage's copies and returns their bytes.
+template <class K>
+__device__ __forceinline__ bool produce_rows(const K& k, const Shared& s, wg::PipeState& ps, const Job& job,
+                                             const MbarWaitCtx& w) {
+  for (int st = 0; st < job.k_tiles; ++st) {
+    if (!mbar_wait(s.ring.empty(ps.slot), ps.phase ^ 1u, w)) return false;
+    const uint32_t full = s.ring.full(ps.slot);
+    mbar_arrive_expect_tx(full, k.stage_rows(job, st, s.ring.a_tile(ps.slot), full));
+    ps.advance(kStages);
+  }
+  return true;
 }
 
 // Issues the k_tiles stages of one GEMM (every box credits its full size, zero-filled or not).
@@ -297,6 +314,8 @@ struct AheadOrder {
 // K (the kernel's task set) provides
 //   int  prepare(int task, Job&, LoadSrc& a, LoadSrc& b) const   producer: decode + wait;
 //        1 = publish the Job, 0 = nothing for the workers (done or skipped), -1 = stop (error)
+//   uint32_t stage_rows(const Job&, int stage, uint32_t dst, uint32_t bar) const
+//        producer, Jobs with gemm = kLoadRows: issue that stage's row copies, return their bytes
 //   int  plan_task(int task) const   the plan index of the task grabbed at position `task`
 //   unsigned long long* trace() const   the launch's trace records (trace.cuh), or null
 //   bool run(const Job&, const Shared&, wg::PipeState&, float (&acc)[kAccRegs], int consumer,
@@ -333,11 +352,11 @@ __device__ __forceinline__ void producer_loop(const K& k, const Shared& s, int* 
     }
     job.slot = task;
     if (!publish(s, qs, job, w)) return;
-    if (job.gemm && job.k_tiles > 0) {
+    if (job.gemm != kLoadNone && job.k_tiles > 0) {
       fence_proxy_async_global();  // what the waits acquired (generic-proxy writes) -> TMA reads
       MbarWaitCtx wt = w;
       wt.what = task;
-      if (!produce(s, ps, a, b, job.k_tiles, wt)) return;
+      if (!(job.gemm == kLoadRows ? produce_rows(k, s, ps, job, wt) : produce(s, ps, a, b, job.k_tiles, wt))) return;
     }
   }
   Job stop{};
