@@ -226,20 +226,9 @@ struct TmaBackward {
     return 0;
   }
 
-  // Dispatch through the ring (one GPU): routed row `row`'s token row in d_out, or nullptr (padding).
-  __device__ const bf16* dispatch_src(int row) const {
-    const int slot = p.sched.row_slot[row];
-    if (slot < 0) return nullptr;
-    if (slot >= p.dims.tokens * p.dims.top_k) {  // corrupt schedule: never read past d_out
-      set_error(p.err, kErrInternal, __LINE__, row, slot);
-      return nullptr;
-    }
-    return p.d_out + (size_t)(slot / p.dims.top_k) * p.dims.hidden;
-  }
+  // Dispatch through the ring (one GPU; staged_rows.cuh).
   __device__ uint32_t stage_rows(const ws::Job& job, int stage, uint32_t dst, uint32_t bar) const {
-    const int hidden = p.dims.hidden;
-    return rows::issue_stage(job.a, stage, rows::Stages::of(hidden), hidden, dst, bar,
-                             [&](int row) { return dispatch_src(row); });
+    return rows::issue_stage(p.sched, p.dims, p.d_out, p.err, job.a, stage, rows::Stages::of(p.dims.hidden), dst, bar);
   }
 
   // ---- workers -------------------------------------------------------------------------------------
@@ -262,14 +251,12 @@ struct TmaBackward {
           tasks.dispatch_body(job.a, job.b);
           return true;
         }
-        const int slots = d.tokens * d.top_k;
-        const bool ok = rows::drain_stages(s, ps, job.a, rows::Stages::of(d.hidden), d.hidden, w,
-                                           [&](int row, uint32_t src) {
-                                             const int slot = p.sched.row_slot[row];
-                                             const bool valid = slot >= 0 && slot < slots;
-                                             rows::store_row(p.dy_routed + (size_t)row * d.hidden, src, valid,
-                                                             valid ? p.topk_weights + slot : nullptr, d.hidden);
-                                           });
+        __shared__ rows::BlockRows br;
+        br.load(p.sched, d, job.a, p.topk_weights);
+        bf16* const out = p.dy_routed + (size_t)job.a * kBlockM * d.hidden;
+        const bool ok = rows::drain_stages(s, ps, rows::Stages::of(d.hidden), d.hidden, w, [&](int r, uint32_t src) {
+          rows::store_row(out + (size_t)r * d.hidden, src, br.slot[r] >= 0, true, br.scale[r], d.hidden);
+        });
         if (!ok) return false;
         signal_counters(p.cnt.block_dy_ready + job.a, p.cnt.expert_dy_ready + job.b);
         return true;
