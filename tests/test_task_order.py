@@ -38,8 +38,29 @@ class _Groups:  # ws::BlockGroups
         return (first + (w - tile * size)) * self.per_block + tile
 
 
+class _ExpertWalk:  # ws::ExpertWalk; sched = (block_expert, expert_offset, expert_count) or None
+    def __init__(self, sched, experts, num_blocks, max_blocks):
+        self.sched, self.experts, self.num_blocks, self.max_blocks = sched, experts, num_blocks, max_blocks
+
+    def map(self, q, per_block):
+        b = q // per_block
+        if b >= self.num_blocks or self.sched is None:
+            return q
+        block_expert, expert_offset, expert_count = self.sched
+        e = block_expert[b]
+        if e < 0 or e >= self.experts:
+            return q
+        s, m = expert_offset[e] // 128, _cdiv(expert_count[e], 128)
+        if m <= 1 or m > self.max_blocks or b < s or b >= s + m:
+            return q
+        j = q - s * per_block
+        n = j // m
+        return (s + (j - n * m)) * per_block + n
+
+
 class _Ahead:  # ws::AheadOrder
-    def __init__(self, lead, dispatch, gemm, trail, per_block, tiled, tiled_per_block, grid):
+    def __init__(self, lead, dispatch, gemm, trail, per_block, tiled, tiled_per_block, grid, sched=None,
+                 experts=0, num_blocks=0):
         self.lead, self.dispatch, self.gemm, self.trail, self.tiled = lead, dispatch, gemm, trail, tiled
         self.per_block = per_block
         self.begin = min(lead.begin, dispatch.begin, trail.begin if trail.count > 0 else dispatch.begin)
@@ -47,6 +68,7 @@ class _Ahead:  # ws::AheadOrder
         self.ahead = min(dispatch.count, _cdiv(2 * grid, per_block + 1))
         self.tiled_walk = _Groups(tiled.count // tiled_per_block if tiled_per_block else 0, tiled_per_block,
                                   BLOCK_GROUP)
+        self.gemm_walk = _ExpertWalk(sched, experts, min(num_blocks, dispatch.count), self.ahead + 1)
 
     def map(self, t):
         if self.tiled.has(t):
@@ -64,10 +86,10 @@ class _Ahead:  # ws::AheadOrder
         mid = (blocks - d) * (g + 1)
         if u < mid:
             b, r = divmod(u, g + 1)
-            return self.dispatch.begin + b + d if r == 0 else self.gemm.begin + b * g + (r - 1)
+            return self.dispatch.begin + b + d if r == 0 else self.gemm.begin + self.gemm_walk.map(b * g + (r - 1), g)
         u -= mid
         if u < d * g:
-            return self.gemm.begin + (blocks - d) * g + u
+            return self.gemm.begin + self.gemm_walk.map((blocks - d) * g + u, g)
         return self.trail.begin + (u - d * g)
 
 
@@ -79,7 +101,7 @@ def _ranges(phases):
     return rng, at
 
 
-def _order(kind, dims, push, grid):
+def _order(kind, dims, push, grid, sched=None, num_blocks=0):
     """TmaForward::make_order / TmaBackward::make_order on the plan of forward/backward_phases."""
     if kind == "forward":
         rng, total = _ranges(L.forward_phases(dims, push_tasks=push, engine="tma"))
@@ -95,7 +117,8 @@ def _order(kind, dims, push, grid):
             lead, trail = rng["shared_da"], rng["d_weights"]
     blocks = dispatch.count
     per_block, tiled_per_block = gemm.count // blocks, tiled.count // blocks
-    o = _Ahead(lead, dispatch, gemm, trail, per_block, tiled, tiled_per_block, grid)
+    o = _Ahead(lead, dispatch, gemm, trail, per_block, tiled, tiled_per_block, grid, sched, dims.local_experts,
+               num_blocks)
     return o, rng, total, blocks, per_block, tiled_per_block
 
 
@@ -143,7 +166,7 @@ def test_block_groups_walk_tile_major(kind):
         group, w = divmod(j, BLOCK_GROUP * tg)
         assert q % tg == w // BLOCK_GROUP            # the tile
         assert q // tg == group * BLOCK_GROUP + w % BLOCK_GROUP  # the block
-    # the GEMM phase after dispatch stays block-major: all tiles of block b, then block b + 1
+    # without a schedule (ExpertWalk off) the GEMM phase after dispatch is block-major
     gemm_tasks = [t - o.gemm.begin for t in (o.map(u) for u in range(total)) if o.gemm.has(t)]
     assert gemm_tasks == list(range(o.gemm.count))
 
@@ -153,3 +176,60 @@ def test_groups_cover_a_partial_last_group():
     got = [w.map(j) for j in range(33)]
     assert sorted(got) == list(range(33))
     assert [q // 3 for q in got[24:]] == [8, 9, 10] * 3   # last group: 3 blocks, tile-major
+
+
+def _schedule(rng, dims, counts):
+    """A schedule of the schedule kernel's shape: expert e's rows padded to blocks, in expert order."""
+    E = dims.local_experts
+    expert_count = list(counts)
+    expert_offset, at = [], 0
+    for c in expert_count:
+        expert_offset.append(at)
+        at += _cdiv(c, 128) * 128
+    expert_offset.append(at)
+    num_blocks = at // 128
+    max_blocks = dims.capacity_rows // 128
+    block_expert = [-1] * max_blocks
+    for e in range(E):
+        for b in range(expert_offset[e] // 128, expert_offset[e + 1] // 128):
+            block_expert[b] = e
+    # stale ids past num_blocks (a previous launch's) must not change the walk
+    for b in range(num_blocks, max_blocks):
+        block_expert[b] = int(rng.integers(0, E))
+    return (block_expert, expert_offset, expert_count), num_blocks
+
+
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+@pytest.mark.parametrize("push", [0, 7])
+@pytest.mark.parametrize("grid", [132, 6])
+@pytest.mark.parametrize("seed", range(4))
+def test_expert_walk_is_a_permutation_that_respects_dependencies(kind, push, grid, seed):
+    """The gate|up / dA phase with a device schedule: skewed, empty and one-block experts, and
+    experts longer than the walk allows (block-major); tile n of an expert's blocks in consecutive grabs."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    E, k, T = 24, 4, 3000
+    dims = _dims(T, 1024, 512, 0, E, k=k)
+    counts = rng.multinomial(T * k, rng.dirichlet(np.full(E, 0.3)))
+    counts[int(rng.integers(0, E))] = 0
+    sched, num_blocks = _schedule(rng, dims, counts)
+    o, rng_, total, blocks, g, tg = _order(kind, dims, push, grid, sched, num_blocks)
+    order = [o.map(t) for t in range(total)]
+    assert sorted(order) == list(range(total))
+    pos = {task: at for at, task in enumerate(order)}
+    for b in range(blocks):
+        first = min(pos[o.gemm.begin + b * g + n] for n in range(g))
+        assert first > pos[o.dispatch.begin + b], (b, "GEMM tile before its dispatch")
+        last = max(pos[o.gemm.begin + b * g + n] for n in range(g))
+        assert min(pos[o.tiled.begin + b * tg + n] for n in range(tg)) > last
+    walked = 0
+    _, expert_offset, expert_count = sched
+    for e in range(E):
+        s, m = expert_offset[e] // 128, _cdiv(expert_count[e], 128)
+        tiles = sorted(((pos[o.gemm.begin + b * g + n], b, n) for b in range(s, s + m) for n in range(g)))
+        if 2 <= m <= o.ahead + 1:
+            walked += 1
+            assert [(b, n) for _, b, n in tiles] == [(s + i % m, i // m) for i in range(m * g)], e
+        else:
+            assert [(b, n) for _, b, n in tiles] == [(s + i // g, i % g) for i in range(m * g)], e
+    assert walked > 0

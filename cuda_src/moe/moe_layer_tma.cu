@@ -43,7 +43,7 @@ __device__ __forceinline__ void run_megakernel(const Params& p, const Maps& maps
   __shared__ ws::AheadOrder order;
   if (threadIdx.x == 0) {
     plan = make_plan();
-    order = Kernel::make_order(plan);
+    order = Kernel::make_order(plan, p, num_blocks);
   }
   if (!start(p.err, num_blocks, p.dims, p.err, s)) return;
   const Tasks tasks{p, plan, num_blocks, smem};

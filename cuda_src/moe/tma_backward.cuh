@@ -73,11 +73,14 @@ struct TmaBackward {
   // d_weights (B1) waits on nothing and nothing waits on it: on one GPU it trails, overlapping
   // GEMMs; with EP it stays with the shared dA in front, covering the rows' travel (adjacent
   // phases there).
-  __device__ static ws::AheadOrder make_order(const BackwardPlan& f) {
+  __device__ static ws::AheadOrder make_order(const BackwardPlan& f, const MoEBackwardParams& p, int num_blocks) {
+    const int experts = p.dims.local_experts;
     if (f.push_notify.count > 0)
       return ws::AheadOrder::make(PhaseRange{f.d_weights.begin, f.d_weights.count + f.shared_da.count}, f.dispatch,
-                                  f.routed_da, PhaseRange{f.dispatch.begin, 0}, f.i_tiles, f.routed_dx, f.h_tiles);
-    return ws::AheadOrder::make(f.shared_da, f.dispatch, f.routed_da, f.d_weights, f.i_tiles, f.routed_dx, f.h_tiles);
+                                  f.routed_da, PhaseRange{f.dispatch.begin, 0}, f.i_tiles, f.routed_dx, f.h_tiles,
+                                  p.sched, experts, num_blocks);
+    return ws::AheadOrder::make(f.shared_da, f.dispatch, f.routed_da, f.d_weights, f.i_tiles, f.routed_dx, f.h_tiles,
+                                p.sched, experts, num_blocks);
   }
 
   // Local waits (task counters) and peer waits (ep::wait_all_thread): see ep::local_timeout_ns.

@@ -96,9 +96,9 @@ struct TmaForward {
   const ws::AheadOrder& order;
   int num_blocks;
 
-  __device__ static ws::AheadOrder make_order(const ForwardPlan& f) {
+  __device__ static ws::AheadOrder make_order(const ForwardPlan& f, const MoEForwardParams& p, int num_blocks) {
     return ws::AheadOrder::make(f.shared_gu, f.dispatch, f.routed_gu, PhaseRange{f.dispatch.begin, 0}, f.gu_tiles,
-                                f.routed_down, f.h_tiles);
+                                f.routed_down, f.h_tiles, p.sched, p.dims.local_experts, num_blocks);
   }
 
   // Local waits (task counters) and peer waits (ep::wait_all_thread): see ep::local_timeout_ns.

@@ -258,8 +258,8 @@ struct Turns {
 // between its readers.  A group of kBlockGroup consecutive blocks is walked tile-major instead:
 // the tasks that stream one B tile are grabbed together, and each block's A rows are re-read
 // `group` grabs apart.  Measured on deepseek-v3 (bench/NOTES.md): the down and dX phases got
-// faster; the gate|up phase after dispatch got slower (its A rows, 1.8 MB a block, are re-read
-// across the group's whole walk), so that one stays block-major.
+// faster; the gate|up phase after dispatch got slower that way (its A rows, 1.8 MB a block, are
+// re-read across the group's whole walk): it walks each expert's own blocks instead (ExpertWalk).
 constexpr int kBlockGroup = 8;
 
 struct BlockGroups {
@@ -273,20 +273,51 @@ struct BlockGroups {
   }
 };
 
+// The GEMM phase right after dispatch (gate|up, dA) has a long K (H) and one weight tile per
+// (expert, column tile): block-major, the row blocks of one expert read each tile a block's worth
+// of grabs apart (deepseek-v3: 17 grabs, ~15 us), and L2 (turned over every ~15 us by the 3 TB/s
+// stream) dropped it in between: the forward read 46 GB from HBM for 22.5 GB of weights.  Here
+// the tiles of one expert's m row blocks are walked tile-major instead: tile n of all m blocks in
+// consecutive grabs, each block's A rows re-read m grabs apart.  The tile slots of blocks
+// [s, s + m) are permuted among themselves, so a tile of block b' lands in a slot of some block
+// b >= s, b' < s + m: it still comes after dispatch b' when m <= ahead + 1 (AheadOrder puts
+// dispatch b + ahead before the slots of block b; larger experts keep block-major).  Reads the
+// schedule (block_expert, expert_offset, expert_count) per grab: three loads on the producer.
+struct ExpertWalk {
+  const int* block_expert;
+  const int* expert_offset;
+  const int* expert_count;
+  int experts, num_blocks, max_blocks;  // max_blocks: the longest expert walked tile-major
+  // q = block-major index (block * per_block + tile) -> the tile walked at slot q.
+  __device__ int map(int q, int per_block) const {
+    const int b = q / per_block;
+    if (b >= num_blocks || block_expert == nullptr) return q;
+    const int e = block_expert[b];
+    if (e < 0 || e >= experts) return q;  // a corrupt schedule: the task's own check reports it
+    const int s = expert_offset[e] / kBlockM, m = ceil_div(expert_count[e], kBlockM);
+    if (m <= 1 || m > max_blocks || b < s || b >= s + m) return q;
+    const int j = q - s * per_block, n = j / m;
+    return (s + (j - n * m)) * per_block + n;
+  }
+};
+
 struct AheadOrder {
   int begin, end;                // the reordered index range (contiguous phases)
   PhaseRange lead, dispatch, gemm, trail, tiled;
   int per_block, ahead;
   BlockGroups tiled_walk;
+  ExpertWalk gemm_walk;
 
   __device__ static AheadOrder make(const PhaseRange& lead, const PhaseRange& dispatch, const PhaseRange& gemm,
                                     const PhaseRange& trail, int per_block, const PhaseRange& tiled,
-                                    int tiled_per_block) {
-    AheadOrder o{0, 0, lead, dispatch, gemm, trail, tiled, per_block, 0, {}};
+                                    int tiled_per_block, const MoESchedule& sc, int experts, int num_blocks) {
+    AheadOrder o{0, 0, lead, dispatch, gemm, trail, tiled, per_block, 0, {}, {}};
     o.begin = min_int(min_int(lead.begin, dispatch.begin), trail.count > 0 ? trail.begin : dispatch.begin);
     o.end = o.begin + lead.count + dispatch.count + gemm.count + trail.count;
     o.ahead = min_int(dispatch.count, ceil_div(2 * static_cast<int>(gridDim.x), per_block + 1));
     o.tiled_walk = BlockGroups{tiled_per_block > 0 ? tiled.count / tiled_per_block : 0, tiled_per_block, kBlockGroup};
+    o.gemm_walk = ExpertWalk{sc.block_expert, sc.expert_offset, sc.expert_count, experts,
+                             min_int(num_blocks, dispatch.count), o.ahead + 1};
     return o;
   }
   // The plan index of the task grabbed at position t.
@@ -302,10 +333,10 @@ struct AheadOrder {
     const int mid = (blocks - d) * (g + 1);
     if (u < mid) {
       const int b = u / (g + 1), r = u - b * (g + 1);
-      return r == 0 ? dispatch.begin + b + d : gemm.begin + b * g + (r - 1);
+      return r == 0 ? dispatch.begin + b + d : gemm.begin + gemm_walk.map(b * g + (r - 1), g);
     }
     u -= mid;
-    if (u < d * g) return gemm.begin + (blocks - d) * g + u;
+    if (u < d * g) return gemm.begin + gemm_walk.map((blocks - d) * g + u, g);
     return trail.begin + (u - d * g);
   }
 };
