@@ -39,6 +39,10 @@ TMA_CASES.update({
     # Enough token blocks for the combines' other splits (combine_parts: 2 from 64 blocks, 1 from 128).
     "blocks_64": dict(seed=13, tokens=8100, hidden=128, inter=64, experts=3, top_k=1, shared_inter=64, limit=None),
     "blocks_128": dict(seed=14, tokens=16384, hidden=128, inter=64, experts=5, top_k=2, shared_inter=0, limit=None),
+    # Wide rows for the ring-staged copies (staged_rows.cuh): the dispatch moves 5 rows of 8320 B per
+    # stage (26 stages a block, the last of 3 rows) and d_topk_weights reads each token in two column
+    # pieces (2560 + 1600: the k + 1 = 9 rows of a piece fill one 48 KB stage).
+    "wide_h": dict(seed=15, tokens=300, hidden=4160, inter=128, experts=4, top_k=8, shared_inter=0, limit=None),
 })
 
 

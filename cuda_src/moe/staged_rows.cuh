@@ -115,5 +115,75 @@ __device__ __forceinline__ bool drain_stages(const ws::Shared& s, wg::PipeState&
   return !workers_any(failed);
 }
 
+// ---- d_topk_weights through the ring (the backward's B1) ----------------------------------------
+// d_topk_weights[t, j] = <d_out[t], y_slot[t, j]>: per token k + 1 rows of H, read once.  The
+// register version (backward_tasks.cuh d_weights) keeps 4 loads in flight per lane and took
+// ~1.8 ms per deepseek-v3 token block.  A stage here is one (token, column piece): the piece of
+// d_out[t] and of its k routes' rows (k + 1 bulk copies); warp j < k sums route j's products.
+// Lanes walk their 16-byte chunks as the register version does (lane * 8 + 256 i, in order; the
+// pieces start at multiples of 256 columns), the sum carries across a token's pieces, and the
+// same butterfly ends it: the bits do not depend on the path (EP keeps the register version).
+struct RoutePieces {
+  int cols, per_token;  // piece width (columns), pieces per token; per_token = 0: not staged
+  __device__ __forceinline__ static RoutePieces of(int hidden, int top_k) {
+    if (top_k > kThreads / 32) return RoutePieces{0, 0};  // a warp per route
+    const int fit = ws::Geometry::kStageBytes / (2 * (top_k + 1)) / 256 * 256;
+    const int cols = min_int(hidden, fit);
+    return RoutePieces{cols, cols > 0 ? ceil_div(hidden, cols) : 0};
+  }
+  __device__ __forceinline__ int width(int piece, int hidden) const { return min_int(cols, hidden - piece * cols); }
+};
+
+// Producer: stage `stage` of the token block starting at token t0 (token t0 + stage / per_token).
+__device__ __forceinline__ uint32_t issue_route_stage(const bf16* d_out, const bf16* y_slot, int hidden, int top_k,
+                                                      int t0, int stage, const RoutePieces& g, uint32_t dst,
+                                                      uint32_t bar) {
+  const int tok = stage / g.per_token, piece = stage - tok * g.per_token;
+  const size_t t = static_cast<size_t>(t0 + tok), c0 = static_cast<size_t>(piece) * g.cols;
+  const uint32_t bytes = static_cast<uint32_t>(g.width(piece, hidden)) * 2u;
+  const uint32_t row_bytes = static_cast<uint32_t>(g.cols) * 2u;
+  bulk_load(dst, d_out + t * hidden + c0, bytes, bar);
+#pragma unroll 1
+  for (int j = 0; j < top_k; ++j)
+    bulk_load(dst + (j + 1) * row_bytes, y_slot + (t * top_k + j) * hidden + c0, bytes, bar);
+  return bytes * static_cast<uint32_t>(top_k + 1);
+}
+
+// Workers: every stage of a token block of `tokens` tokens from t0; writes d_topk_weights.
+__device__ __forceinline__ bool drain_route_stages(const ws::Shared& s, wg::PipeState& ps, const RoutePieces& g,
+                                                   int hidden, int top_k, int t0, int tokens, float* d_topk_weights,
+                                                   const MbarWaitCtx& w) {
+  const int warp = worker_tid() >> 5, lane = worker_tid() & 31;
+  const uint32_t row_bytes = static_cast<uint32_t>(g.cols) * 2u;
+  bool failed = false;
+  float sum = 0.f;
+  const int stages = tokens * g.per_token;
+  for (int st = 0; st < stages; ++st) {
+    if (!failed) failed = !mbar_wait(s.ring.full(ps.slot), ps.phase, w);
+    const int tok = st / g.per_token, piece = st - tok * g.per_token;
+    if (warp < top_k) {  // warp-uniform
+      const uint32_t g_row = s.ring.a_tile(ps.slot), y_row = g_row + (warp + 1) * row_bytes;
+      const int width = g.width(piece, hidden);
+      for (int c = lane * 8; c < width; c += 32 * 8) {
+        float gv[8], yv[8];
+        unpack_bf16x8(ld_shared_v4(g_row + 2u * c), gv);
+        unpack_bf16x8(ld_shared_v4(y_row + 2u * c), yv);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) sum = fmaf(gv[i], yv[i], sum);
+      }
+      if (piece == g.per_token - 1) {
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+        if (lane == 0) d_topk_weights[static_cast<size_t>(t0 + tok) * top_k + warp] = sum;
+        sum = 0.f;
+      }
+    }
+    __syncwarp();  // every lane of the warp has read the slot before lane 0 frees it
+    if ((threadIdx.x & 31) == 0) mbar_arrive(s.ring.empty(ps.slot));
+    ps.advance(ws::kStages);
+  }
+  return !workers_any(failed);
+}
+
 }  // namespace rows
 }  // namespace mok

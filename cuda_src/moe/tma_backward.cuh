@@ -123,7 +123,13 @@ struct TmaBackward {
       return 1;
     }
     if (plan.d_weights.has(task)) {
-      job = ws::Job{kBwdDWeights, ws::kLoadNone, 0, plan.d_weights.local(task)};
+      const int tb = plan.d_weights.local(task);
+      job = ws::Job{kBwdDWeights, ws::kLoadNone, 0, tb};
+      const rows::RoutePieces g = rows::RoutePieces::of(d.hidden, d.top_k);
+      if (!ep_on() && g.per_token > 0) {  // one GPU: the rows through the ring (staged_rows.cuh)
+        job.gemm = ws::kLoadRows;
+        job.k_tiles = min_int(kBlockM, d.tokens - tb * kBlockM) * g.per_token;
+      }
       return 1;
     }
     if (plan.shared_da.has(task)) {
@@ -231,7 +237,11 @@ struct TmaBackward {
 
   // Dispatch through the ring (one GPU; staged_rows.cuh).
   __device__ uint32_t stage_rows(const ws::Job& job, int stage, uint32_t dst, uint32_t bar) const {
-    return rows::issue_stage(p.sched, p.dims, p.d_out, p.err, job.a, stage, rows::Stages::of(p.dims.hidden), dst, bar);
+    const MoEDims& d = p.dims;
+    if (job.kind == kBwdDWeights)
+      return rows::issue_route_stage(p.d_out, p.ctx.y_slot, d.hidden, d.top_k, job.a * kBlockM, stage,
+                                     rows::RoutePieces::of(d.hidden, d.top_k), dst, bar);
+    return rows::issue_stage(p.sched, d, p.d_out, p.err, job.a, stage, rows::Stages::of(d.hidden), dst, bar);
   }
 
   // ---- workers -------------------------------------------------------------------------------------
@@ -264,9 +274,15 @@ struct TmaBackward {
         signal_counters(p.cnt.block_dy_ready + job.a, p.cnt.expert_dy_ready + job.b);
         return true;
       }
-      case kBwdDWeights:
-        tasks.d_weights(job.a);
-        return true;
+      case kBwdDWeights: {
+        if (job.gemm != ws::kLoadRows) {
+          tasks.d_weights(job.a);
+          return true;
+        }
+        const int t0 = job.a * kBlockM;
+        return rows::drain_route_stages(s, ps, rows::RoutePieces::of(d.hidden, d.top_k), d.hidden, d.top_k, t0,
+                                        min_int(kBlockM, d.tokens - t0), p.d_topk_weights, w);
+      }
       case kBwdCombine:
         tasks.combine_body(job.a);
         return true;
