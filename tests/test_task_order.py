@@ -60,28 +60,19 @@ class _ExpertWalk:  # ws::ExpertWalk; sched = (block_expert, expert_offset, expe
 
 class _Ahead:  # ws::AheadOrder
     def __init__(self, lead, dispatch, gemm, trail, per_block, tiled, tiled_per_block, grid, sched=None,
-                 experts=0, num_blocks=0, mixed=None):
+                 experts=0, num_blocks=0):
         self.lead, self.dispatch, self.gemm, self.trail, self.tiled = lead, dispatch, gemm, trail, tiled
-        self.mixed = mixed or _Range(0, 0)
         self.per_block = per_block
         self.begin = min(lead.begin, dispatch.begin, trail.begin if trail.count > 0 else dispatch.begin)
         self.end = self.begin + lead.count + dispatch.count + gemm.count + trail.count
         self.ahead = min(dispatch.count, _cdiv(2 * grid, per_block + 1))
-        used = min(num_blocks, tiled.count // tiled_per_block if tiled_per_block else 0)
-        self.tiled_real = used * tiled_per_block
-        self.tiled_walk = _Groups(used, tiled_per_block, BLOCK_GROUP)
+        self.tiled_walk = _Groups(tiled.count // tiled_per_block if tiled_per_block else 0, tiled_per_block,
+                                  BLOCK_GROUP)
         self.gemm_walk = _ExpertWalk(sched, experts, min(num_blocks, dispatch.count), self.ahead + 1)
 
-    def tiled_task(self, j):
-        return self.tiled.begin + (self.tiled_walk.map(j) if j < self.tiled_real else j)
-
     def map(self, t):
-        if self.tiled.begin <= t < self.tiled.begin + self.tiled.count + self.mixed.count:
-            u, n = t - self.tiled.begin, self.tiled_real + self.mixed.count
-            if u >= n:
-                return self.tiled_task(u - self.mixed.count)
-            a, b = u * self.tiled_real // n, (u + 1) * self.tiled_real // n
-            return self.tiled_task(a) if b > a else self.mixed.begin + (u - a)
+        if self.tiled.has(t):
+            return self.tiled.begin + self.tiled_walk.map(t - self.tiled.begin)
         if t < self.begin or t >= self.end:
             return t
         u = t - self.begin
@@ -110,7 +101,7 @@ def _ranges(phases):
     return rng, at
 
 
-def _order(kind, dims, push, grid, sched=None, num_blocks=None):
+def _order(kind, dims, push, grid, sched=None, num_blocks=0):
     """TmaForward::make_order / TmaBackward::make_order on the plan of forward/backward_phases."""
     if kind == "forward":
         rng, total = _ranges(L.forward_phases(dims, push_tasks=push, engine="tma"))
@@ -119,20 +110,15 @@ def _order(kind, dims, push, grid, sched=None, num_blocks=None):
     else:
         rng, total = _ranges(L.backward_phases(dims, push_tasks=push, engine="tma"))
         dispatch, gemm, tiled = rng["dispatch"], rng["routed_da"], rng["routed_dx"]
-        mixed = None
         if push:
             lead = _Range(rng["d_weights"].begin, rng["d_weights"].count + rng["shared_da"].count)
             trail = _Range(dispatch.begin, 0)
         else:
             lead, trail = rng["shared_da"], rng["d_weights"]
-            mixed = _Range(rng["wgrad_down"].begin,
-                           rng["wgrad_down"].count + rng["wgrad_gate_up"].count + rng["shared_wgrad"].count)
     blocks = dispatch.count
     per_block, tiled_per_block = gemm.count // blocks, tiled.count // blocks
-    if num_blocks is None:
-        num_blocks = blocks
     o = _Ahead(lead, dispatch, gemm, trail, per_block, tiled, tiled_per_block, grid, sched, dims.local_experts,
-               num_blocks, mixed if kind == "backward" else None)
+               num_blocks)
     return o, rng, total, blocks, per_block, tiled_per_block
 
 
@@ -163,14 +149,10 @@ def test_order_is_a_permutation_that_respects_dependencies(kind, push, T, H, I, 
         # the tiled phase (down / dX) of block b after every GEMM tile of b it waits on
         assert min(pos[tiled.begin + b * tg + n] for n in range(tg)) > last_gemm
     # phases outside the reordered range keep their plan positions as a set (later phases wait on
-    # earlier ones as wholes: combine after every down / dX tile, and so on); the one-GPU backward's
-    # weight gradients are mixed into the dX walk, so dX and they keep theirs as one set (they wait
-    # only on phases before dX)
-    merged = _Range(o.tiled.begin, o.tiled.count + o.mixed.count)
-    groups = [merged] if o.mixed.count else []
-    groups += [r for r in rng.values() if r.count and not (o.begin <= r.begin < o.end) and not (o.mixed.count and merged.has(r.begin))]
-    for r in groups:
-        assert sorted(pos[t] for t in range(r.begin, r.begin + r.count)) == list(range(r.begin, r.begin + r.count))
+    # earlier ones as wholes: combine after every down / dX tile, and so on)
+    for name, r in rng.items():
+        if r.count and not (o.begin <= r.begin < o.end):
+            assert sorted(pos[t] for t in range(r.begin, r.begin + r.count)) == list(range(r.begin, r.begin + r.count)), name
 
 
 @pytest.mark.parametrize("kind", ["forward", "backward"])
@@ -179,7 +161,7 @@ def test_block_groups_walk_tile_major(kind):
     o, rng, total, blocks, g, tg = _order(kind, _dims(8192, 7168, 2048, 0, 256, k=8), 0, 132)
     assert o.tiled_walk.group == BLOCK_GROUP
     tiled = o.tiled
-    walk = [o.tiled_task(j) - tiled.begin for j in range(2 * BLOCK_GROUP * tg)]
+    walk = [o.map(tiled.begin + j) - tiled.begin for j in range(2 * BLOCK_GROUP * tg)]
     for j, q in enumerate(walk):
         group, w = divmod(j, BLOCK_GROUP * tg)
         assert q % tg == w // BLOCK_GROUP            # the tile
@@ -251,25 +233,3 @@ def test_expert_walk_is_a_permutation_that_respects_dependencies(kind, push, gri
         else:
             assert [(b, n) for _, b, n in tiles] == [(s + i // g, i % g) for i in range(m * g)], e
     assert walked > 0
-
-
-@pytest.mark.parametrize("num_blocks", [0, 1, 37, None])
-def test_backward_mixes_weight_gradients_into_the_dx_walk(num_blocks):
-    """One GPU: the weight-gradient tasks spread over the dX walk in proportion, the dX tiles of the
-    row blocks in use first (in walk order), those of unused blocks last."""
-    dims = _dims(4096, 2048, 768, 256, 64, k=8)
-    o, rng, total, blocks, g, tg = _order("backward", dims, 0, 132, num_blocks=num_blocks)
-    used = blocks if num_blocks is None else num_blocks
-    order = [o.map(t) for t in range(total)]
-    assert sorted(order) == list(range(total))
-    lo, hi = o.tiled.begin, o.tiled.begin + o.tiled.count + o.mixed.count
-    seg = order[lo:hi]
-    is_dx = [o.tiled.has(t) for t in seg]
-    n = used * tg + o.mixed.count
-    dx_pos = [i for i, f in enumerate(is_dx) if f]
-    assert [seg[i] for i in dx_pos] == [o.tiled_task(j) for j in range(o.tiled.count)]
-    assert all(not f for f in is_dx[:n]) if used == 0 else sum(is_dx[:n]) == used * tg
-    if used:  # spread: every window of N / D positions holds one dX tile
-        step = n / (used * tg)
-        assert all(abs(i - j * step) <= step for j, i in enumerate(dx_pos[:used * tg]))
-    assert [t - o.mixed.begin for t in seg if o.mixed.has(t)] == list(range(o.mixed.count))

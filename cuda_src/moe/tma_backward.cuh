@@ -79,10 +79,8 @@ struct TmaBackward {
       return ws::AheadOrder::make(PhaseRange{f.d_weights.begin, f.d_weights.count + f.shared_da.count}, f.dispatch,
                                   f.routed_da, PhaseRange{f.dispatch.begin, 0}, f.i_tiles, f.routed_dx, f.h_tiles,
                                   p.sched, experts, num_blocks);
-    // One GPU: the weight gradients (and the shared expert's) mixed into the dX walk.
-    const PhaseRange mixed{f.wgrad_down.begin, f.wgrad_down.count + f.wgrad_gate_up.count + f.shared_wgrad.count};
     return ws::AheadOrder::make(f.shared_da, f.dispatch, f.routed_da, f.d_weights, f.i_tiles, f.routed_dx, f.h_tiles,
-                                p.sched, experts, num_blocks, mixed);
+                                p.sched, experts, num_blocks);
   }
 
   // Local waits (task counters) and peer waits (ep::wait_all_thread): see ep::local_timeout_ns.

@@ -301,47 +301,28 @@ struct ExpertWalk {
   }
 };
 
-// The backward's dX tiles read weights and store bf16 (tensor-bound); its weight-gradient tiles
-// store 45 GB of fp32 (deepseek-v3; write-bound).  In plan order the two phases run one after the
-// other, each leaving the other's resource idle.  `mixed` (the weight-gradient phases, which wait
-// only on phases before dX) is merged into the tiled walk in proportion: position u of the merged
-// range is dX tile floor(u * D / N) of the walk when that count steps, else the next mixed task
-// (D = the tiled tiles of the row blocks in use, N = D + mixed.count); the tiles of unused blocks
-// (which do nothing) come last.  Every task still comes after the phases it waits on.
 struct AheadOrder {
   int begin, end;                // the reordered index range (contiguous phases)
-  PhaseRange lead, dispatch, gemm, trail, tiled, mixed;
-  int per_block, ahead, tiled_real;
-  BlockGroups tiled_walk;        // over the row blocks in use (tiles of unused blocks: block-major after)
+  PhaseRange lead, dispatch, gemm, trail, tiled;
+  int per_block, ahead;
+  BlockGroups tiled_walk;
   ExpertWalk gemm_walk;
 
-  // mixed: tasks merged into the tiled walk (contiguous right after `tiled`), or count 0.
   __device__ static AheadOrder make(const PhaseRange& lead, const PhaseRange& dispatch, const PhaseRange& gemm,
                                     const PhaseRange& trail, int per_block, const PhaseRange& tiled,
-                                    int tiled_per_block, const MoESchedule& sc, int experts, int num_blocks,
-                                    const PhaseRange& mixed = PhaseRange{0, 0}) {
-    AheadOrder o{0, 0, lead, dispatch, gemm, trail, tiled, mixed, per_block, 0, 0, {}, {}};
+                                    int tiled_per_block, const MoESchedule& sc, int experts, int num_blocks) {
+    AheadOrder o{0, 0, lead, dispatch, gemm, trail, tiled, per_block, 0, {}, {}};
     o.begin = min_int(min_int(lead.begin, dispatch.begin), trail.count > 0 ? trail.begin : dispatch.begin);
     o.end = o.begin + lead.count + dispatch.count + gemm.count + trail.count;
     o.ahead = min_int(dispatch.count, ceil_div(2 * static_cast<int>(gridDim.x), per_block + 1));
-    const int used = min_int(num_blocks, tiled_per_block > 0 ? tiled.count / tiled_per_block : 0);
-    o.tiled_real = used * tiled_per_block;
-    o.tiled_walk = BlockGroups{used, tiled_per_block, kBlockGroup};
+    o.tiled_walk = BlockGroups{tiled_per_block > 0 ? tiled.count / tiled_per_block : 0, tiled_per_block, kBlockGroup};
     o.gemm_walk = ExpertWalk{sc.block_expert, sc.expert_offset, sc.expert_count, experts,
                              min_int(num_blocks, dispatch.count), o.ahead + 1};
     return o;
   }
-  // The j-th tiled task of the walk -> its plan index.
-  __device__ int tiled_task(int j) const { return tiled.begin + (j < tiled_real ? tiled_walk.map(j) : j); }
   // The plan index of the task grabbed at position t.
   __device__ int map(int t) const {
-    if (t >= tiled.begin && t < tiled.begin + tiled.count + mixed.count) {
-      const int u = t - tiled.begin, n = tiled_real + mixed.count;
-      if (u >= n) return tiled_task(u - mixed.count);
-      const int a = static_cast<int>(static_cast<long long>(u) * tiled_real / n);
-      const int b = static_cast<int>(static_cast<long long>(u + 1) * tiled_real / n);
-      return b > a ? tiled_task(a) : mixed.begin + (u - a);
-    }
+    if (tiled.has(t)) return tiled.begin + tiled_walk.map(tiled.local(t));
     if (t < begin || t >= end) return t;
     int u = t - begin;
     if (u < lead.count) return lead.begin + u;
