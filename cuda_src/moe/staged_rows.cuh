@@ -95,24 +95,48 @@ __device__ __forceinline__ void store_row(bf16* dst, uint32_t src, bool valid, b
   }
 }
 
-// Workers: every stage of a row block: wait for its rows, out(r, shared address of the row) for
-// each row r of the block (0..127) in the stage, release the slot.  True for every worker when no
-// wait failed (a ring wait fails only on a bug; the workers then stop together, as after a GEMM).
-template <class Out>
-__device__ __forceinline__ bool drain_stages(const ws::Shared& s, wg::PipeState& ps, const Stages& g, int hidden,
-                                             const MbarWaitCtx& w, Out out) {
-  const uint32_t row_bytes = static_cast<uint32_t>(hidden) * 2u;
+// A Job streams `stages` stages through the ring when stages > 0 (0: the task keeps its register
+// path, e.g. with EP or rows too wide for a slot).
+__device__ __forceinline__ void use_ring(ws::Job& job, int stages) {
+  if (stages <= 0) return;
+  job.gemm = ws::kLoadRows;
+  job.k_tiles = stages;
+}
+
+// Workers: `count` stages from the ring in order: wait for stage st to land, body(st, shared
+// address of the slot), release the slot.  True for every worker when no wait failed (a ring wait
+// fails only on a bug; the workers then stop together, as after a GEMM).
+template <class Body>
+__device__ __forceinline__ bool for_each_stage(const ws::Shared& s, wg::PipeState& ps, int count,
+                                               const MbarWaitCtx& w, Body body) {
   bool failed = false;
-  for (int st = 0; st < g.count; ++st) {
+  for (int st = 0; st < count; ++st) {
     if (!failed) failed = !mbar_wait(s.ring.full(ps.slot), ps.phase, w);
-    const uint32_t base = s.ring.a_tile(ps.slot);
-    const int r0 = g.first(st), n = g.size(st);
-    for (int u = 0; u < n; ++u) out(r0 + u, base + u * row_bytes);
+    body(st, s.ring.a_tile(ps.slot));
     __syncwarp();  // every lane of the warp has read the slot before lane 0 frees it
     if ((threadIdx.x & 31) == 0) mbar_arrive(s.ring.empty(ps.slot));
     ps.advance(ws::kStages);
   }
   return !workers_any(failed);
+}
+
+// Workers: row block `blk` from the ring into dst (the block's first row of the routed buffer),
+// times the route weights when `weights` is given, zeros for padding rows.
+__device__ __forceinline__ bool copy_block(const ws::Shared& s, wg::PipeState& ps, const MoESchedule& sc,
+                                           const MoEDims& d, int blk, const float* weights, bf16* dst,
+                                           const MbarWaitCtx& w) {
+  __shared__ BlockRows br;
+  br.load(sc, d, blk, weights);
+  const Stages g = Stages::of(d.hidden);
+  const uint32_t row_bytes = static_cast<uint32_t>(d.hidden) * 2u;
+  return for_each_stage(s, ps, g.count, w, [&](int st, uint32_t base) {
+    const int r0 = g.first(st), n = g.size(st);
+    for (int u = 0; u < n; ++u) {
+      const int r = r0 + u;
+      store_row(dst + (size_t)r * d.hidden, base + u * row_bytes, br.slot[r] >= 0, weights != nullptr, br.scale[r],
+                d.hidden);
+    }
+  });
 }
 
 // ---- d_topk_weights through the ring (the backward's B1) ----------------------------------------
@@ -155,34 +179,26 @@ __device__ __forceinline__ bool drain_route_stages(const ws::Shared& s, wg::Pipe
                                                    const MbarWaitCtx& w) {
   const int warp = worker_tid() >> 5, lane = worker_tid() & 31;
   const uint32_t row_bytes = static_cast<uint32_t>(g.cols) * 2u;
-  bool failed = false;
   float sum = 0.f;
-  const int stages = tokens * g.per_token;
-  for (int st = 0; st < stages; ++st) {
-    if (!failed) failed = !mbar_wait(s.ring.full(ps.slot), ps.phase, w);
+  return for_each_stage(s, ps, tokens * g.per_token, w, [&](int st, uint32_t g_row) {
+    if (warp >= top_k) return;  // warp-uniform
     const int tok = st / g.per_token, piece = st - tok * g.per_token;
-    if (warp < top_k) {  // warp-uniform
-      const uint32_t g_row = s.ring.a_tile(ps.slot), y_row = g_row + (warp + 1) * row_bytes;
-      const int width = g.width(piece, hidden);
-      for (int c = lane * 8; c < width; c += 32 * 8) {
-        float gv[8], yv[8];
-        unpack_bf16x8(ld_shared_v4(g_row + 2u * c), gv);
-        unpack_bf16x8(ld_shared_v4(y_row + 2u * c), yv);
+    const uint32_t y_row = g_row + (warp + 1) * row_bytes;
+    const int width = g.width(piece, hidden);
+    for (int c = lane * 8; c < width; c += 32 * 8) {
+      float gv[8], yv[8];
+      unpack_bf16x8(ld_shared_v4(g_row + 2u * c), gv);
+      unpack_bf16x8(ld_shared_v4(y_row + 2u * c), yv);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) sum = fmaf(gv[i], yv[i], sum);
-      }
-      if (piece == g.per_token - 1) {
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-        if (lane == 0) d_topk_weights[static_cast<size_t>(t0 + tok) * top_k + warp] = sum;
-        sum = 0.f;
-      }
+      for (int i = 0; i < 8; ++i) sum = fmaf(gv[i], yv[i], sum);
     }
-    __syncwarp();  // every lane of the warp has read the slot before lane 0 frees it
-    if ((threadIdx.x & 31) == 0) mbar_arrive(s.ring.empty(ps.slot));
-    ps.advance(ws::kStages);
-  }
-  return !workers_any(failed);
+    if (piece == g.per_token - 1) {
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+      if (lane == 0) d_topk_weights[static_cast<size_t>(t0 + tok) * top_k + warp] = sum;
+      sum = 0.f;
+    }
+  });
 }
 
 }  // namespace rows

@@ -115,21 +115,13 @@ struct TmaBackward {
       if (!valid_expert(e, blk, d, p.err)) return -1;
       if (ep_on() && !ep::wait_all_thread(p.peers, kFlagBwdRows, -1, peer_wait_ctx(), ep::kStageBwdRows)) return -1;
       job = ws::Job{kBwdDispatch, ws::kLoadNone, 0, blk, e};
-      const rows::Stages g = rows::Stages::of(d.hidden);
-      if (!ep_on() && g.rows > 0) {  // one GPU: d_out rows through the ring (staged_rows.cuh)
-        job.gemm = ws::kLoadRows;
-        job.k_tiles = g.count;
-      }
+      rows::use_ring(job, ep_on() ? 0 : rows::Stages::of(d.hidden).count);  // one GPU: staged_rows.cuh
       return 1;
     }
     if (plan.d_weights.has(task)) {
       const int tb = plan.d_weights.local(task);
       job = ws::Job{kBwdDWeights, ws::kLoadNone, 0, tb};
-      const rows::RoutePieces g = rows::RoutePieces::of(d.hidden, d.top_k);
-      if (!ep_on() && g.per_token > 0) {  // one GPU: the rows through the ring (staged_rows.cuh)
-        job.gemm = ws::kLoadRows;
-        job.k_tiles = min_int(kBlockM, d.tokens - tb * kBlockM) * g.per_token;
-      }
+      rows::use_ring(job, ep_on() ? 0 : tasks.token_rows(tb) * rows::RoutePieces::of(d.hidden, d.top_k).per_token);
       return 1;
     }
     if (plan.shared_da.has(task)) {
@@ -264,12 +256,8 @@ struct TmaBackward {
           tasks.dispatch_body(job.a, job.b);
           return true;
         }
-        __shared__ rows::BlockRows br;
-        br.load(p.sched, d, job.a, p.topk_weights);
-        bf16* const out = p.dy_routed + (size_t)job.a * kBlockM * d.hidden;
-        const bool ok = rows::drain_stages(s, ps, rows::Stages::of(d.hidden), d.hidden, w, [&](int r, uint32_t src) {
-          rows::store_row(out + (size_t)r * d.hidden, src, br.slot[r] >= 0, true, br.scale[r], d.hidden);
-        });
+        const bool ok = rows::copy_block(s, ps, p.sched, d, job.a, p.topk_weights,
+                                         p.dy_routed + (size_t)job.a * kBlockM * d.hidden, w);
         if (!ok) return false;
         signal_counters(p.cnt.block_dy_ready + job.a, p.cnt.expert_dy_ready + job.b);
         return true;
@@ -279,9 +267,8 @@ struct TmaBackward {
           tasks.d_weights(job.a);
           return true;
         }
-        const int t0 = job.a * kBlockM;
-        return rows::drain_route_stages(s, ps, rows::RoutePieces::of(d.hidden, d.top_k), d.hidden, d.top_k, t0,
-                                        min_int(kBlockM, d.tokens - t0), p.d_topk_weights, w);
+        return rows::drain_route_stages(s, ps, rows::RoutePieces::of(d.hidden, d.top_k), d.hidden, d.top_k,
+                                        job.a * kBlockM, tasks.token_rows(job.a), p.d_topk_weights, w);
       }
       case kBwdCombine:
         tasks.combine_body(job.a);

@@ -131,11 +131,7 @@ struct TmaForward {
       if (ep_on() && !ep::wait_all_thread(p.peers, kFlagFwdRows, -1, peer_wait_ctx(), ep::kStageFwdRows)) return -1;
       job.kind = kFwdDispatch;
       job.a = blk;
-      const rows::Stages g = rows::Stages::of(d.hidden);
-      if (!ep_on() && g.rows > 0) {
-        job.gemm = ws::kLoadRows;
-        job.k_tiles = g.count;
-      }
+      rows::use_ring(job, ep_on() ? 0 : rows::Stages::of(d.hidden).count);
       return 1;
     }
     if (plan.shared_gu.has(task)) {
@@ -218,12 +214,8 @@ struct TmaForward {
           tasks.dispatch_body(job.a);
           return true;
         }
-        __shared__ rows::BlockRows br;
-        br.load(p.sched, d, job.a, nullptr);
-        bf16* const out = p.ctx.x_routed + (size_t)job.a * kBlockM * d.hidden;
-        const bool ok = rows::drain_stages(s, ps, rows::Stages::of(d.hidden), d.hidden, w, [&](int r, uint32_t src) {
-          rows::store_row(out + (size_t)r * d.hidden, src, br.slot[r] >= 0, false, br.scale[r], d.hidden);
-        });
+        const bool ok = rows::copy_block(s, ps, p.sched, d, job.a, nullptr,
+                                         p.ctx.x_routed + (size_t)job.a * kBlockM * d.hidden, w);
         if (!ok) return false;
         signal_counter(p.cnt.block_ready + job.a);
         return true;

@@ -291,7 +291,7 @@ struct ExpertWalk {
   // q = block-major index (block * per_block + tile) -> the tile walked at slot q.
   __device__ int map(int q, int per_block) const {
     const int b = q / per_block;
-    if (b >= num_blocks || block_expert == nullptr) return q;
+    if (b >= num_blocks) return q;
     const int e = block_expert[b];
     if (e < 0 || e >= experts) return q;  // a corrupt schedule: the task's own check reports it
     const int s = expert_offset[e] / kBlockM, m = ceil_div(expert_count[e], kBlockM);
