@@ -471,6 +471,35 @@ def _zero_counters(ptr: int, words: int, stream) -> None:
     call("cuMemsetD32Async", driver.CUdeviceptr(ptr), 0, words, driver.CUstream(stream_handle(stream)))
 
 
+def _check_launch(bufs, sched: ScheduleBuffers, dims: LayerDims, peers: PeerSpec | None, err_ptr: int, *,
+                  unused: frozenset = frozenset()) -> None:
+    """What both launches check before touching the device."""
+    _check_pointers(bufs, dims, align=16, unused=unused)
+    _check_pointers(sched, dims, align=4, unused=frozenset({"route_rank"}))
+    _check_peers(peers, sched, dims)
+    if not err_ptr:
+        raise ArgumentError("err_ptr", "null error word")
+
+
+def _launch_megakernel(p, bufs, dims: LayerDims, eng: _Engine, *, backward: bool, num_tasks: int, trace_ptr: int,
+                       counter_words: int, stream, device_id: int, knobs: KernelKnobs) -> None:
+    """The common tail of both launches: trace size, the TMA engine's tensor maps, the memset of
+    the dependency counters (they start every launch at zero), then the launch unless there is
+    no task (a forward with T = 0; a backward always has weight-gradient tasks)."""
+    p.trace_tasks = num_tasks if trace_ptr else 0
+    params = p
+    if eng.maps:
+        params = P.MoEBackwardTmaParams() if backward else P.MoEForwardTmaParams()
+        params.p = p
+        _moe_maps.encode_maps(_moe_maps.map_specs(bufs, dims, backward=backward), params.maps)
+    _zero_counters(bufs.counters, counter_words, stream)
+    if num_tasks == 0:
+        return
+    kernel = get_kernel(eng.cubin, eng.backward if backward else eng.forward, device_id)
+    launch(kernel, grid=_grid(kernel, device_id, knobs, num_tasks, eng), block=eng.threads, params=params,
+           stream=stream, device_id=device_id, shared_mem=eng.smem_bytes)
+
+
 def _check_peers(peers: PeerSpec | None, sched: ScheduleBuffers, dims: LayerDims) -> None:
     if peers is None:
         return
@@ -497,12 +526,8 @@ def launch_forward(bufs: ForwardBuffers, sched: ScheduleBuffers, dims: LayerDims
     zeroed by the caller (mok_rt/_trace.py).
     """
     # A context-only launch (recompute) writes no output and never reads the routing weights.
-    _check_pointers(bufs, dims, align=16,
-                    unused=frozenset({"out", "topk_weights", "shared_y"}) if context_only else frozenset())
-    _check_pointers(sched, dims, align=4, unused=frozenset({"route_rank"}))
-    _check_peers(peers, sched, dims)
-    if not err_ptr:
-        raise ArgumentError("err_ptr", "null error word")
+    _check_launch(bufs, sched, dims, peers, err_ptr,
+                  unused=frozenset({"out", "topk_weights", "shared_y"}) if context_only else frozenset())
     d = dims
     cnt = _carve(bufs.counters, [("task_next", 1), ("down_done", 1), ("block_ready", d.max_blocks),
                                  ("block_act_ready", d.max_blocks), ("token_sact_ready", d.token_blocks),
@@ -523,18 +548,8 @@ def launch_forward(bufs: ForwardBuffers, sched: ScheduleBuffers, dims: LayerDims
 
     num_tasks = forward_task_count(d, context_only=bool(context_only),
                                    push_tasks=0 if peers is None else peers.push_tasks, engine=engine)
-    p.trace_tasks = num_tasks if trace_ptr else 0
-    params = p
-    if eng.maps:
-        params = P.MoEForwardTmaParams()
-        params.p = p
-        _moe_maps.encode_maps(_moe_maps.map_specs(bufs, d, backward=False), params.maps)
-    _zero_counters(bufs.counters, _forward_counter_words(d), stream)
-    if num_tasks == 0:
-        return
-    kernel = get_kernel(eng.cubin, eng.forward, device_id)
-    launch(kernel, grid=_grid(kernel, device_id, knobs, num_tasks, eng), block=eng.threads, params=params,
-           stream=stream, device_id=device_id, shared_mem=eng.smem_bytes)
+    _launch_megakernel(p, bufs, d, eng, backward=False, num_tasks=num_tasks, trace_ptr=trace_ptr,
+                       counter_words=_forward_counter_words(d), stream=stream, device_id=device_id, knobs=knobs)
 
 
 def launch_backward(bufs: BackwardBuffers, sched: ScheduleBuffers, dims: LayerDims, *, stream, err_ptr: int,
@@ -547,11 +562,7 @@ def launch_backward(bufs: BackwardBuffers, sched: ScheduleBuffers, dims: LayerDi
     the dy_routed / dx_slot pointers must be this rank's routed / slot rows in its block.
     ``trace_ptr``: as for launch_forward (backward_task_count records).
     """
-    _check_pointers(bufs, dims, align=16)
-    _check_pointers(sched, dims, align=4, unused=frozenset({"route_rank"}))
-    _check_peers(peers, sched, dims)
-    if not err_ptr:
-        raise ArgumentError("err_ptr", "null error word")
+    _check_launch(bufs, sched, dims, peers, err_ptr)
     d = dims
     cnt = _carve(bufs.counters, [("task_next", 1), ("dx_done", 1), ("dsgu_done", 1),
                                  ("block_dy_ready", d.max_blocks), ("block_dgu_ready", d.max_blocks),
@@ -576,16 +587,8 @@ def launch_backward(bufs: BackwardBuffers, sched: ScheduleBuffers, dims: LayerDi
     p.peers = _no_peers() if peers is None else peers._struct()
 
     num_tasks = backward_task_count(d, push_tasks=0 if peers is None else peers.push_tasks, engine=engine)
-    p.trace_tasks = num_tasks if trace_ptr else 0
-    params = p
-    if eng.maps:
-        params = P.MoEBackwardTmaParams()
-        params.p = p
-        _moe_maps.encode_maps(_moe_maps.map_specs(bufs, d, backward=True), params.maps)
-    _zero_counters(bufs.counters, _backward_counter_words(d), stream)
-    kernel = get_kernel(eng.cubin, eng.backward, device_id)
-    launch(kernel, grid=_grid(kernel, device_id, knobs, num_tasks, eng), block=eng.threads, params=params,
-           stream=stream, device_id=device_id, shared_mem=eng.smem_bytes)
+    _launch_megakernel(p, bufs, d, eng, backward=True, num_tasks=num_tasks, trace_ptr=trace_ptr,
+                       counter_words=_backward_counter_words(d), stream=stream, device_id=device_id, knobs=knobs)
 
 
 def prepare(device_id: int, *, engine: str | None = None) -> None:
