@@ -113,6 +113,9 @@ __device__ __forceinline__ bool for_each_stage(const ws::Shared& s, wg::PipeStat
   for (int st = 0; st < count; ++st) {
     if (!failed) failed = !mbar_wait(s.ring.full(ps.slot), ps.phase, w);
     body(st, s.ring.a_tile(ps.slot));
+    // The slot was read with ld.shared (generic proxy) and the producer refills it with a bulk copy
+    // (async proxy): order the reads before that write across the proxies, then free the slot.
+    fence_proxy_async_shared();
     __syncwarp();  // every lane of the warp has read the slot before lane 0 frees it
     if ((threadIdx.x & 31) == 0) mbar_arrive(s.ring.empty(ps.slot));
     ps.advance(ws::kStages);
