@@ -77,7 +77,7 @@ def main() -> int:
             if args.trace:
                 last = ws.take_traces()   # tracing adds ~30 us per launch (a memset and the records)
     if args.trace:
-        from mok_rt._trace import write_chrome_trace
+        from mok_rt.kernels.trace import write_chrome_trace
         for t in last:
             print(t.summary())
         write_chrome_trace(args.trace, last)

@@ -7,14 +7,14 @@
         out, ctx = mok.forward(ws, sched, x, topk_weights, w_gate, w_up, w_down)
         g = mok.backward(ws, sched, ctx, d_out, x, topk_weights, w_gate, w_up, w_down)
 """
-from .config import MoEConfig
-from .errors import (ArgumentError, CapacityError, CudaDriverError, DeviceError, ExpertIdError, MokError,
+from mok_rt.api.config import MoEConfig
+from mok_rt.errors import (ArgumentError, CapacityError, CudaDriverError, DeviceError, ExpertIdError, MokError,
                      NoCubinError, PeerTimeoutError, TokenCountError)
-from .group import CallableGroup, MPIGroup, SingleProcessGroup
-from .symmetric import SymmetricHeap, device_barrier
-from .layer import Context, Gradients, backward, forward, recompute_context, schedule
-from .tensor import Tensor
-from .workspace import Workspace, WorkspaceRank
+from mok_rt.dist.group import CallableGroup, MPIGroup, SingleProcessGroup
+from mok_rt.dist.symmetric import SymmetricHeap, device_barrier
+from mok_rt.api.layer import Context, Gradients, backward, forward, recompute_context, schedule
+from mok_rt.interop.tensor import Tensor
+from mok_rt.api.workspace import Workspace, WorkspaceRank
 
 __version__ = "0.1.0"
 

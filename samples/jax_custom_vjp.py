@@ -139,7 +139,7 @@ def block_forward(moe, params: dict, x, top_k: int):
 
 
 def _gpu_available() -> bool:
-    from mok_rt._driver import device_count
+    from mok_rt.runtime.driver import device_count
     return device_count() > 0 and any(d.platform == "gpu" for d in jax.devices())
 
 

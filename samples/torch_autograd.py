@@ -142,7 +142,7 @@ class MoEBlock(torch.nn.Module):
 
 
 def _gpu_available() -> bool:
-    from mok_rt._driver import device_count
+    from mok_rt.runtime.driver import device_count
     return device_count() > 0 and torch.cuda.is_available()
 
 

@@ -20,7 +20,7 @@ BF16 = ml_dtypes.bfloat16
 
 
 def gpu_available() -> bool:
-    from mok_rt._driver import device_count
+    from mok_rt.runtime.driver import device_count
     return device_count() > 0
 
 

@@ -73,7 +73,7 @@ def main() -> int:
     args = ap.parse_args()
 
     import cupy as cp
-    from mok_rt._driver import device_count
+    from mok_rt.runtime.driver import device_count
 
     comm = None
     if args.one_process:

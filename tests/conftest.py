@@ -15,7 +15,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 def _gpu_count() -> int:
     try:
-        from mok_rt._driver import device_count
+        from mok_rt.runtime.driver import device_count
         return device_count()
     except Exception:
         return 0

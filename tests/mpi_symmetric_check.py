@@ -18,11 +18,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mok_rt import _driver  # noqa: E402
-from mok_rt._kernels import get_kernel  # noqa: E402
-from mok_rt.device import activate  # noqa: E402
-from mok_rt.launch import launch, stream_handle  # noqa: E402
-from mok_rt.symmetric import SymmetricHeap, device_barrier  # noqa: E402
+from mok_rt.runtime import driver as _driver  # noqa: E402
+from mok_rt.runtime.cubins import get_kernel  # noqa: E402
+from mok_rt.runtime.device import activate  # noqa: E402
+from mok_rt.runtime.launch import launch, stream_handle  # noqa: E402
+from mok_rt.dist.symmetric import SymmetricHeap, device_barrier  # noqa: E402
 
 POISON = 0xFFFFFFFF
 
@@ -161,7 +161,7 @@ def _main() -> int:
     from mpi4py import MPI
 
     from mok_rt.errors import PeerTimeoutError
-    from mok_rt.group import MPIGroup
+    from mok_rt.dist.group import MPIGroup
 
     comm = MPI.COMM_WORLD
     group = MPIGroup(comm)

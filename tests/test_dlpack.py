@@ -10,10 +10,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from mok_rt import dlpack, dtypes
-from mok_rt.dlpack import check, from_dlpack
+from mok_rt.interop import dlpack
+
+from mok_rt.interop import dtypes
+from mok_rt.interop.dlpack import check, from_dlpack
 from mok_rt.errors import ArgumentError
-from mok_rt.tensor import Tensor
+from mok_rt.interop.tensor import Tensor
 
 ALL = dtypes.all_dtypes()
 NUMPY_EXPORTABLE = ("float32", "float64", "int32", "int64", "uint8")
@@ -540,7 +542,7 @@ class _FakeDriver:
 
 @pytest.fixture
 def fake_driver(monkeypatch):
-    from mok_rt import tensor as tensor_mod
+    from mok_rt.interop import tensor as tensor_mod
 
     drv = _FakeDriver()
     monkeypatch.setattr(tensor_mod, "call", drv)

@@ -7,9 +7,11 @@ import weakref
 import numpy as np
 import pytest
 
-from mok_rt import dlpack, dtypes
-from mok_rt.dlpack import check, from_dlpack
-from mok_rt.tensor import Tensor
+from mok_rt.interop import dlpack
+
+from mok_rt.interop import dtypes
+from mok_rt.interop.dlpack import check, from_dlpack
+from mok_rt.interop.tensor import Tensor
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 import mok_rt as mok
-from mok_rt import _ep
-from mok_rt._moe_launch import LayerDims, PeerSpec, backward_task_count, forward_task_count
-from mok_rt._moe_params import combine_parts
+from mok_rt.dist import ep as _ep
+from mok_rt.kernels.moe_launch import LayerDims, PeerSpec, backward_task_count, forward_task_count
+from mok_rt.kernels.moe_params import combine_parts
 from mok_rt.errors import ArgumentError
-from mok_rt.group import ProcessGroup
-from mok_rt.schedule_ref import schedule_reference, schedule_reference_all_ranks
+from mok_rt.dist.group import ProcessGroup
+from mok_rt.reference.schedule import schedule_reference, schedule_reference_all_ranks
 from test_group import RankFailure, run_ranks
 
 

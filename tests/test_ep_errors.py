@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import pytest
 
 import mok_rt as mok
-from mok_rt._backend_cuda import CudaBackend
-from mok_rt._ep import GROUP_CONSISTENT_ERRORS, EPHealth
-from mok_rt._errorword import ERR_CAPACITY, ERR_EXPERT_ID, ERR_INTERNAL, ERR_TIMEOUT, device_error
-from mok_rt.routing import scan_shared_bytes
+from mok_rt.backends.cuda import CudaBackend
+from mok_rt.dist.ep import GROUP_CONSISTENT_ERRORS, EPHealth
+from mok_rt.runtime.errorword import ERR_CAPACITY, ERR_EXPERT_ID, ERR_INTERNAL, ERR_TIMEOUT, device_error
+from mok_rt.kernels.schedule import scan_shared_bytes
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cuda_src")
 

@@ -34,7 +34,7 @@ _DIGESTS: dict = {}
 
 def check_schedule_matches_twin(devices, tokens, num_experts: int, k: int) -> None:
     """Every rank's device schedule (routing exchanged on the device) equals the NumPy twin."""
-    from mok_rt.schedule_ref import schedule_reference
+    from mok_rt.reference.schedule import schedule_reference
     P = len(devices)
     rng = np.random.default_rng(sum(tokens))
     ids = [rng.integers(0, num_experts, size=(t, k)).astype(np.int64 if r % 2 else np.int32)
@@ -346,7 +346,7 @@ def test_mismatched_configs_raise_on_every_rank():
 def test_not_resident_together_times_out_instead_of_hanging(monkeypatch):
     """Full-size grids for both ranks of one GPU: the first kernel may fill the GPU; the run must
     then end in a timeout (or, if the second kernel found room after all, in correct results)."""
-    from mok_rt import _ep
+    from mok_rt.dist import ep as _ep
     monkeypatch.setattr(_ep.EPShared, "ranks_sharing_gpu", lambda self, rank: 1)
     case = "e6_1000_37"
     t0 = time.monotonic()

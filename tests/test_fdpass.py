@@ -17,8 +17,8 @@ import time
 import pytest
 from test_group import RankFailure, assert_ok, run_ranks
 
-from mok_rt import _fdpass
-from mok_rt._fdpass import FdExchangeError, _Listener, _send, check_rendezvous_dir, exchange_fds, make_rendezvous_dir
+from mok_rt.dist import fdpass as _fdpass
+from mok_rt.dist.fdpass import FdExchangeError, _Listener, _send, check_rendezvous_dir, exchange_fds, make_rendezvous_dir
 from mok_rt.errors import MokError
 
 ROOT = os.geteuid() == 0

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pytest
 
 from mok_rt.errors import ArgumentError
-from mok_rt.group import CallableGroup, MPIGroup, ProcessGroup, SingleProcessGroup, collective_step
+from mok_rt.dist.group import CallableGroup, MPIGroup, ProcessGroup, SingleProcessGroup, collective_step
 
 # ---------------------------------------------------------------------------------------------
 # Multi-process harness

@@ -16,7 +16,7 @@ import pytest
 
 import mok_rt as mok
 from mok_rt import reference
-from mok_rt.dlpack import from_dlpack
+from mok_rt.interop.dlpack import from_dlpack
 
 # On a GPU machine JAX would otherwise take 75% of the GPU's memory for itself when it starts.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")

@@ -25,7 +25,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import mok_rt as mok  # noqa: E402
 from mok_rt import reference  # noqa: E402
-from mok_rt.dlpack import from_dlpack  # noqa: E402
+from mok_rt.interop.dlpack import from_dlpack  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

@@ -1,7 +1,7 @@
-"""Direct GPU test of the fused MoE kernels (cuda_src/moe/moe_layer.cu) through mok_rt._moe_launch.
+"""Direct GPU test of the fused MoE kernels (cuda_src/moe/moe_layer.cu) through mok_rt.kernels.moe_launch.
 
 Buffers are CuPy arrays (bf16 held as raw uint16 bits), the schedule comes from the NumPy twin
-(mok_rt.schedule_ref) and the oracle is the float64 NumPy reference (mok_rt.reference).  Every
+(mok_rt.reference.schedule) and the oracle is the float64 NumPy reference (mok_rt.reference).  Every
 output is poisoned with NaN before a launch, so an element the kernels fail to write fails the
 comparison; every result must also be bitwise identical over two runs.
 """
@@ -15,11 +15,11 @@ pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 
 from mok_rt import reference  # noqa: E402
-from mok_rt._moe_launch import (BackwardBuffers, ForwardBuffers, KernelKnobs, LayerDims,  # noqa: E402
+from mok_rt.kernels.moe_launch import (BackwardBuffers, ForwardBuffers, KernelKnobs, LayerDims,  # noqa: E402
                                 ScheduleBuffers, backward_buffer_bytes, forward_buffer_bytes, launch_backward,
                                 launch_forward)
-from mok_rt._moe_params import BLOCK_M  # noqa: E402
-from mok_rt.schedule_ref import schedule_reference  # noqa: E402
+from mok_rt.kernels.moe_params import BLOCK_M  # noqa: E402
+from mok_rt.reference.schedule import schedule_reference  # noqa: E402
 
 BF16 = ml_dtypes.bfloat16
 BF16_NAN = 0x7FC0

@@ -7,10 +7,10 @@ import ctypes
 import pytest
 
 import mok_rt as mok
-from mok_rt import _moe_launch as L
-from mok_rt import _moe_maps as M
-from mok_rt import _moe_params as P
-from mok_rt._tensormap import Swizzle
+from mok_rt.kernels import moe_launch as L
+from mok_rt.kernels import moe_maps as M
+from mok_rt.kernels import moe_params as P
+from mok_rt.runtime.tensormap import Swizzle
 from mok_rt.errors import ArgumentError
 
 QWEN = dict(tokens=16384, hidden=2048, intermediate=768, top_k=8, local_experts=128)

@@ -18,7 +18,7 @@ import pytest
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 
-from mok_rt._moe_launch import KernelKnobs  # noqa: E402
+from mok_rt.kernels.moe_launch import KernelKnobs  # noqa: E402
 from test_moe_kernel_gpu import (CASES, TOL, Problem, _assert_bitwise_equal, _check_backward,  # noqa: E402
                                  _check_forward, _host_bf16, _rel_err)
 

@@ -8,17 +8,17 @@ pytestmark = pytest.mark.gpu
 
 cp = pytest.importorskip("cupy")
 
-from mok_rt import routing  # noqa: E402
+from mok_rt.kernels import schedule as routing  # noqa: E402
 from mok_rt.errors import CapacityError, ExpertIdError  # noqa: E402
-from mok_rt.schedule_ref import schedule_reference  # noqa: E402
+from mok_rt.reference.schedule import schedule_reference  # noqa: E402
 
 DEV = 0
 
 
 @pytest.fixture(scope="module")
 def err():
-    from mok_rt._errorword import ErrorWord
-    from mok_rt.device import activate
+    from mok_rt.runtime.errorword import ErrorWord
+    from mok_rt.runtime.device import activate
     activate(DEV)
     w = ErrorWord(DEV)
     yield w
@@ -26,7 +26,7 @@ def err():
 
 @pytest.fixture
 def stream():
-    from mok_rt.device import activate
+    from mok_rt.runtime.device import activate
     return activate(DEV).create_stream()
 
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from mok_rt.errors import ArgumentError
-from mok_rt.schedule_ref import Schedule, schedule_reference, schedule_reference_all_ranks
+from mok_rt.reference.schedule import Schedule, schedule_reference, schedule_reference_all_ranks
 
 
 def _eq(actual, expected):

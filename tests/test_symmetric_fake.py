@@ -18,12 +18,12 @@ import pytest
 from cuda.bindings import driver as real_driver
 from test_group import RankFailure, assert_ok, run_ranks
 
-from mok_rt import _errorword
-from mok_rt._errorword import ErrorWord
-from mok_rt._multicast import Multicast
+from mok_rt.runtime import errorword as _errorword
+from mok_rt.runtime.errorword import ErrorWord
+from mok_rt.dist.multicast import Multicast
 from mok_rt.errors import ArgumentError, CudaDriverError, MokError, PeerTimeoutError
-from mok_rt.group import SingleProcessGroup
-from mok_rt.symmetric import SignalPad, SymmetricHeap
+from mok_rt.dist.group import SingleProcessGroup
+from mok_rt.dist.symmetric import SignalPad, SymmetricHeap
 
 MiB = 1 << 20
 _attr = real_driver.CUdevice_attribute
@@ -484,7 +484,7 @@ def test_as_tensor_checks_bounds():
 
 
 def test_as_tensor_wraps_the_block():
-    tensor = pytest.importorskip("mok_rt.tensor")
+    tensor = pytest.importorskip("mok_rt.interop.tensor")
     calls = []
 
     def fake_from_pointer(ptr, shape, dtype, device_id, owner, stream=None):

@@ -18,11 +18,11 @@ from mpi_run import run_mpi_script
 from mpi_symmetric_check import free_memory, pattern_round, preload, round_ok
 from test_group import assert_ok, run_ranks
 
-from mok_rt import _driver
-from mok_rt.device import activate
+from mok_rt.runtime import driver as _driver
+from mok_rt.runtime.device import activate
 from mok_rt.errors import PeerTimeoutError
-from mok_rt.group import SingleProcessGroup
-from mok_rt.symmetric import SymmetricHeap, device_barrier
+from mok_rt.dist.group import SingleProcessGroup
+from mok_rt.dist.symmetric import SymmetricHeap, device_barrier
 
 pytestmark = pytest.mark.gpu
 

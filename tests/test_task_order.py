@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from mok_rt import _moe_launch as L
+from mok_rt.kernels import moe_launch as L
 
 BLOCK_GROUP = 8  # ws::kBlockGroup
 

@@ -1,4 +1,4 @@
-"""Host-side checks of mok_rt._tensormap (no GPU: encoding itself is exercised by
+"""Host-side checks of mok_rt.runtime.tensormap (no GPU: encoding itself is exercised by
 tests/test_gemm_probe_gpu.py)."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import ctypes
 
 import pytest
 
-from mok_rt import _tensormap as tm
+from mok_rt.runtime import tensormap as tm
 from mok_rt.errors import ArgumentError
 
 ADDR = 1 << 20

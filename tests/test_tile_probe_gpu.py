@@ -24,9 +24,9 @@ import pytest
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 
-from mok_rt import _moe_params as P  # noqa: E402
-from mok_rt._kernels import get_kernel  # noqa: E402
-from mok_rt.launch import launch  # noqa: E402
+from mok_rt.kernels import moe_params as P  # noqa: E402
+from mok_rt.runtime.cubins import get_kernel  # noqa: E402
+from mok_rt.runtime.launch import launch  # noqa: E402
 
 BF16 = ml_dtypes.bfloat16
 BF16_NAN = 0x7FC0

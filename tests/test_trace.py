@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 import mok_rt as mok
-from mok_rt import _moe_launch as L
-from mok_rt import _moe_params as P
-from mok_rt._trace import LaunchTrace, write_chrome_trace
+from mok_rt.kernels import moe_launch as L
+from mok_rt.kernels import moe_params as P
+from mok_rt.kernels.trace import LaunchTrace, write_chrome_trace
 
 
 def _dims(T=1000, H=1024, I=512, Is=0, k=4, El=16, R=None):

@@ -10,8 +10,8 @@ pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 
 import mok_rt as mok  # noqa: E402
-from mok_rt import _moe_launch as L  # noqa: E402
-from mok_rt.launch import multiprocessor_count  # noqa: E402
+from mok_rt.kernels import moe_launch as L  # noqa: E402
+from mok_rt.runtime.launch import multiprocessor_count  # noqa: E402
 from test_layer_gpu import _to_dev, make_problem  # noqa: E402
 
 

@@ -1,0 +1,1 @@
+"""The public API: configuration, workspace, argument validation, the layer functions."""

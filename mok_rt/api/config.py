@@ -1,0 +1,114 @@
+"""MoEConfig: the layer's shape and the kernels' knobs, validated once."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from mok_rt.errors import ArgumentError
+
+__all__ = ["MoEConfig"]
+
+_ENGINES = ("tile", "tma")  # mok_rt.kernels.moe_launch.ENGINES (kept import-free: config loads without cuda)
+_ALIGN = 64  # hidden / intermediate sizes must be multiples of the GEMM's K and N granule
+
+
+def _positive_int(name: str, v) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise ArgumentError(name, f"expected a positive int, got {v!r}")
+    return v
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """One MoE layer: routed SwiGLU experts plus an optional shared expert.
+
+    Shapes (DESIGN.md §2): x [T, hidden]; w_gate/w_up [E_local, intermediate, hidden];
+    w_down [E_local, hidden, intermediate]; shared expert [shared_intermediate, hidden] (×2) and
+    [hidden, shared_intermediate].  A token may name the same expert twice in its top-k: the two
+    routes are independent and their weighted outputs add up.
+
+    Kernel knobs (defaults suit H100/H200):
+      block_m       rows per GEMM row block; each expert's rows are padded to it (64 or 128).
+      ctas_per_sm   persistent CTAs per SM (1 or 2).
+      comm_sms      with experts spread over ranks: how many tasks push this rank's token rows
+                    to their experts' ranks (forward and backward), hence at most how many CTAs
+                    (about one per SM) move rows at the start of a launch while the others
+                    already run shared-expert and local work.  Rows returning to their source
+                    ride the down / dgrad GEMM epilogues.  Any CTA may take a push task.
+      timeout_s     how long a kernel waits for a dependency or a peer before it gives up and
+                    reports a timeout (the error names what was missing).
+      capacity_factor  None: every rank can hold the worst case (all routed rows of all ranks);
+                    a float f: each rank holds f × (average rows per rank) rows, rounded up.
+      gemm_engine   the CUDA kernels' GEMM engine: "tma" (TMA producer warp + 2 wgmma
+                    warpgroups, register epilogues) or "tile" (cp.async + wgmma, 256 threads);
+                    None: $MOK_RT_GEMM_ENGINE, else "tma".  Same results within rounding.
+    """
+
+    hidden: int
+    intermediate: int
+    num_experts: int
+    top_k: int
+    shared_intermediate: int = 0
+    swiglu_limit: float | None = None
+    block_m: int = 128
+    ctas_per_sm: int = 1
+    comm_sms: int = 32
+    timeout_s: float = 10.0
+    capacity_factor: float | None = None
+    gemm_engine: str | None = None
+
+    def __post_init__(self):
+        for name in ("hidden", "intermediate", "num_experts", "top_k"):
+            _positive_int(name, getattr(self, name))
+        for name in ("hidden", "intermediate"):
+            v = getattr(self, name)
+            if v % _ALIGN:
+                raise ArgumentError(name, f"must be a multiple of {_ALIGN}, got {v}")
+        si = self.shared_intermediate
+        if isinstance(si, bool) or not isinstance(si, int) or si < 0 or si % _ALIGN:
+            raise ArgumentError("shared_intermediate", f"expected 0 (no shared expert) or a positive multiple "
+                                                       f"of {_ALIGN}, got {si!r}")
+        if self.top_k > 32:
+            raise ArgumentError("top_k", f"at most 32 routes per token are supported, got {self.top_k}")
+        if self.swiglu_limit is not None:
+            lim = self.swiglu_limit
+            if isinstance(lim, bool) or not isinstance(lim, (int, float)) or not math.isfinite(lim) or lim <= 0:
+                raise ArgumentError("swiglu_limit", f"expected None or a positive finite float, got {lim!r}")
+            object.__setattr__(self, "swiglu_limit", float(lim))
+        if self.block_m not in (64, 128):
+            raise ArgumentError("block_m", f"expected 64 or 128, got {self.block_m!r}")
+        if self.ctas_per_sm not in (1, 2):
+            raise ArgumentError("ctas_per_sm", f"expected 1 or 2, got {self.ctas_per_sm!r}")
+        if isinstance(self.comm_sms, bool) or not isinstance(self.comm_sms, int) or not 1 <= self.comm_sms <= 64:
+            raise ArgumentError("comm_sms", f"expected an int in [1, 64], got {self.comm_sms!r}")
+        t = self.timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or not 0 < t <= 3600:
+            raise ArgumentError("timeout_s", f"expected seconds in (0, 3600], got {t!r}")
+        if self.gemm_engine is not None and self.gemm_engine not in _ENGINES:
+            raise ArgumentError("gemm_engine", f"expected None or one of {_ENGINES}, got {self.gemm_engine!r}")
+        cf = self.capacity_factor
+        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not cf > 0):
+            raise ArgumentError("capacity_factor", f"expected None or a positive float, got {cf!r}")
+
+    @property
+    def has_shared(self) -> bool:
+        return self.shared_intermediate > 0
+
+    def experts_per_rank(self, num_ranks: int) -> int:
+        if self.num_experts % num_ranks:
+            raise ArgumentError("num_experts", f"{self.num_experts} experts cannot be split evenly over "
+                                               f"{num_ranks} ranks")
+        return self.num_experts // num_ranks
+
+    def capacity_rows(self, *, max_tokens: int, num_ranks: int) -> int:
+        """Padded rows one rank's buffers hold (a multiple of block_m)."""
+        el = self.experts_per_rank(num_ranks)
+        routes = num_ranks * max_tokens * self.top_k
+        if self.capacity_factor is not None:
+            routes = min(routes, math.ceil(self.capacity_factor * max_tokens * self.top_k))
+        rows = routes + el * (self.block_m - 1)   # worst-case padding: every expert one row short
+        return -(-rows // self.block_m) * self.block_m
+
+    def forward_flops(self, tokens: int) -> int:
+        """FLOPs of one forward over ``tokens`` tokens (routed + shared), as REFERENCE.md counts them."""
+        return 6 * tokens * (self.top_k * self.hidden * self.intermediate + self.hidden * self.shared_intermediate)

@@ -1,0 +1,306 @@
+"""Workspace: everything the ranks of one process need to run MoE layers, sized once for a maximum
+token count; :class:`WorkspaceRank`: one of those ranks, what the functional API runs on."""
+from __future__ import annotations
+
+from mok_rt.api.config import MoEConfig
+from mok_rt.errors import ArgumentError, MokError
+
+__all__ = ["Workspace", "WorkspaceRank", "BACKENDS"]
+
+BACKENDS = ("cuda", "reference")
+
+
+def _group_layout(group) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(device of every rank, ranks this process drives) for a ProcessGroup or a duck-typed one."""
+    if group is None:
+        return (0,), (0,)
+    devices = getattr(group, "devices", None)
+    if devices is not None:
+        devices = tuple(int(d) for d in devices)
+        local = tuple(getattr(group, "local_ranks", range(len(devices))))
+        return devices, local
+    dev = getattr(group, "device_id", None)
+    if dev is None:
+        raise ArgumentError("group", f"{type(group).__name__} has neither 'devices' nor 'device_id'")
+    return (int(dev),), (0,)
+
+
+class WorkspaceRank:
+    """One rank of a :class:`Workspace`: its device, stream and error word.
+
+    The functional API (``mok.schedule``, ``mok.forward`` ...) takes it in place of the workspace
+    when one process drives several ranks (``ws.rank(i)``); each rank's calls enqueue work on its
+    own stream and return, so the caller issues every rank's call in turn and they run together.
+    """
+
+    def __init__(self, ws: "Workspace", rank_id: int, device_id: int):
+        self._ws = ws
+        self.rank_id = rank_id
+        self.device_id = device_id
+        self.stream = None
+        self._impl = None
+
+    # What the API and the backends read; the same on every rank of the workspace.
+    config = property(lambda self: self._ws.config)
+    max_tokens = property(lambda self: self._ws.max_tokens)
+    backend = property(lambda self: self._ws.backend)
+    poison_outputs = property(lambda self: self._ws.poison_outputs)
+    trace = property(lambda self: self._ws.trace)
+    num_ranks = property(lambda self: self._ws.num_ranks)
+    experts_per_rank = property(lambda self: self._ws.experts_per_rank)
+    capacity_rows = property(lambda self: self._ws.capacity_rows)
+
+    @property
+    def workspace(self) -> "Workspace":
+        return self._ws
+
+    def _backend(self):
+        if self._ws._closed:
+            raise ArgumentError("ws", "the workspace is closed")
+        return self._impl
+
+    def synchronize(self) -> None:
+        """Wait for this rank's stream and raise the first error its kernels reported."""
+        self._backend().synchronize()
+
+    def check(self) -> None:
+        """Raise the error this rank's kernels reported, if any, without waiting."""
+        self._backend().check()
+
+    def take_traces(self) -> list:
+        """This rank's launch timelines since the last call (see :meth:`Workspace.take_traces`)."""
+        return self._backend().take_traces()
+
+    def __repr__(self) -> str:
+        return f"WorkspaceRank(rank={self.rank_id}/{self.num_ranks}, device={self.device_id})"
+
+
+class Workspace:
+    """The buffers, streams and error words of this process's ranks, reusable across the layers of a
+    model.
+
+    ``Workspace(cfg, group, max_tokens=T_max, backend="cuda")``: ``group`` says which ranks share
+    the experts (``None``: one rank on device 0; a group of P ranks: expert parallelism, each rank
+    holding ``num_experts / P`` experts); ``max_tokens`` bounds the tokens of one call on one rank
+    and sizes every buffer; ``backend="reference"`` runs the NumPy reference behind the same API
+    on any machine (one rank).  Calls enqueue work on ``stream`` (default: a stream the workspace
+    owns per rank) and return without waiting; :meth:`synchronize` waits and raises any error a
+    kernel reported.  Use it as a context manager or call :meth:`close`.  ``poison_outputs=True``
+    (for tests) fills every result and context buffer with NaN before the kernels write it.
+    ``trace=True`` (profiling) records a per-task timeline of every megakernel launch:
+    :meth:`take_traces`.
+
+    Expert parallelism: creating the workspace is collective (every rank's process must create
+    it, with the same config and ``max_tokens``; a mismatch raises :class:`ArgumentError` on
+    every rank).  Every rank then makes the same sequence of ``schedule`` / ``forward`` /
+    ``recompute_context`` / ``backward`` calls, each rank's calls ordered on one stream; the
+    kernels meet their peers on the device (no host synchronisation).  A rank that does not make
+    a call makes its peers raise :class:`~mok_rt.PeerTimeoutError` naming it after
+    ``cfg.timeout_s``; the workspace then refuses further calls (the state the ranks share is
+    undefined) and must be closed and recreated on every rank.  An expert-id or capacity error
+    is reported by every rank alike and leaves the workspace usable.  With one process per rank
+    (MPIGroup, CallableGroup) pass the workspace itself to the API; when one process drives
+    several ranks (``SingleProcessGroup(devices=[0, 1])``, or ``[0, 0]``: ranks sharing a GPU
+    split its SMs) pass ``ws.rank(i)``, and issue one step's calls of every rank before waiting
+    for any of them: nothing that synchronises the device (``cudaDeviceSynchronize``, a copy on
+    the legacy default stream, ``ws.rank(i).synchronize()``) may come between rank 0's call and
+    rank 1's, since rank 0's kernels wait on the device for rank 1's (they would time out).
+    """
+
+    def __init__(self, config: MoEConfig, group=None, *, max_tokens: int, backend: str = "cuda", stream=None,
+                 poison_outputs: bool = False, trace: bool = False):
+        self._closed = True   # until everything exists: close() must work on a half-built workspace
+        self._ep = None
+        devices, local = _group_layout(group)
+        if len(devices) > 1:
+            from mok_rt.dist.ep import check_same_config
+            from mok_rt.dist.group import ProcessGroup
+            if not isinstance(group, ProcessGroup):
+                raise ArgumentError("group", f"expert parallelism needs a ProcessGroup, got {type(group).__name__}")
+            # Collective, first: the checks below then fail alike on every rank.
+            check_same_config(group, config, max_tokens, backend)
+        if not isinstance(config, MoEConfig):
+            raise ArgumentError("config", f"expected a MoEConfig, got {type(config).__name__}")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+            raise ArgumentError("max_tokens", f"expected an int >= 0, got {max_tokens!r}")
+        if backend not in BACKENDS:
+            raise ArgumentError("backend", f"expected one of {BACKENDS}, got {backend!r}")
+        self.config = config
+        self.group = group
+        self.max_tokens = max_tokens
+        self.backend = backend
+        # Testing aid: fill every buffer mok_rt allocates for a result or a context with NaN
+        # (0xFF bytes) before the kernels run, so an element they fail to write cannot pass.
+        self.poison_outputs = bool(poison_outputs)
+        # Profiling aid: every megakernel launch records when each task was grabbed, ready and
+        # done, on which SM (32 bytes per task; see take_traces).
+        self.trace = bool(trace)
+        self.num_ranks = len(devices)
+        self.experts_per_rank = config.experts_per_rank(self.num_ranks)
+        self.capacity_rows = config.capacity_rows(max_tokens=max_tokens, num_ranks=self.num_ranks)
+        if self.num_ranks > 1:
+            if backend != "cuda":
+                raise ArgumentError("backend", f"the {backend!r} backend runs one rank; expert parallelism over "
+                                               f"{self.num_ranks} ranks needs backend='cuda'")
+        self._ranks = {r: WorkspaceRank(self, r, devices[r]) for r in local}
+        streams = self._streams(stream)
+        self._closed = False
+        try:
+            self._build(streams)
+        except BaseException:
+            self.close()
+            raise
+
+    def _streams(self, stream) -> dict:
+        ranks = list(self._ranks)
+        if stream is None or not isinstance(stream, (list, tuple)):
+            if stream is not None and len(ranks) > 1:
+                raise ArgumentError("stream", f"this process drives ranks {ranks}: pass one stream per rank (a list)")
+            return {r: stream for r in ranks}
+        if len(stream) != len(ranks):
+            raise ArgumentError("stream", f"expected {len(ranks)} streams (one per local rank), got {len(stream)}")
+        return dict(zip(ranks, stream))
+
+    def _build(self, streams: dict) -> None:
+        if self.backend == "reference":
+            from mok_rt.backends.reference import ReferenceBackend
+            for r in self._ranks.values():
+                r._impl = ReferenceBackend(r)
+            return
+        from mok_rt.backends.cuda import CudaBackend
+        from mok_rt.runtime.device import activate, wrap_stream
+        several = len(self._ranks) > 1
+        for rid, r in self._ranks.items():
+            s = streams[rid]
+            # Ranks driven by one process need their own streams: each waits for its peers on the device.
+            r.stream = activate(r.device_id).create_stream() if s is None and several else \
+                wrap_stream(s, r.device_id)
+        if self.num_ranks == 1:
+            r = next(iter(self._ranks.values()))
+            r._impl = CudaBackend(r)
+            return
+        from mok_rt.dist.ep import EPRank, EPShared
+        self._ep = EPShared(self.group, config=self.config, max_tokens=self.max_tokens,
+                            capacity_rows=self.capacity_rows)
+        for rid, r in self._ranks.items():
+            ep = EPRank(self._ep, rid, timeout_s=self.config.timeout_s, push_tasks=self.config.comm_sms)
+            r._impl = CudaBackend(r, ep=ep)
+
+    # -- ranks -----------------------------------------------------------------------------------
+    @property
+    def local_ranks(self) -> tuple[int, ...]:
+        """The ranks this process drives."""
+        return tuple(self._ranks)
+
+    def rank(self, i: int) -> WorkspaceRank:
+        """Rank ``i`` of this workspace (driven by this process): pass it to the functional API."""
+        if isinstance(i, bool) or not isinstance(i, int) or i not in self._ranks:
+            raise ArgumentError("rank", f"expected one of this process's ranks {list(self._ranks)}, got {i!r}")
+        return self._ranks[i]
+
+    def _single(self) -> WorkspaceRank:
+        if len(self._ranks) != 1:
+            raise ArgumentError("ws", f"this workspace drives ranks {list(self._ranks)}: pass ws.rank(i) to the "
+                                      f"functional API")
+        return next(iter(self._ranks.values()))
+
+    # Attributes of the one rank a single-rank workspace drives (the usual one-process-per-GPU case).
+    @property
+    def rank_id(self) -> int:
+        return self._single().rank_id
+
+    @property
+    def device_id(self) -> int:
+        return self._single().device_id
+
+    @property
+    def stream(self):
+        return self._single().stream
+
+    # -- lifetime --------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release every buffer (after the work already enqueued has finished); idempotent.
+        Not collective, but with expert parallelism close a workspace only once every rank's
+        calls have finished (its peers may still be writing into this rank's memory)."""
+        if getattr(self, "_released", False):
+            return
+        self._released = True
+        self._closed = True
+        errors = []
+        for r in getattr(self, "_ranks", {}).values():
+            impl, r._impl = r._impl, None
+            if impl is not None:
+                try:
+                    impl.close()
+                except BaseException as e:  # keep releasing
+                    errors.append(e)
+        ep, self._ep = self._ep, None
+        if ep is not None:
+            try:
+                ep.close()
+            except BaseException as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+    def __enter__(self) -> "Workspace":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _backend(self):
+        if self._closed:
+            raise ArgumentError("ws", "the workspace is closed")
+        return self._single()._backend()
+
+    # -- errors and waiting ----------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Wait for every local rank's stream and raise the first error a kernel reported (every
+        rank's error word is read and cleared)."""
+        self._each("synchronize")
+
+    def check(self) -> None:
+        """Raise the error a kernel reported, if any, without waiting (see :meth:`synchronize`)."""
+        self._each("check")
+
+    def take_traces(self) -> list:
+        """The per-task timelines (``mok_rt.kernels.trace.LaunchTrace``: ``summary()``, ``phase_stats()``,
+        ``chrome_events()``) of every local rank's megakernel launches since the last call, after
+        waiting for their streams; empty unless the workspace was made with ``trace=True`` (and
+        always with the reference backend, which launches no kernels).  Each rank keeps the
+        records of its latest 64 launches until then (32 bytes per task, on the device)."""
+        if self._closed:
+            raise ArgumentError("ws", "the workspace is closed")
+        out = []
+        for r in self._ranks.values():
+            out.extend(r.take_traces())
+        return out
+
+    def _each(self, what: str) -> None:
+        if self._closed:
+            raise ArgumentError("ws", "the workspace is closed")
+        first = None
+        for r in self._ranks.values():
+            try:
+                getattr(r, what)()
+            except MokError as e:
+                first = first or e
+        if first is not None:
+            raise first
+
+    def __repr__(self) -> str:
+        c = self.config
+        ranks = ", ".join(f"{r}:cuda:{w.device_id}" for r, w in self._ranks.items())
+        return (f"Workspace(backend={self.backend!r}, ranks=[{ranks}] of {self.num_ranks}, "
+                f"H={c.hidden}, I={c.intermediate}, E={c.num_experts}, k={c.top_k}, max_tokens={self.max_tokens})")
+
+
+def as_rank(ws) -> WorkspaceRank:
+    """The rank the functional API runs on: ``ws`` itself, or a single-rank workspace's rank."""
+    if isinstance(ws, WorkspaceRank):
+        return ws
+    if isinstance(ws, Workspace):
+        return ws._single()
+    raise ArgumentError("ws", f"expected a Workspace or a WorkspaceRank, got {type(ws).__name__}")
+

@@ -1,0 +1,1 @@
+"""Backends behind the API: the CUDA megakernels and the NumPy reference.  Internal."""

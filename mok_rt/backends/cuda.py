@@ -1,0 +1,273 @@
+"""The CUDA backend: the schedule kernels and the fused forward/backward megakernels of one rank.
+
+Every buffer a call writes is allocated per call from the device's stream-ordered memory pool
+(so a workspace can serve several layers, and a context lives exactly as long as the caller keeps
+it); nothing here waits for the GPU or reads a routing-dependent count.  With expert parallelism
+(``ep``: a :class:`mok_rt.dist.ep.EPRank`) the rows that travel between ranks go through the
+workspace's symmetric heap instead (see _ep.py); everything else stays per call and local.
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mok_rt.kernels import moe_launch as L
+from mok_rt.kernels import moe_params as P
+from mok_rt.kernels import trace as _trace
+from mok_rt.interop import dtypes
+from mok_rt.runtime.errorword import ErrorWord, device_error
+from mok_rt.interop.dlpack import check, from_dlpack
+from mok_rt.runtime.device import activate
+from mok_rt.errors import ArgumentError
+from mok_rt.runtime.launch import multiprocessor_count
+from mok_rt.api.layer import Context, Gradients
+from mok_rt.kernels.schedule import build_schedule, build_schedule_ep
+from mok_rt.interop.tensor import Tensor
+
+_WEIGHT_GRADS = ("dw_gate", "dw_up", "dw_down", "dws_gate", "dws_up", "dws_down")
+_MAX_PENDING_TRACES = 64   # traced launches kept until take_traces() (the oldest are dropped)
+
+
+@dataclass
+class _ForwardState:
+    """The forward's context buffers (owned), and the inputs that must outlive the launch."""
+
+    dims: L.LayerDims
+    bufs: dict
+    keep: tuple = field(default=(), repr=False)
+
+
+class CudaBackend:
+    def __init__(self, ws, ep=None):
+        self.ws = ws
+        self.ep = ep
+        cfg = ws.config
+        if cfg.block_m != P.BLOCK_M:
+            raise ArgumentError("block_m", f"the CUDA kernels use row blocks of {P.BLOCK_M}, got {cfg.block_m}")
+        self.device_id = ws.device_id
+        activate(self.device_id)
+        max_ctas = None
+        engine = L.resolve_engine(cfg.gemm_engine)
+        if ep is None:
+            self.error = ErrorWord(self.device_id)
+        else:
+            self.error = ep.error   # the heap's, one per local rank
+            from mok_rt.kernels.schedule import prepare
+            prepare(self.device_id, cfg.num_experts)
+            L.prepare(self.device_id, engine=engine)
+            share = ep.shared.ranks_sharing_gpu(ep.rank)
+            if share > 1:
+                # Ranks sharing a GPU split its SMs, so that all their persistent grids are resident
+                # at once (a rank waiting for a peer that cannot start would only time out).
+                max_ctas = max(1, multiprocessor_count(self.device_id) * cfg.ctas_per_sm // share)
+        self.knobs = L.KernelKnobs(ctas_per_sm=cfg.ctas_per_sm, max_ctas=max_ctas,
+                                   timeout_ns=int(cfg.timeout_s * 1e9), engine=engine)
+        self._streams: dict[int, object] = {}   # streams with mok_rt work since the last synchronize
+        # Workspace(trace=True): (kind, phases, records) of the latest launches not yet taken.
+        self._traces: collections.deque[tuple[str, tuple, Tensor]] = collections.deque(maxlen=_MAX_PENDING_TRACES)
+
+    # -- lifetime / errors ---------------------------------------------------------------------
+    def close(self) -> None:
+        try:
+            self._sync_streams()
+        finally:
+            if self.ep is None:   # an EP rank's error word belongs to the heap
+                self.error.close()
+
+    def _used(self, stream) -> None:
+        self._streams[int(stream.handle)] = stream
+
+    def _sync_streams(self) -> None:
+        self.ws.stream.sync()
+        streams, self._streams = self._streams, {}
+        for s in streams.values():
+            s.sync()
+
+    def synchronize(self) -> None:
+        self._sync_streams()
+        self.check()
+
+    def check(self) -> None:
+        code, a, b, c = self.error.read()
+        if not code:
+            return
+        try:
+            where = f"device {self.device_id}" if self.ep is None else f"rank {self.ep.rank}, device {self.device_id}"
+            err = device_error(code, (a, b, c), f"mok_rt ({where})")
+            if self.ep is not None:
+                note = self.ep.shared.health.record(code, str(err))
+                err = device_error(code, (a, b, c), f"mok_rt ({where})", note=note)
+        finally:
+            self.error.clear()
+        raise err
+
+    def _check_usable(self) -> None:
+        """With expert parallelism: refuse new calls once the state shared with the peers is undefined."""
+        if self.ep is not None:
+            self.ep.shared.health.check(self.ep.rank)
+
+    # -- traces (Workspace(trace=True)) --------------------------------------------------------------
+    def _trace_buffer(self, kind: str, phases, stream) -> int:
+        """Zeroed records for one launch (0: tracing is off)."""
+        if not self.ws.trace:
+            return 0
+        n = sum(c for _, c in phases)
+        buf = self._bytes(max(n, 1) * _trace.RECORD_BYTES, stream, poison=False)
+        buf.fill_bytes(0, stream=stream)
+        self._traces.append((kind, tuple(phases), buf))
+        return buf.ptr
+
+    def take_traces(self) -> list:
+        """The decoded timelines of the launches since the last call (waits for the streams).
+        Every traced launch keeps its records on the device until then, the latest
+        _MAX_PENDING_TRACES of them (a traced loop that never takes them stays bounded)."""
+        self._sync_streams()
+        rank = 0 if self.ep is None else self.ep.rank
+        out = [_trace.LaunchTrace.decode(buf.to_numpy().view(np.uint64)[:4 * sum(c for _, c in phases)],
+                                         kind=kind, engine=self.knobs.engine, phases=phases, rank=rank,
+                                         device_id=self.device_id)
+               for kind, phases, buf in self._traces]
+        self._traces.clear()   # only once every launch decoded: an error keeps them for another try
+        return out
+
+    # -- helpers -----------------------------------------------------------------------------------
+    def _empty(self, shape, dtype, stream, *, poison=True):
+        t = Tensor.empty(shape, dtype, device_id=self.device_id, stream=stream)
+        if poison and self.ws.poison_outputs and t.nbytes:
+            t.fill_bytes(0xFF, stream=stream)   # NaN for bf16/f32, -1 for ints
+        return t
+
+    def _bytes(self, nbytes, stream, *, poison=True):
+        return self._empty((nbytes,), dtypes.uint8, stream, poison=poison)
+
+    def _dims(self, tokens: int) -> L.LayerDims:
+        cfg, ws = self.ws.config, self.ws
+        return L.LayerDims(tokens=tokens, hidden=cfg.hidden, intermediate=cfg.intermediate, top_k=cfg.top_k,
+                           local_experts=ws.experts_per_rank, capacity_rows=ws.capacity_rows,
+                           shared_intermediate=cfg.shared_intermediate, swiglu_limit=cfg.swiglu_limit,
+                           rank=ws.rank_id)
+
+    @staticmethod
+    def _sched_bufs(s) -> L.ScheduleBuffers:
+        return L.ScheduleBuffers(expert_count=s.expert_count.ptr, expert_offset=s.expert_offset.ptr,
+                                 num_blocks=s.totals.ptr, block_expert=s.block_expert.ptr,
+                                 row_src_rank=s.row_src_rank.ptr, row_slot=s.row_slot.ptr,
+                                 route_row=s.route_row.ptr, route_rank=s.route_rank.ptr)
+
+    # -- the API -----------------------------------------------------------------------------------
+    def schedule(self, ids, *, stream):
+        self._check_usable()
+        self._used(stream)
+        cfg, ws = self.ws.config, self.ws
+        T = ids.shape[0]
+        common = dict(ids_int64=ids.dtype == dtypes.int64, num_experts=cfg.num_experts, top_k=cfg.top_k,
+                      rank=ws.rank_id, block_m=cfg.block_m, max_rows=ws.capacity_rows, device_id=self.device_id,
+                      stream=stream, err_ptr=self.error.device_ptr, poison=ws.poison_outputs)
+        if self.ep is None:
+            s = build_schedule([ids.ptr], [T], max_total_routes=max(T, 1) * cfg.top_k, **common)
+        else:
+            s = build_schedule_ep(ids.ptr, T, exchange=self.ep.exchange(), max_tokens=ws.max_tokens, **common)
+        s._keep = ids
+        return s
+
+    def _run_forward(self, sched, args, stream, *, context_only: bool):
+        self._check_usable()
+        self._used(stream)
+        T = sched.tokens
+        dims = self._dims(T)
+        sizes = L.forward_buffer_bytes(dims)
+        H = dims.hidden
+        ctx_names = ("x_routed", "gu", "act", "y_slot", "sgu", "sact")
+        bufs = {n: self._bytes(sizes[n], stream) for n in ctx_names}
+        out = None if context_only else self._empty((T, H), dtypes.bfloat16, stream)
+        shared_y = self._bytes(sizes["shared_y"], stream, poison=False)
+        counters = self._bytes(sizes["counters"], stream, poison=False)
+        ptr = lambda v: 0 if v is None else v.ptr  # noqa: E731
+        fb = L.ForwardBuffers(
+            x=args.x.ptr, topk_weights=ptr(args.topk_weights), w_gate=args.w_gate.ptr, w_up=args.w_up.ptr,
+            w_down=args.w_down.ptr, out=ptr(out), counters=counters.ptr, shared_y=shared_y.ptr,
+            ws_gate=ptr(args.ws_gate), ws_up=ptr(args.ws_up), ws_down=ptr(args.ws_down),
+            **{n: bufs[n].ptr for n in ctx_names})
+        peers = None if self.ep is None else self.ep.peers(T)
+        trace = self._trace_buffer("recompute" if context_only else "forward", L.forward_phases(
+            dims, context_only=context_only, push_tasks=0 if peers is None else peers.push_tasks,
+            engine=self.knobs.engine), stream)
+        L.launch_forward(fb, self._sched_bufs(sched), dims, stream=stream, err_ptr=self.error.device_ptr,
+                         device_id=self.device_id, knobs=self.knobs, context_only=context_only, peers=peers,
+                         trace_ptr=trace)
+        state = _ForwardState(dims=dims, bufs=bufs, keep=(args, shared_y, counters))
+        return out, state
+
+    def forward(self, sched, args, *, stream):
+        out, state = self._run_forward(sched, args, stream, context_only=False)
+        return out, Context(schedule=sched, tokens=sched.tokens, data=state)
+
+    def recompute(self, sched, args, *, stream):
+        if args.w_down is None or (self.ws.config.has_shared and args.ws_down is None):
+            # DESIGN §4's recompute_context gets no w_down, and the context holds the experts' outputs
+            # (for d_topk_weights), which need it.  So the rebuild runs at the start of the backward,
+            # which gets w_down: the same work, done just before it is needed -- which is when
+            # activation checkpointing recomputes anyway.
+            return Context(schedule=sched, tokens=sched.tokens, data=None, recomputed=True)
+        _, state = self._run_forward(sched, args, stream, context_only=True)
+        return Context(schedule=sched, tokens=sched.tokens, data=state, recomputed=True)
+
+    def _grad_buffer(self, name, given, shape, stream, accumulate):
+        if given is None:
+            return self._empty(shape, dtypes.float32, stream), None
+        v = from_dlpack(given, name=name, stream=stream)
+        check(v, name=name, dtype=dtypes.float32, shape=shape, device=("cuda", self.device_id))
+        if v.readonly:
+            raise ArgumentError(name, "is read-only")
+        return v, given
+
+    def backward(self, sched, ctx, dout, args, *, out, accumulate, stream):
+        self._check_usable()
+        self._used(stream)
+        state: _ForwardState = ctx.data
+        if state is None:   # a deferred recompute_context (called without w_down): rebuild it now
+            _, state = self._run_forward(sched, args, stream, context_only=True)
+        dims = state.dims
+        cfg = self.ws.config
+        T, H, I, Is, El, k = dims.tokens, dims.hidden, dims.intermediate, dims.shared_intermediate, \
+            dims.local_experts, dims.top_k
+        sizes = L.backward_buffer_bytes(dims)
+        shapes = {"dw_gate": (El, I, H), "dw_up": (El, I, H), "dw_down": (El, H, I),
+                  "dws_gate": (Is, H), "dws_up": (Is, H), "dws_down": (H, Is)}
+        grads, returned = {}, {}
+        for n in _WEIGHT_GRADS:
+            if n.startswith("dws") and not cfg.has_shared:
+                grads[n], returned[n] = None, None
+                continue
+            buf, caller = self._grad_buffer(n, out.get(n), shapes[n], stream, accumulate)
+            grads[n] = buf
+            returned[n] = caller if caller is not None else buf
+        dx = self._empty((T, H), dtypes.bfloat16, stream)
+        dtw = self._empty((T, k), dtypes.float32, stream)
+        # With EP the rows that travel (dy_routed in, dx_slot back) live in the symmetric heap.
+        travel = () if self.ep is None else ("dy_routed", "dx_slot")
+        scratch = {n: self._bytes(sizes[n], stream, poison=False)
+                   for n in ("dy_routed", "dgu", "dx_slot", "dsgu", "dx_shared", "counters") if n not in travel}
+        heap_rows = {} if self.ep is None else {"dy_routed": self.ep.routed_ptr(), "dx_slot": self.ep.slot_ptr()}
+        ptr = lambda v: 0 if v is None else v.ptr  # noqa: E731
+        b = state.bufs
+        bb = L.BackwardBuffers(
+            d_out=dout.ptr, x=args.x.ptr, topk_weights=args.topk_weights.ptr, w_gate=args.w_gate.ptr,
+            w_up=args.w_up.ptr, w_down=args.w_down.ptr, x_routed=b["x_routed"].ptr, gu=b["gu"].ptr,
+            act=b["act"].ptr, y_slot=b["y_slot"].ptr, dx=dx.ptr, d_topk_weights=dtw.ptr,
+            dw_gate=grads["dw_gate"].ptr, dw_up=grads["dw_up"].ptr, dw_down=grads["dw_down"].ptr,
+            ws_gate=ptr(args.ws_gate), ws_up=ptr(args.ws_up), ws_down=ptr(args.ws_down), sgu=ptr(b.get("sgu")),
+            sact=ptr(b.get("sact")), dws_gate=ptr(grads["dws_gate"]), dws_up=ptr(grads["dws_up"]),
+            dws_down=ptr(grads["dws_down"]), **{n: scratch[n].ptr for n in scratch}, **heap_rows)
+        if not cfg.has_shared:
+            bb = L.BackwardBuffers(**{**bb.__dict__, "sgu": 0, "sact": 0})
+        peers = None if self.ep is None else self.ep.peers(T)
+        trace = self._trace_buffer("backward", L.backward_phases(
+            dims, push_tasks=0 if peers is None else peers.push_tasks, engine=self.knobs.engine), stream)
+        L.launch_backward(bb, self._sched_bufs(sched), dims, stream=stream, err_ptr=self.error.device_ptr,
+                          device_id=self.device_id, knobs=self.knobs, accumulate=accumulate, peers=peers,
+                          trace_ptr=trace)
+        dx._owner = (dx._owner, scratch, args, dout)   # keep inputs and scratch alive with the result
+        return Gradients(dx=dx, d_topk_weights=dtw, **returned)

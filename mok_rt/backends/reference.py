@@ -1,0 +1,123 @@
+"""The NumPy reference behind the public API: runs anywhere, serves as the oracle.
+
+Computes in float64 (mok_rt.reference) whatever the input precision; results come back in the
+inputs' precision (out and dx like x, d_topk_weights like topk_weights, weight gradients fp32 or
+fp64 like the caller's buffers).  Checks that the device can only do later (ids in range,
+capacity) raise at once here.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from mok_rt import reference
+
+from mok_rt.reference import schedule as schedule_ref
+from mok_rt.interop.dlpack import TensorView
+from mok_rt.errors import ArgumentError, ExpertIdError
+from mok_rt.api.layer import Context, Gradients
+from mok_rt.interop.tensor import Tensor, _host_array
+
+
+class _RefSchedule:
+    def __init__(self, ids: np.ndarray, layout):
+        self.ids = ids
+        self.layout = layout
+        self.tokens = ids.shape[0]
+
+
+def host_array(view: TensorView) -> np.ndarray:
+    """A NumPy array over a host view's memory (zero copy); the array keeps the view alive."""
+    keep = view._keepalive
+    if isinstance(keep, np.ndarray) and keep.shape == view.shape and keep.dtype == view.dtype.numpy:
+        return keep
+    return _host_array(view.ptr, view.shape, view.strides, view.dtype, view)
+
+
+def _np(view):
+    return None if view is None else host_array(view)
+
+
+class ReferenceBackend:
+    def __init__(self, ws):
+        self.ws = ws
+
+    def close(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def check(self) -> None:
+        pass
+
+    def take_traces(self) -> list:
+        return []   # no kernels, no timelines
+
+    def schedule(self, ids_view, *, stream):
+        cfg, ws = self.ws.config, self.ws
+        ids = np.array(host_array(ids_view), dtype=np.int64, copy=True)
+        bad = np.argwhere((ids < 0) | (ids >= cfg.num_experts))
+        if bad.size:
+            t, j = (int(v) for v in bad[0])
+            raise ExpertIdError(f"topk_ids[{t}, {j}] = {ids[t, j]} is outside [0, {cfg.num_experts}) "
+                                f"(rank {ws.rank_id}, token {t})", code=1, info=(ws.rank_id, t, int(ids[t, j])))
+        try:
+            layout = schedule_ref.schedule_reference([ids], num_experts=cfg.num_experts, num_ranks=ws.num_ranks,
+                                                     block_m=cfg.block_m, rank=ws.rank_id,
+                                                     capacity_rows=ws.capacity_rows)
+        except ArgumentError as ex:
+            if ex.argument != "capacity_rows":
+                raise
+            from mok_rt.errors import CapacityError
+            raise CapacityError(str(ex)) from None
+        return _RefSchedule(ids, layout)
+
+    def _run_forward(self, sched, args):
+        cfg = self.ws.config
+        tw = _np(args.topk_weights)
+        if tw is None:  # recompute without weights: the routed activations do not depend on them
+            tw = np.ones(sched.ids.shape, dtype=np.float64)
+        return reference.forward(_np(args.x), sched.ids, tw, _np(args.w_gate), _np(args.w_up),
+                                 _np(args.w_down) if args.w_down is not None else
+                                 np.zeros((self.ws.experts_per_rank, cfg.hidden, cfg.intermediate)),
+                                 ws_gate=_np(args.ws_gate), ws_up=_np(args.ws_up),
+                                 ws_down=_np(args.ws_down) if args.ws_down is not None else (
+                                     None if args.ws_gate is None else
+                                     np.zeros((cfg.hidden, cfg.shared_intermediate))),
+                                 swiglu_limit=cfg.swiglu_limit)
+
+    def forward(self, sched, args, *, stream):
+        out, rctx = self._run_forward(sched, args)
+        out_t = Tensor.from_numpy(np.ascontiguousarray(out.astype(args.x.dtype.numpy)))
+        return out_t, Context(schedule=sched, tokens=sched.tokens, data=rctx)
+
+    def recompute(self, sched, args, *, stream):
+        # The reference keeps no activations worth saving: the backward recomputes from its inputs.
+        return Context(schedule=sched, tokens=sched.tokens, data=None, recomputed=True)
+
+    def backward(self, sched, ctx, dout_view, args, *, out, accumulate, stream):
+        _, rctx = self._run_forward(sched, args)   # the backward's own inputs define the point
+        g = reference.backward(rctx, _np(dout_view))
+        x_dtype, tw_dtype = args.x.dtype.numpy, args.topk_weights.dtype.numpy
+        result = {"dx": Tensor.from_numpy(np.ascontiguousarray(g.dx.astype(x_dtype))),
+                  "d_topk_weights": Tensor.from_numpy(np.ascontiguousarray(g.d_topk_weights.astype(tw_dtype)))}
+        for name in ("dw_gate", "dw_up", "dw_down", "dws_gate", "dws_up", "dws_down"):
+            val = getattr(g, name)
+            if val is None:
+                result[name] = None
+                continue
+            buf = out.get(name)
+            if buf is None:
+                result[name] = Tensor.from_numpy(np.ascontiguousarray(val.astype(np.float32)))
+                continue
+            from mok_rt.interop.dlpack import check, from_dlpack
+            from mok_rt.interop import dtypes
+            v = from_dlpack(buf, name=name)
+            check(v, name=name, dtype=(dtypes.float32, dtypes.float64), shape=val.shape, device="cpu")
+            arr = host_array(v)
+            if accumulate:
+                arr += val.astype(arr.dtype)
+            else:
+                arr[...] = val
+            result[name] = buf
+        return Gradients(**result)

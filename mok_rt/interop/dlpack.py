@@ -1,0 +1,496 @@
+"""DLPack in and out, in pure ctypes (no C extension).
+
+Import: :func:`from_dlpack` turns any object with ``__dlpack__`` (CuPy, JAX, PyTorch, a mok_rt
+:class:`~mok_rt.interop.tensor.Tensor`) -- or a NumPy array, read directly so that ``ml_dtypes``
+bfloat16/fp8 arrays work too -- into a :class:`TensorView`: pointer, shape, strides, dtype and
+device, plus a private keep-alive that calls the producer's deleter once when the view is gone.
+:func:`check` validates a view and raises :class:`~mok_rt.errors.ArgumentError` naming the
+argument.
+
+Export: :func:`_export_capsule` builds a (versioned or legacy) capsule for a mok_rt tensor; the
+capsule keeps its owner alive until the consumer's call to the deleter, or until the capsule
+itself is destroyed unconsumed.
+
+Caveat of a pure-ctypes producer: the deleter and capsule destructor are Python callbacks.  When
+a consumer releases our capsule while it is already raising (e.g. ``numpy.from_dlpack`` refusing
+a dtype), the callback still frees everything, but CPython cannot carry the consumer's pending
+exception through a ctypes callback: it is printed as "Exception ignored" and the consumer then
+fails with a SystemError instead.
+"""
+from __future__ import annotations
+
+import ctypes
+import weakref
+from dataclasses import dataclass, field
+from typing import Union
+
+import numpy as np
+
+from mok_rt.interop import dtypes as _dt
+from mok_rt.interop.dtypes import DType
+from mok_rt.errors import ArgumentError
+
+__all__ = [
+    "DLDevice", "DLDataType", "DLTensor", "DLManagedTensor", "DLPackVersion",
+    "DLManagedTensorVersioned", "TensorView", "from_dlpack", "check", "as_view",
+    "kDLCPU", "kDLCUDA", "kDLCUDAHost", "kDLCUDAManaged",
+    "DLPACK_FLAG_BITMASK_READ_ONLY", "DLPACK_FLAG_BITMASK_IS_COPIED", "DLPACK_VERSION",
+]
+
+kDLCPU = 1
+kDLCUDA = 2
+kDLCUDAHost = 3
+kDLCUDAManaged = 13
+
+DLPACK_FLAG_BITMASK_READ_ONLY = 1 << 0
+DLPACK_FLAG_BITMASK_IS_COPIED = 1 << 1
+DLPACK_VERSION = (1, 1)  # the newest DLPack this module reads and writes
+
+# Capsule names.  PyCapsule keeps the char* it is given, so these bytes must live forever.
+_NAME_V = b"dltensor_versioned"
+_NAME_V_USED = b"used_dltensor_versioned"
+_NAME_LEGACY = b"dltensor"
+_NAME_LEGACY_USED = b"used_dltensor"
+
+
+# --------------------------------------------------------------------------- struct mirrors
+class DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+class DLManagedTensor(ctypes.Structure):
+    # deleter is a plain pointer here: reading it must not build a ctypes callback object.
+    _fields_ = [("dl_tensor", DLTensor), ("manager_ctx", ctypes.c_void_p),
+                ("deleter", ctypes.c_void_p)]
+
+
+class DLPackVersion(ctypes.Structure):
+    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32)]
+
+
+class DLManagedTensorVersioned(ctypes.Structure):
+    _fields_ = [("version", DLPackVersion), ("manager_ctx", ctypes.c_void_p),
+                ("deleter", ctypes.c_void_p), ("flags", ctypes.c_uint64),
+                ("dl_tensor", DLTensor)]
+
+
+assert ctypes.sizeof(DLTensor) == 48
+assert ctypes.sizeof(DLManagedTensor) == 64
+assert ctypes.sizeof(DLManagedTensorVersioned) == 80
+
+
+# --------------------------------------------------------------------------- Python C API
+# Private function objects (not the shared ctypes.pythonapi attributes, whose argtypes other
+# code may change).  PYFUNCTYPE keeps the GIL and turns a set Python error into an exception.
+def _capi(name, restype, *argtypes):
+    return ctypes.PYFUNCTYPE(restype, *argtypes)((name, ctypes.pythonapi))
+
+
+_PyCapsule_New = _capi("PyCapsule_New", ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p,
+                       ctypes.c_void_p)
+_PyCapsule_IsValid = _capi("PyCapsule_IsValid", ctypes.c_int, ctypes.py_object, ctypes.c_char_p)
+_PyCapsule_GetPointer = _capi("PyCapsule_GetPointer", ctypes.c_void_p, ctypes.py_object,
+                              ctypes.c_char_p)
+_PyCapsule_SetName = _capi("PyCapsule_SetName", ctypes.c_int, ctypes.py_object, ctypes.c_char_p)
+# Inside a capsule destructor the capsule is being freed: pass it as a raw address so that no
+# reference is ever taken to it.
+_PyCapsule_IsValid_raw = _capi("PyCapsule_IsValid", ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p)
+_PyCapsule_GetPointer_raw = _capi("PyCapsule_GetPointer", ctypes.c_void_p, ctypes.c_void_p,
+                                  ctypes.c_char_p)
+
+# PyErr_Fetch without argtypes: with an exception pending, ctypes must not call any Python-level
+# argument converter before the fetch has cleared it (that call would fail with SystemError).
+_PyErr_Fetch = ctypes.pythonapi._FuncPtr(("PyErr_Fetch", ctypes.pythonapi))
+_PyErr_Fetch.restype = None
+_PyErr_Restore = ctypes.pythonapi._FuncPtr(("PyErr_Restore", ctypes.pythonapi))
+_PyErr_Restore.restype = None
+_ERR_SLOTS = (ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p())
+_ERR_REFS = tuple(ctypes.byref(s) for s in _ERR_SLOTS)
+
+_DELETER_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)        # void (*)(DLManagedTensor*)
+_CAPSULE_DTOR_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)   # void (*)(PyObject*)
+_CALL_DELETER = ctypes.PYFUNCTYPE(None, ctypes.c_void_p)     # calling a producer's deleter
+
+
+# --------------------------------------------------------------------------- export side
+class _Export:
+    """What a consumer's DLManagedTensor pointer refers to; dropping it frees all of it."""
+
+    __slots__ = ("managed", "shape", "strides", "owner")
+
+    def __init__(self, managed, shape, strides, owner):
+        self.managed, self.shape, self.strides, self.owner = managed, shape, strides, owner
+
+
+_EXPORTS: dict[int, _Export] = {}  # managed-struct address -> record
+
+
+def _callback_prologue():
+    """Take (and clear) an exception the caller may have pending; see the module caveat."""
+    # Must stay the first thing a callback does, before any other call.
+    _PyErr_Fetch(_ERR_REFS[0], _ERR_REFS[1], _ERR_REFS[2])
+    saved = (_ERR_SLOTS[0].value, _ERR_SLOTS[1].value, _ERR_SLOTS[2].value)
+    _ERR_SLOTS[0].value = _ERR_SLOTS[1].value = _ERR_SLOTS[2].value = None
+    return saved
+
+
+def _callback_epilogue(saved):
+    if saved[0]:
+        # Hands the references back; the re-raised error is then reported by ctypes.
+        _PyErr_Restore(ctypes.c_void_p(saved[0]), ctypes.c_void_p(saved[1]),
+                       ctypes.c_void_p(saved[2]))
+
+
+def _export_deleter(managed_addr):
+    saved = _callback_prologue()
+    try:
+        _EXPORTS.pop(managed_addr, None)
+    except BaseException:  # interpreter shutdown: nothing sensible left to do
+        pass
+    _callback_epilogue(saved)
+
+
+def _capsule_destructor(capsule_addr):
+    saved = _callback_prologue()
+    try:
+        for name in (_NAME_V, _NAME_LEGACY):
+            # A renamed ("used_...") capsule was consumed: its consumer calls the deleter.
+            if _PyCapsule_IsValid_raw(capsule_addr, name):
+                _EXPORTS.pop(_PyCapsule_GetPointer_raw(capsule_addr, name), None)
+                break
+    except BaseException:
+        pass
+    _callback_epilogue(saved)
+
+
+# The C function pointers must outlive every capsule: module-level references.
+_EXPORT_DELETER = _DELETER_FN(_export_deleter)
+_CAPSULE_DESTRUCTOR = _CAPSULE_DTOR_FN(_capsule_destructor)
+_EXPORT_DELETER_ADDR = ctypes.cast(_EXPORT_DELETER, ctypes.c_void_p).value
+_CAPSULE_DESTRUCTOR_ADDR = ctypes.cast(_CAPSULE_DESTRUCTOR, ctypes.c_void_p).value
+
+
+def _fill_dltensor(t: DLTensor, ptr, shape_arr, strides_arr, ndim, dtype: DType, device):
+    t.data = ptr or None
+    t.device = DLDevice(device[0], device[1])
+    t.ndim = ndim
+    t.dtype = DLDataType(dtype.code, dtype.bits, dtype.lanes)
+    t.shape = ctypes.cast(shape_arr, ctypes.POINTER(ctypes.c_int64))
+    t.strides = ctypes.cast(strides_arr, ctypes.POINTER(ctypes.c_int64))
+    t.byte_offset = 0
+
+
+def _export_capsule(*, ptr: int, shape, strides, dtype: DType, device: tuple[int, int],
+                    owner, versioned: bool, version: tuple[int, int] = DLPACK_VERSION,
+                    readonly: bool = False, copied: bool = False):
+    """A new ``dltensor_versioned`` (or legacy ``dltensor``) capsule that keeps ``owner`` alive.
+
+    ``device`` is the DLPack ``(device_type, device_id)``; ``strides`` are in elements.
+    """
+    ndim = len(shape)
+    shape_arr = (ctypes.c_int64 * max(ndim, 1))(*shape)
+    strides_arr = (ctypes.c_int64 * max(ndim, 1))(*strides)
+    if versioned:
+        managed = DLManagedTensorVersioned()
+        managed.version = DLPackVersion(*version)
+        managed.flags = ((DLPACK_FLAG_BITMASK_READ_ONLY if readonly else 0)
+                         | (DLPACK_FLAG_BITMASK_IS_COPIED if copied else 0))
+        name = _NAME_V
+    else:
+        managed = DLManagedTensor()
+        name = _NAME_LEGACY
+    _fill_dltensor(managed.dl_tensor, ptr, shape_arr, strides_arr, ndim, dtype, device)
+    managed.manager_ctx = None
+    managed.deleter = _EXPORT_DELETER_ADDR
+    addr = ctypes.addressof(managed)
+    _EXPORTS[addr] = _Export(managed, shape_arr, strides_arr, owner)
+    try:
+        return _PyCapsule_New(addr, name, _CAPSULE_DESTRUCTOR_ADDR)
+    except BaseException:
+        _EXPORTS.pop(addr, None)
+        raise
+
+
+def _live_exports() -> int:
+    """Number of exported tensors not yet released (for leak tests)."""
+    return len(_EXPORTS)
+
+
+# --------------------------------------------------------------------------- import side
+class _Imported:
+    """Keeps a consumed DLPack tensor alive; calls the producer's deleter once when dropped."""
+
+    __slots__ = ("_finalizer", "__weakref__")
+
+    def __init__(self, managed_addr: int, deleter_addr: int | None):
+        self._finalizer = weakref.finalize(self, _call_deleter, deleter_addr, managed_addr)
+        # At exit the producer's library may already be torn down: leak instead.
+        self._finalizer.atexit = False
+
+
+def _call_deleter(deleter_addr, managed_addr):
+    if deleter_addr:  # the spec allows a NULL deleter
+        _CALL_DELETER(deleter_addr)(managed_addr)
+
+
+@dataclass(frozen=True)
+class TensorView:
+    """A borrowed tensor: where its elements are and how to read them.
+
+    ``strides`` are in elements.  The memory stays valid while the view (or a copy of it) lives.
+    """
+
+    ptr: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: DType
+    device_type: int
+    device_id: int
+    readonly: bool = False
+    _keepalive: object = field(default=None, repr=False, compare=False)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    @property
+    def device(self):
+        """``("cuda", id)`` for device memory, ``"cpu"`` for host memory."""
+        if self.device_type in (kDLCUDA, kDLCUDAManaged):
+            return ("cuda", self.device_id)
+        if self.device_type in (kDLCPU, kDLCUDAHost):
+            return "cpu"
+        return (f"dlpack_device_{self.device_type}", self.device_id)
+
+    @property
+    def is_c_contiguous(self) -> bool:
+        return _is_c_contiguous(self.shape, self.strides)
+
+
+def _c_strides(shape) -> tuple[int, ...]:
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= max(int(n), 1)
+    return tuple(reversed(out))
+
+
+def _is_c_contiguous(shape, strides) -> bool:
+    if any(n == 0 for n in shape):
+        return True
+    expected = 1
+    for n, s in zip(reversed(shape), reversed(strides)):
+        if n != 1 and s != expected:
+            return False
+        expected *= n
+    return True
+
+
+def _stream_handle(stream, *, argument: str = "stream") -> int | None:
+    """A CUstream handle as an int: from an int, a cuda.core Stream (``__cuda_stream__``) or a
+    cuda.bindings CUstream; None stays None."""
+    if stream is None:
+        return None
+    if isinstance(stream, bool):
+        raise ArgumentError(argument, f"expected a CUDA stream, got {stream!r}")
+    if isinstance(stream, (int, np.integer)):
+        return int(stream)
+    proto = getattr(stream, "__cuda_stream__", None)
+    if proto is not None:
+        return int(proto()[1])
+    try:
+        return int(stream)  # cuda.bindings CUstream supports int()
+    except (TypeError, ValueError):
+        raise ArgumentError(argument, f"expected a CUDA stream (int handle or object with "
+                                      f"__cuda_stream__), got {type(stream).__name__}") from None
+
+
+def _view_from_numpy(arr: np.ndarray, name: str) -> TensorView:
+    # Read directly: NumPy's own __dlpack__ refuses ml_dtypes (bfloat16, fp8) arrays.
+    dtype = _dt.as_dtype(arr.dtype, argument=name)
+    iface = arr.__array_interface__
+    ptr = int(iface["data"][0] or 0)
+    shape = tuple(int(n) for n in arr.shape)
+    if iface.get("strides") is None:
+        strides = _c_strides(shape)
+    else:
+        item = dtype.itemsize
+        if any(s % item for s in arr.strides):
+            raise ArgumentError(name, f"strides {arr.strides} (bytes) are not a whole number of "
+                                      f"{item}-byte elements")
+        strides = tuple(int(s) // item for s in arr.strides)
+    return TensorView(ptr, shape, strides, dtype, kDLCPU, 0, not arr.flags.writeable, arr)
+
+
+def _on_cuda(obj) -> bool:
+    dev = getattr(obj, "__dlpack_device__", None)
+    if dev is None:
+        return True  # unknown: trust the caller who passed a stream
+    try:
+        return int(dev()[0]) in (kDLCUDA, kDLCUDAManaged)
+    except Exception:
+        return True
+
+
+def from_dlpack(obj, *, name: str, stream: Union[int, None, object] = None) -> TensorView:
+    """Borrow ``obj``'s memory through DLPack (zero copy) as a :class:`TensorView`.
+
+    ``stream`` is the consumer's CUDA stream handed to a CUDA producer so that it orders its
+    pending writes before work on that stream: None (not passed), a CUstream int, 1 (legacy
+    default stream; 0 is taken to mean it too), 2 (per-thread default stream) or -1 (no
+    synchronisation).  NumPy arrays (ml_dtypes ones included) are read directly.  ``name``
+    names the argument in errors.
+    """
+    if isinstance(obj, TensorView):
+        return obj
+    if isinstance(obj, np.ndarray):
+        return _view_from_numpy(obj, name)
+    export = getattr(obj, "__dlpack__", None)
+    if export is None:
+        raise ArgumentError(name, f"expected a DLPack tensor (an object with __dlpack__), got "
+                                  f"{type(obj).__name__}")
+    handle = _stream_handle(stream)
+    if handle == 0:  # the spec forbids 0; in CUDA it names the legacy default stream
+        handle = 1
+    if handle is not None and handle < -1:
+        raise ArgumentError("stream", f"invalid DLPack stream {handle} (a CUstream, 1 for the "
+                                      f"legacy default stream, 2 for per-thread, -1 for none)")
+    kwargs = {"stream": handle} if handle is not None and _on_cuda(obj) else {}
+    try:
+        try:
+            capsule = export(max_version=DLPACK_VERSION, **kwargs)
+        except TypeError:  # a producer older than DLPack 1.0: no max_version keyword
+            capsule = export(**kwargs)
+    except ArgumentError:
+        raise
+    except Exception as e:
+        raise ArgumentError(name, f"__dlpack__ failed: {type(e).__name__}: {e}") from e
+    return _consume_capsule(capsule, name)
+
+
+def _consume_capsule(capsule, name: str) -> TensorView:
+    if _PyCapsule_IsValid(capsule, _NAME_V):
+        versioned, cname, used = True, _NAME_V, _NAME_V_USED
+    elif _PyCapsule_IsValid(capsule, _NAME_LEGACY):
+        versioned, cname, used = False, _NAME_LEGACY, _NAME_LEGACY_USED
+    else:
+        raise ArgumentError(name, "__dlpack__ did not return an unconsumed DLPack capsule")
+    addr = _PyCapsule_GetPointer(capsule, cname)
+    readonly = False
+    if versioned:
+        managed = DLManagedTensorVersioned.from_address(addr)
+        if managed.version.major != 1:
+            # Not consumed: the producer's capsule destructor frees it.
+            raise ArgumentError(name, f"unsupported DLPack version "
+                                      f"{managed.version.major}.{managed.version.minor}")
+        readonly = bool(managed.flags & DLPACK_FLAG_BITMASK_READ_ONLY)
+    else:
+        managed = DLManagedTensor.from_address(addr)
+    t = managed.dl_tensor
+    ndim = int(t.ndim)
+    dtype = _dt.from_dlpack_code(t.dtype.code, t.dtype.bits, t.dtype.lanes, argument=name)
+    shape = tuple(int(t.shape[i]) for i in range(ndim))
+    strides = tuple(int(t.strides[i]) for i in range(ndim)) if t.strides else _c_strides(shape)
+    ptr = int(t.data or 0) + int(t.byte_offset)
+    device_type, device_id = int(t.device.device_type), int(t.device.device_id)
+    deleter = managed.deleter
+    # From here on we own it: rename so the producer's destructor leaves it alone.
+    if _PyCapsule_SetName(capsule, used) != 0:  # pragma: no cover - cannot fail for a capsule
+        raise ArgumentError(name, "could not mark the DLPack capsule as consumed")
+    keep = _Imported(addr, deleter)
+    return TensorView(ptr, shape, strides, dtype, device_type, device_id, readonly, keep)
+
+
+# --------------------------------------------------------------------------- validation
+def _device_str(device_type: int, device_id: int) -> str:
+    if device_type == kDLCPU:
+        return "cpu"
+    if device_type == kDLCUDA:
+        return f"cuda:{device_id}"
+    if device_type == kDLCUDAHost:
+        return "cuda_host (pinned cpu)"
+    if device_type == kDLCUDAManaged:
+        return f"cuda_managed:{device_id}"
+    return f"dlpack device type {device_type}:{device_id}"
+
+
+def _shape_str(spec) -> str:
+    parts = ["*" if d is None else str(d) for d in spec]
+    return "(" + ", ".join(parts) + ("," if len(parts) == 1 else "") + ")"
+
+
+def _device_matches(view: TensorView, device) -> bool:
+    if device == "cpu":
+        return view.device_type in (kDLCPU, kDLCUDAHost)
+    kind, index = device
+    if kind != "cuda":
+        raise ArgumentError("device", f"expected ('cuda', id) or 'cpu', got {device!r}")
+    return view.device_type in (kDLCUDA, kDLCUDAManaged) and view.device_id == int(index)
+
+
+def check(view: TensorView, *, name: str, dtype=None, ndim: int | None = None, shape=None,
+          device=None, contiguous: bool = True, alignment: int | None = 16) -> TensorView:
+    """Validate ``view``; raise :class:`ArgumentError` naming ``name`` on the first mismatch.
+
+    ``dtype``: one dtype or a tuple of allowed ones.  ``shape``: a tuple whose entries are ints
+    (must match), None or a string label such as ``"T"`` (any size).  ``device``: ``("cuda", id)``
+    or ``"cpu"``.  ``contiguous``: C order, ignoring the strides of size-1 dimensions.
+    ``alignment``: the data pointer's alignment in bytes.  Empty tensors pass the pointer and
+    stride checks.  Returns ``view``.
+    """
+    if device is not None and not _device_matches(view, device):
+        want = "cpu" if device == "cpu" else f"cuda:{int(device[1])}"
+        raise ArgumentError(name, f"tensor is on {_device_str(view.device_type, view.device_id)}, "
+                                  f"the workspace is on {want}")
+    if dtype is not None:
+        allowed = tuple(_dt.as_dtype(d) for d in (dtype if isinstance(dtype, (tuple, list))
+                                                  else (dtype,)))
+        if view.dtype not in allowed:
+            want = " or ".join(d.name for d in allowed)
+            raise ArgumentError(name, f"expected dtype {want}, got {view.dtype.name}")
+    if ndim is not None and view.ndim != ndim:
+        raise ArgumentError(name, f"expected {ndim} dimension{'s' if ndim != 1 else ''}, got "
+                                  f"{view.ndim} (shape {_shape_str(view.shape)})")
+    if shape is not None:
+        ok = len(shape) == view.ndim and all(
+            want is None or isinstance(want, str) or int(want) == got
+            for want, got in zip(shape, view.shape))
+        if not ok:
+            raise ArgumentError(name, f"expected shape {_shape_str(shape)}, got "
+                                      f"{_shape_str(view.shape)}")
+    if view.size == 0:
+        return view
+    if contiguous and not view.is_c_contiguous:
+        raise ArgumentError(name, f"must be C-contiguous, got strides {_shape_str(view.strides)}")
+    if alignment and view.ptr % alignment:
+        raise ArgumentError(name, f"data pointer {view.ptr:#x} is not {alignment}-byte aligned")
+    return view
+
+
+def as_view(obj, *, name: str, stream=None, **checks) -> TensorView:
+    """:func:`from_dlpack` then :func:`check` (keyword arguments of :func:`check`)."""
+    return check(from_dlpack(obj, name=name, stream=stream), name=name, **checks)

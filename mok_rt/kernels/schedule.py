@@ -1,0 +1,230 @@
+"""The routing schedule, computed on the device (DESIGN.md §3, "Schedule").
+
+Given the top-k expert ids of every rank, lay out the rows that land on one rank: by local
+expert, each expert's rows padded to the GEMM tile height ``block_m`` (so a row block belongs to
+one expert), inside an expert by (source rank, token, slot j).  Three small launches (count,
+scan, place); nothing is read back by the host.  ``mok_rt.reference.schedule`` is the NumPy twin.
+
+With expert parallelism (:func:`build_schedule_ep`) a fourth launch comes first: each rank
+publishes its token count and ids into its own symmetric block and meets every peer at a group
+barrier; every rank then lays out the same global routing reading its peers' blocks, so an
+expert-id or capacity error anywhere is reported by every rank.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from mok_rt.interop import dtypes
+from mok_rt.runtime.cubins import get_kernel
+from mok_rt.kernels.schedule_params import (MAX_RANKS, ROUTING_IDS_OFFSET, SCHEDULE_CHUNK, SCHEDULE_THREADS, ExchangeParams,
+                               ScheduleParams)
+from mok_rt.errors import ArgumentError
+from mok_rt.runtime.driver import call, driver
+from mok_rt.runtime.launch import launch, stream_handle
+from mok_rt.interop.tensor import Tensor
+
+__all__ = ["Schedule", "RoutingExchange", "build_schedule", "build_schedule_ep", "routing_area_bytes"]
+
+_CUBIN = "schedule"
+
+
+@dataclass
+class Schedule:
+    """Device arrays describing one rank's routed rows (int32 :class:`Tensor` s).
+
+    expert_count [E_l], expert_offset [E_l+1], totals [2] (row blocks, padded rows),
+    block_expert [max_rows/block_m], row_src_rank/row_slot [max_rows] (-1 on padding rows),
+    route_row [T*k] (each of this rank's routes: its row in its destination rank), route_rank
+    [T*k] (each of this rank's routes: its destination rank).
+    """
+
+    num_ranks: int
+    rank: int
+    num_experts: int
+    top_k: int
+    block_m: int
+    max_rows: int
+    tokens: int
+    device_id: int
+    expert_count: Tensor
+    expert_offset: Tensor
+    totals: Tensor
+    block_expert: Tensor
+    row_src_rank: Tensor
+    row_slot: Tensor
+    route_row: Tensor
+    route_rank: Tensor
+    _scratch: tuple = field(default=(), repr=False)
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.num_experts // self.num_ranks
+
+    @property
+    def max_blocks(self) -> int:
+        return self.max_rows // self.block_m
+
+    def to_numpy(self) -> dict:
+        """Host copies of the valid parts (synchronising; for tests and debugging)."""
+        totals = self.totals.to_numpy()
+        rows = int(totals[1])
+        return {
+            "expert_count": self.expert_count.to_numpy(),
+            "expert_offset": self.expert_offset.to_numpy(),
+            "num_blocks": int(totals[0]),
+            "num_rows": rows,
+            "block_expert": self.block_expert.to_numpy()[: int(totals[0])],
+            "row_src_rank": self.row_src_rank.to_numpy()[:rows],
+            "row_slot": self.row_slot.to_numpy()[:rows],
+            "route_row": self.route_row.to_numpy(),
+            "route_rank": self.route_rank.to_numpy(),
+        }
+
+
+@dataclass(frozen=True)
+class RoutingExchange:
+    """Where the ranks of an expert-parallel group publish their routing (symmetric memory).
+
+    ``peer_bases[r]`` / ``peer_array``: rank r's block base (a tuple, and the same as a device
+    ``uint64`` array), valid on this rank's device; ``area_offset``: this call's routing area
+    (:func:`routing_area_bytes` bytes; alternate two areas between consecutive calls so a peer
+    still reading the previous call's is never overwritten); ``pad_offset``: the barrier's
+    signal pad (zeroed once, used by nothing else).
+    """
+
+    peer_bases: tuple
+    peer_array: int
+    area_offset: int
+    pad_offset: int
+    timeout_ns: int
+
+
+def routing_area_bytes(max_tokens: int, top_k: int) -> int:
+    """Bytes of one routing area: int32 token count, then int32 ids [max_tokens, top_k]."""
+    return ROUTING_IDS_OFFSET + 4 * max_tokens * top_k
+
+
+def build_schedule(ids_ptrs: Sequence[int], tokens: Sequence[int], *, ids_int64: bool, num_experts: int,
+                   top_k: int, rank: int, block_m: int, max_rows: int, max_total_routes: int,
+                   device_id: int, stream, err_ptr: int, poison: bool = False) -> Schedule:
+    """Enqueue the schedule of rank ``rank`` on ``stream``.
+
+    ``ids_ptrs[s]`` is the device address of source rank s's ``topk_ids`` [tokens[s], top_k]
+    (validated by the caller); ``max_total_routes`` bounds sum(tokens) * top_k and sizes the
+    grids (the device reads the real counts).  ``poison`` fills every output with 0x7f7f7f7f first
+    (tests use it so that an element the kernels fail to write cannot pass).
+    """
+    num_ranks = len(ids_ptrs)
+    _check_layout(num_ranks, num_experts, max_rows, block_m)
+    p = ScheduleParams()
+    p.ids_int64 = int(bool(ids_int64))
+    for s in range(num_ranks):
+        p.src_ids[s] = int(ids_ptrs[s])
+        p.src_tokens[s] = int(tokens[s])
+    return _enqueue(p, num_ranks=num_ranks, tokens=int(tokens[rank]), num_experts=num_experts, top_k=top_k,
+                    rank=rank, block_m=block_m, max_rows=max_rows, max_total_routes=max_total_routes,
+                    device_id=device_id, stream=stream, err_ptr=err_ptr, poison=poison)
+
+
+def build_schedule_ep(ids_ptr: int, tokens: int, *, ids_int64: bool, exchange: RoutingExchange, num_experts: int,
+                      top_k: int, rank: int, block_m: int, max_rows: int, max_tokens: int, device_id: int,
+                      stream, err_ptr: int, poison: bool = False) -> Schedule:
+    """Enqueue rank ``rank``'s part of an expert-parallel schedule: publish this rank's
+    ``topk_ids`` [tokens, top_k] at ``exchange``, wait for every peer (a peer that never comes
+    is reported as a timeout naming it), then lay out the rows this rank receives from everyone.
+    Every rank of the group must call it, in the same order as its other collective calls."""
+    num_ranks = len(exchange.peer_bases)
+    _check_layout(num_ranks, num_experts, max_rows, block_m)
+    if not 0 <= tokens <= max_tokens:
+        raise ArgumentError("topk_ids", f"{tokens} tokens exceed max_tokens={max_tokens}")
+    x = ExchangeParams()
+    x.peer_bases, x.ids, x.err = exchange.peer_array, ids_ptr, err_ptr
+    x.area_offset, x.pad_offset, x.timeout_ns = exchange.area_offset, exchange.pad_offset, exchange.timeout_ns
+    x.tokens, x.top_k, x.ids_int64, x.rank, x.num_ranks = tokens, top_k, int(bool(ids_int64)), rank, num_ranks
+    launch(get_kernel(_CUBIN, "schedule_exchange", device_id), grid=1, block=SCHEDULE_THREADS, params=x,
+           stream=stream, device_id=device_id)
+    p = ScheduleParams()
+    p.ids_int64 = 0                       # the routing areas hold int32 ids
+    p.tokens_on_device = 1
+    for s, base in enumerate(exchange.peer_bases):
+        area = int(base) + exchange.area_offset
+        p.src_ids[s] = area + ROUTING_IDS_OFFSET
+        p.src_tokens_at[s] = area
+    return _enqueue(p, num_ranks=num_ranks, tokens=tokens, num_experts=num_experts, top_k=top_k, rank=rank,
+                    block_m=block_m, max_rows=max_rows, max_total_routes=num_ranks * max_tokens * top_k,
+                    device_id=device_id, stream=stream, err_ptr=err_ptr, poison=poison)
+
+
+def prepare(device_id: int, num_experts: int) -> None:
+    """Load the schedule kernels on ``device_id`` and set their shared-memory limits now (see
+    ``_moe_launch.prepare``: with expert parallelism nothing may load once a peer wait runs)."""
+    from mok_rt.runtime.launch import _ensure_shared_memory
+    for name in ("schedule_exchange", "schedule_count", "schedule_scan", "schedule_place"):
+        get_kernel(_CUBIN, name, device_id)
+    _ensure_shared_memory(get_kernel(_CUBIN, "schedule_place", device_id), device_id,
+                          (33 * num_experts + MAX_RANKS + 1) * 4)
+    _ensure_shared_memory(get_kernel(_CUBIN, "schedule_count", device_id), device_id,
+                          (num_experts + MAX_RANKS + 1) * 4)
+    _ensure_shared_memory(get_kernel(_CUBIN, "schedule_scan", device_id), device_id, scan_shared_bytes(num_experts))
+
+
+def scan_shared_bytes(num_experts: int) -> int:
+    """Dynamic shared memory of schedule_scan: int64 prefix [E + 1], int32 counts [E], route bases."""
+    return 8 * (num_experts + 1) + 4 * num_experts + 4 * (MAX_RANKS + 1)
+
+
+def _check_layout(num_ranks: int, num_experts: int, max_rows: int, block_m: int) -> None:
+    if not 1 <= num_ranks <= MAX_RANKS:
+        raise ArgumentError("topk_ids", f"between 1 and {MAX_RANKS} ranks are supported, got {num_ranks}")
+    if num_experts % num_ranks:
+        raise ArgumentError("num_experts", f"{num_experts} experts cannot be split over {num_ranks} ranks")
+    if max_rows % block_m:
+        raise ArgumentError("max_rows", f"must be a multiple of block_m={block_m}, got {max_rows}")
+
+
+def _enqueue(p: ScheduleParams, *, num_ranks: int, tokens: int, num_experts: int, top_k: int, rank: int,
+             block_m: int, max_rows: int, max_total_routes: int, device_id: int, stream, err_ptr: int,
+             poison: bool) -> Schedule:
+    """Allocate the outputs and enqueue the count / scan / place passes (``p``'s sources set)."""
+    el = num_experts // num_ranks
+    max_chunks = max(1, -(-max_total_routes // SCHEDULE_CHUNK))
+    i32 = dtypes.int32
+
+    def alloc(*shape):
+        return Tensor.empty(shape, i32, device_id=device_id, stream=stream)
+
+    out = Schedule(
+        num_ranks=num_ranks, rank=rank, num_experts=num_experts, top_k=top_k, block_m=block_m,
+        max_rows=max_rows, tokens=tokens, device_id=device_id,
+        expert_count=alloc(el), expert_offset=alloc(el + 1), totals=alloc(2),
+        block_expert=alloc(max_rows // block_m), row_src_rank=alloc(max_rows), row_slot=alloc(max_rows),
+        route_row=alloc(tokens * top_k), route_rank=alloc(tokens * top_k),
+    )
+    chunk_count, expert_total, expert_row_base = alloc(max_chunks, num_experts), alloc(num_experts), \
+        alloc(num_experts)
+    out._scratch = (chunk_count, expert_total, expert_row_base)
+    if poison:
+        for t in (out.expert_count, out.expert_offset, out.totals, out.block_expert, out.row_src_rank,
+                  out.row_slot, out.route_row, out.route_rank):
+            if t.nbytes:
+                call("cuMemsetD32Async", driver.CUdeviceptr(t.ptr), 0x7F7F7F7F, t.nbytes // 4,
+                     driver.CUstream(stream_handle(stream)))
+
+    p.err = err_ptr
+    p.chunk_count, p.expert_total, p.expert_row_base = chunk_count.ptr, expert_total.ptr, expert_row_base.ptr
+    p.expert_count, p.expert_offset, p.totals = out.expert_count.ptr, out.expert_offset.ptr, out.totals.ptr
+    p.block_expert, p.row_src_rank, p.row_slot = out.block_expert.ptr, out.row_src_rank.ptr, out.row_slot.ptr
+    p.route_row, p.route_rank = out.route_row.ptr, out.route_rank.ptr
+    p.num_ranks, p.rank, p.num_experts, p.experts_per_rank = num_ranks, rank, num_experts, el
+    p.top_k, p.block_m, p.max_rows, p.max_chunks = top_k, block_m, max_rows, max_chunks
+
+    ints = 4
+    smem_count = (num_experts + MAX_RANKS + 1) * ints
+    smem_scan = scan_shared_bytes(num_experts)
+    smem_place = (33 * num_experts + MAX_RANKS + 1) * ints
+    common = dict(block=SCHEDULE_THREADS, params=p, stream=stream, device_id=device_id)
+    launch(get_kernel(_CUBIN, "schedule_count", device_id), grid=max_chunks, shared_mem=smem_count, **common)
+    launch(get_kernel(_CUBIN, "schedule_scan", device_id), grid=1, shared_mem=smem_scan, **common)
+    launch(get_kernel(_CUBIN, "schedule_place", device_id), grid=max_chunks, shared_mem=smem_place, **common)
+    return out

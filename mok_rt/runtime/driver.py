@@ -1,0 +1,72 @@
+"""Checked access to the CUDA driver API (cuda.bindings.driver).
+
+``call("cuMemAlloc", size)`` runs ``driver.cuMemAlloc(size)``, raises :class:`CudaDriverError`
+naming the call and the CUresult when it fails, and returns the remaining results (``None``
+for none, the value for one, a tuple for several).  Everything in mok_rt that talks to the
+driver goes through here so that no return code is ever ignored.
+"""
+from __future__ import annotations
+
+import functools
+
+from mok_rt.errors import CudaDriverError
+
+try:  # cuda-bindings >= 12.8 layout
+    from cuda.bindings import driver as _drv
+except ImportError:  # pragma: no cover - very old cuda-python
+    from cuda import cuda as _drv  # type: ignore
+
+driver = _drv
+CUresult = _drv.CUresult
+
+
+def check(call: str, result) -> None:
+    """Raise :class:`CudaDriverError` unless ``result`` is CUDA_SUCCESS."""
+    if result != CUresult.CUDA_SUCCESS:
+        detail = ""
+        try:
+            err, s = _drv.cuGetErrorString(result)
+            if err == CUresult.CUDA_SUCCESS and s:
+                detail = s.decode() if isinstance(s, bytes) else str(s)
+        except Exception:  # pragma: no cover - best effort only
+            pass
+        raise CudaDriverError(call, result, detail)
+
+
+def call(name: str, *args):
+    """Call ``driver.<name>(*args)``, check its CUresult and return the other results."""
+    fn = getattr(_drv, name)
+    out = fn(*args)
+    if isinstance(out, tuple):
+        res, rest = out[0], out[1:]
+    else:
+        res, rest = out, ()
+    check(name, res)
+    if not rest:
+        return None
+    if len(rest) == 1:
+        return rest[0]
+    return rest
+
+
+@functools.lru_cache(maxsize=None)
+def init() -> None:
+    """cuInit(0), once per process; a missing driver becomes a :class:`CudaDriverError`."""
+    try:
+        res = _drv.cuInit(0)[0]
+    except Exception as ex:  # cuda.pathfinder raises when libcuda.so is not installed
+        raise CudaDriverError("cuInit", None, f"no NVIDIA driver could be loaded ({ex}); "
+                                              f"use backend='reference' on machines without a GPU") from ex
+    check("cuInit", res)
+
+
+def device_count() -> int:
+    """Number of visible CUDA devices; 0 when there is no driver or no device."""
+    try:
+        res, n = _drv.cuInit(0)[0], None
+        if res != CUresult.CUDA_SUCCESS:
+            return 0
+        res, n = _drv.cuDeviceGetCount()
+        return int(n) if res == CUresult.CUDA_SUCCESS else 0
+    except Exception:
+        return 0
