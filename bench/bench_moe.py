@@ -256,6 +256,7 @@ class _Inputs:
         self.x_plain, self.topk_weights_plain = x.detach(), tw.detach()
 
     def mok_weights(self) -> tuple:
+        """(w_gate, w_up, w_down, ws_gate, ws_up, ws_down); the shared ones None without a shared expert."""
         return (self.w_gate, self.w_up, self.w_down, self.ws_gate, self.ws_up, self.ws_down)
 
     def clear_grads(self) -> None:
@@ -384,8 +385,8 @@ class _Mok:
             if str(_ROOT) not in sys.path:
                 sys.path.insert(0, str(_ROOT))
             import mok_rt as mok
-            missing = [n for n in ("MoEConfig", "Workspace", "SingleProcessGroup", "CallableGroup", "schedule",
-                                   "forward", "backward") if not hasattr(mok, n)]
+            missing = [n for n in ("MoEConfig", "Workspace", "SingleProcessGroup", "CallableGroup", "ExpertWeights",
+                                   "schedule", "forward", "backward") if not hasattr(mok, n)]
             if missing:
                 raise ImportError(f"mok_rt {getattr(mok, '__version__', '?')} lacks {', '.join(missing)}")
             if ranks.size == 1:
@@ -423,6 +424,8 @@ def _run_mok(torch, ranks, mok: _Mok, shape: Shape, tokens: int, inp: _Inputs, r
     check: dict[str, Any] = {"tolerance": TOLERANCE}
     x, tw, ids = inp.x_plain, inp.topk_weights_plain, inp.topk_ids32
     weights = inp.mok_weights()
+    experts = m.ExpertWeights(*weights[:3])
+    shared = None if weights[3] is None else m.ExpertWeights(*weights[3:])
 
     def setup():
         knobs = {} if args.comm_sms is None else {"comm_sms": args.comm_sms}
@@ -433,27 +436,29 @@ def _run_mok(torch, ranks, mok: _Mok, shape: Shape, tokens: int, inp: _Inputs, r
                                   stream=_stream_for_mok(torch, ranks))
         # Caller-owned fp32 weight-gradient buffers (a trainer's .grad), poisoned so that an
         # element the kernel never writes fails the check.
-        state["bufs"] = {n: torch.full(tuple(w.shape), math.nan, device=x.device, dtype=torch.float32)
-                         for n, w in zip(_GRAD_NAMES, weights) if w is not None}
+        bufs = [None if w is None else torch.full(tuple(w.shape), math.nan, device=x.device, dtype=torch.float32)
+                for w in weights]
+        state["bufs"] = {"dw": m.ExpertWeights(*bufs[:3]),
+                         "dw_shared": None if bufs[3] is None else m.ExpertWeights(*bufs[3:])}
 
     def fwd():
         ws = state["ws"]
         sched = m.schedule(ws, ids)
-        out, _ = m.forward(ws, sched, x, tw, *weights)
+        out, _ = m.forward(ws, sched, x, tw, experts, shared=shared)
         return out
 
     def fwd_bwd():
         ws = state["ws"]
         sched = m.schedule(ws, ids)
-        out, ctx = m.forward(ws, sched, x, tw, *weights)
-        g = m.backward(ws, sched, ctx, inp.d_out, x, tw, *weights, **state["bufs"])
+        out, ctx = m.forward(ws, sched, x, tw, experts, shared=shared)
+        g = m.backward(ws, ctx, inp.d_out, **state["bufs"])
         return out, g
 
     def check_run():
         out, g = fwd_bwd()
         state["ws"].synchronize()   # raises what a kernel reported
         got = {"out": out, "dx": g.dx, "d_topk_weights": g.d_topk_weights,
-               **{n: getattr(g, n, None) for n in _GRAD_NAMES}}
+               **dict(zip(_GRAD_NAMES, (*g.dw, *(g.dw_shared or (None,) * 3))))}
         got = {n: _as_torch(torch, v) for n, v in got.items() if v is not None}
         # Clones: mok_rt may hand out workspace memory that the next call overwrites.
         state["first"] = {n: got[n].clone() for n in ("out", "dx", "d_topk_weights")}

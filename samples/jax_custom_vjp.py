@@ -63,6 +63,13 @@ def _kernel_dtypes(ws, x):
     return dt, dt
 
 
+def _expert_weights(dtype, w):
+    """(routed, shared) :class:`mok.ExpertWeights` of ``w`` (the six weights, shared ones None
+    without a shared expert) cast to the kernel dtype."""
+    wk = [None if a is None else a.astype(dtype) for a in w]
+    return mok.ExpertWeights(*wk[:3]), (None if wk[3] is None else mok.ExpertWeights(*wk[3:]))
+
+
 def _to_jax(t):
     return jax.dlpack.from_dlpack(t)  # zero copy: the array keeps the mok_rt tensor alive
 
@@ -80,10 +87,10 @@ def make_moe(ws, *, checkpoint: bool = False):
             raise TypeError("mok_rt's JAX layer runs eagerly: call it outside jax.jit (see the module "
                             "docstring: under jit it would need an XLA FFI custom call)")
         act, route = _kernel_dtypes(ws, x)
-        wk = [None if a is None else a.astype(act) for a in w]
+        experts, shared = _expert_weights(act, w)
         sched = mok.schedule(ws, ids)
-        out, mctx = mok.forward(ws, sched, x.astype(act), tw.astype(route), *wk)
-        return _to_jax(out).astype(x.dtype), sched, mctx
+        out, mctx = mok.forward(ws, sched, x.astype(act), tw.astype(route), experts, shared=shared)
+        return _to_jax(out).astype(x.dtype), mctx
 
     @jax.custom_vjp
     def moe(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate=None, ws_up=None, ws_down=None):
@@ -91,22 +98,22 @@ def make_moe(ws, *, checkpoint: bool = False):
 
     def fwd(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate=None, ws_up=None, ws_down=None):
         w = (w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
-        out, sched, mctx = run_forward(x, topk_ids, topk_weights, *w)
-        kept = _Opaque(None if checkpoint else (sched, mctx))
+        out, mctx = run_forward(x, topk_ids, topk_weights, *w)
+        # The context holds the schedule and references to the kernel-dtype inputs it read.
+        kept = _Opaque(None if checkpoint else mctx)
         return out, (x, topk_ids, topk_weights, w, kept)
 
     def bwd(res, d_out):
         x, ids, tw, w, kept = res
         act, route = _kernel_dtypes(ws, x)
-        xk, twk = x.astype(act), tw.astype(route)
-        wk = [None if a is None else a.astype(act) for a in w]
-        if kept.value is None:
+        mctx = kept.value
+        if mctx is None:
+            experts, shared = _expert_weights(act, w)
             sched = mok.schedule(ws, ids)
-            mctx = mok.recompute_context(ws, sched, xk, wk[0], wk[1], wk[3], wk[4], w_down=wk[2], ws_down=wk[5])
-        else:
-            sched, mctx = kept.value
-        g = mok.backward(ws, sched, mctx, d_out.astype(act), xk, twk, *wk)
-        grads = [None if a is None else _to_jax(getattr(g, "d" + n)).astype(a.dtype) for n, a in zip(_WEIGHTS, w)]
+            mctx = mok.recompute_context(ws, sched, x.astype(act), tw.astype(route), experts, shared=shared)
+        g = mok.backward(ws, mctx, d_out.astype(act))
+        dws = tuple(g.dw) + (tuple(g.dw_shared) if g.dw_shared is not None else (None,) * 3)
+        grads = [None if a is None else _to_jax(d).astype(a.dtype) for d, a in zip(dws, w)]
         return (_to_jax(g.dx).astype(x.dtype), None, _to_jax(g.d_topk_weights).astype(tw.dtype), *grads)
 
     moe.defvjp(fwd, bwd)
@@ -139,8 +146,7 @@ def block_forward(moe, params: dict, x, top_k: int):
 
 
 def _gpu_available() -> bool:
-    from mok_rt.runtime.driver import device_count
-    return device_count() > 0 and any(d.platform == "gpu" for d in jax.devices())
+    return mok.device_count() > 0 and any(d.platform == "gpu" for d in jax.devices())
 
 
 def main(argv=None) -> list[float]:

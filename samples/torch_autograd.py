@@ -49,6 +49,13 @@ def _as(t, dtype):
     return None if t is None else t.detach().to(dtype).contiguous()
 
 
+def _expert_weights(dtype, w_gate, w_up, w_down, ws_gate=None, ws_up=None, ws_down=None):
+    """(routed, shared) :class:`mok.ExpertWeights` cast to the kernel dtype (shared: None without one)."""
+    experts = mok.ExpertWeights(*(_as(t, dtype) for t in (w_gate, w_up, w_down)))
+    shared = None if ws_gate is None else mok.ExpertWeights(*(_as(t, dtype) for t in (ws_gate, ws_up, ws_down)))
+    return experts, shared
+
+
 class MoEFunction(torch.autograd.Function):
     """``out = shared(x) + Σ_j topk_weights[:, j] · expert_{topk_ids[:, j]}(x)`` through mok_rt.
 
@@ -64,13 +71,15 @@ class MoEFunction(torch.autograd.Function):
         act, route, _ = _kernel_dtypes(ws, x)
         stream = mok_stream(x.device)
         ids = topk_ids.detach().contiguous()
-        weights = [_as(w, act) for w in (w_gate, w_up, w_down, ws_gate, ws_up, ws_down)]
+        experts, shared = _expert_weights(act, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
         sched = mok.schedule(ws, ids, stream=stream)
-        out, mctx = mok.forward(ws, sched, _as(x, act), _as(topk_weights, route), *weights, stream=stream)
+        out, mctx = mok.forward(ws, sched, _as(x, act), _as(topk_weights, route), experts, shared=shared,
+                                stream=stream)
         ctx.ws, ctx.checkpoint = ws, bool(checkpoint)
         # Checkpointing keeps only the inputs (and the ids to rebuild the schedule from);
-        # otherwise the schedule and the layer's own context (its activations) live until backward.
-        ctx.sched, ctx.mctx = (None, None) if checkpoint else (sched, mctx)
+        # otherwise the layer's context (the schedule, references to the kernel-dtype inputs it
+        # read and its activations) lives until backward.
+        ctx.mctx = None if checkpoint else mctx
         ctx.save_for_backward(x, ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
         return torch.from_dlpack(out).to(x.dtype)  # zero copy when x is already in the kernel dtype
 
@@ -80,20 +89,18 @@ class MoEFunction(torch.autograd.Function):
         x, ids, topk_weights, *w = ctx.saved_tensors
         act, route, grad_dt = _kernel_dtypes(ws, x)
         stream = mok_stream(x.device)
-        xk, twk = _as(x, act), _as(topk_weights, route)
-        wk = [_as(t, act) for t in w]
-        if ctx.mctx is None:  # checkpointing, or a second backward (retain_graph) after we let go
+        mctx = ctx.mctx
+        if mctx is None:  # checkpointing, or a second backward (retain_graph) after we let go
             sched = mok.schedule(ws, ids, stream=stream)
-            mctx = mok.recompute_context(ws, sched, xk, wk[0], wk[1], wk[3], wk[4], w_down=wk[2],
-                                         ws_down=wk[5], stream=stream)
-        else:
-            sched, mctx = ctx.sched, ctx.mctx
+            experts, shared = _expert_weights(act, *w)
+            mctx = mok.recompute_context(ws, sched, _as(x, act), _as(topk_weights, route), experts, shared=shared,
+                                         stream=stream)
         # Weight gradients land straight in torch-owned buffers (mok_rt writes through DLPack).
         bufs = [None if t is None else torch.empty(t.shape, dtype=grad_dt, device=t.device) for t in w]
-        g = mok.backward(ws, sched, mctx, _as(d_out, act), xk, twk, *wk,
-                         dw_gate=bufs[0], dw_up=bufs[1], dw_down=bufs[2], dws_gate=bufs[3], dws_up=bufs[4],
-                         dws_down=bufs[5], stream=stream)
-        ctx.sched = ctx.mctx = None  # free the activations now, not when the graph goes
+        dw = mok.ExpertWeights(*bufs[:3])
+        dw_shared = None if bufs[3] is None else mok.ExpertWeights(*bufs[3:])
+        g = mok.backward(ws, mctx, _as(d_out, act), dw=dw, dw_shared=dw_shared, stream=stream)
+        ctx.mctx = None  # free the activations now, not when the graph goes
         dx = torch.from_dlpack(g.dx).to(x.dtype) if ctx.needs_input_grad[2] else None
         dtw = torch.from_dlpack(g.d_topk_weights).to(topk_weights.dtype) if ctx.needs_input_grad[4] else None
         dws = [None if b is None else b.to(t.dtype) for b, t in zip(bufs, w)]
@@ -142,8 +149,7 @@ class MoEBlock(torch.nn.Module):
 
 
 def _gpu_available() -> bool:
-    from mok_rt.runtime.driver import device_count
-    return device_count() > 0 and torch.cuda.is_available()
+    return mok.device_count() > 0 and torch.cuda.is_available()
 
 
 def main(argv=None) -> list[float]:

@@ -20,8 +20,7 @@ BF16 = ml_dtypes.bfloat16
 
 
 def gpu_available() -> bool:
-    from mok_rt.runtime.driver import device_count
-    return device_count() > 0
+    return mok.device_count() > 0
 
 
 def main() -> int:
@@ -59,6 +58,14 @@ def main() -> int:
     router = xp.asarray(rng.standard_normal((H, E)).astype(np.float32))
     bf = {n: v.astype(BF16) for n, v in teacher.items()}
 
+    def experts(p):  # (routed, shared) mok.ExpertWeights of a parameter dict
+        return (mok.ExpertWeights(gate=p["w_gate"], up=p["w_up"], down=p["w_down"]),
+                mok.ExpertWeights(gate=p["ws_gate"], up=p["ws_up"], down=p["ws_down"]))
+
+    def grad_of(g, n):  # the gradient of parameter n in mok.Gradients g
+        part = n.split("_")[1]
+        return getattr(g.dw_shared if n.startswith("ws_") else g.dw, part)
+
     def batch(step):
         r = np.random.default_rng(1000 + step % 8)            # a small fixed data set of 8 batches
         x = xp.asarray(r.standard_normal((T, H)).astype(np.float32))
@@ -78,20 +85,18 @@ def main() -> int:
             t0 = time.perf_counter()
             x, ids, w = batch(step)
             sched = mok.schedule(ws, ids)
-            target, _ = mok.forward(ws, sched, x, w, bf["w_gate"], bf["w_up"], bf["w_down"],
-                                    bf["ws_gate"], bf["ws_up"], bf["ws_down"])
-            sb = {n: v.astype(BF16) for n, v in student.items()}
-            out, ctx = mok.forward(ws, sched, x, w, sb["w_gate"], sb["w_up"], sb["w_down"],
-                                   sb["ws_gate"], sb["ws_up"], sb["ws_down"])
+            routed, shared = experts(bf)
+            target, _ = mok.forward(ws, sched, x, w, routed, shared=shared)
+            routed, shared = experts({n: v.astype(BF16) for n, v in student.items()})
+            out, ctx = mok.forward(ws, sched, x, w, routed, shared=shared)
             diff = as_array(out).astype(np.float32) - as_array(target).astype(np.float32)
             loss = float((diff * diff).mean())
             d_out = (2.0 / diff.size * diff).astype(BF16)
-            g = mok.backward(ws, sched, ctx, d_out, x, w, sb["w_gate"], sb["w_up"], sb["w_down"],
-                             sb["ws_gate"], sb["ws_up"], sb["ws_down"])
+            g = mok.backward(ws, ctx, d_out)   # the inputs and weights come from ctx
             ws.synchronize()
             b1, b2, eps = 0.9, 0.999, 1e-8
             for n in student:
-                grad = as_array(getattr(g, "d" + n))
+                grad = as_array(grad_of(g, n))
                 m, v = adam[n]
                 m *= b1; m += (1 - b1) * grad
                 v *= b2; v += (1 - b2) * grad * grad

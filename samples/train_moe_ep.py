@@ -23,6 +23,17 @@ import mok_rt as mok
 BF16 = ml_dtypes.bfloat16
 
 
+def experts(p: dict):
+    """(routed, shared) mok.ExpertWeights of a parameter dict."""
+    return (mok.ExpertWeights(gate=p["w_gate"], up=p["w_up"], down=p["w_down"]),
+            mok.ExpertWeights(gate=p["ws_gate"], up=p["ws_up"], down=p["ws_down"]))
+
+
+def grad_of(g, n: str):
+    """The gradient of parameter ``n`` ("w_gate" ... "ws_down") in mok.Gradients ``g``."""
+    return getattr(g.dw_shared if n.startswith("ws_") else g.dw, n.split("_")[1])
+
+
 class Rank:
     """One rank's parameters, optimizer state and stream (CuPy work runs on the rank's stream)."""
 
@@ -73,11 +84,10 @@ def main() -> int:
     args = ap.parse_args()
 
     import cupy as cp
-    from mok_rt.runtime.driver import device_count
 
     comm = None
     if args.one_process:
-        gpus = device_count()
+        gpus = mok.device_count()
         group = mok.SingleProcessGroup([g for g in range(gpus) for _ in range(args.ranks_per_gpu)])
     else:
         from mpi4py import MPI
@@ -107,25 +117,24 @@ def main() -> int:
                 tb = rk.teacher
                 with rk.device, rk.stream:
                     sb = {n: v.astype(BF16) for n, v in rk.student.items()}
-                target, _ = mok.forward(rk.rw, sched, x, w, tb["w_gate"], tb["w_up"], tb["w_down"], tb["ws_gate"],
-                                        tb["ws_up"], tb["ws_down"])
-                out, ctx = mok.forward(rk.rw, sched, x, w, sb["w_gate"], sb["w_up"], sb["w_down"], sb["ws_gate"],
-                                       sb["ws_up"], sb["ws_down"])
-                state.append((x, w, sched, sb, target, out, ctx))
+                routed, shared = experts(tb)
+                target, _ = mok.forward(rk.rw, sched, x, w, routed, shared=shared)
+                routed, shared = experts(sb)
+                out, ctx = mok.forward(rk.rw, sched, x, w, routed, shared=shared)
+                state.append((target, out, ctx))   # ctx holds references to x, w and sb until the backward
             grads, losses = [], []
-            for rk, (x, w, sched, sb, target, out, ctx) in zip(ranks, state):
+            for rk, (target, out, ctx) in zip(ranks, state):
                 with rk.device, rk.stream:
                     diff = cp.from_dlpack(out).astype(np.float32) - cp.from_dlpack(target).astype(np.float32)
                     losses.append((diff * diff).sum())
                     d_out = (2.0 / (P * diff.size) * diff).astype(BF16)   # d(mean over every rank's tokens)
-                grads.append(mok.backward(rk.rw, sched, ctx, d_out, x, w, sb["w_gate"], sb["w_up"], sb["w_down"],
-                                          sb["ws_gate"], sb["ws_up"], sb["ws_down"]))
+                grads.append(mok.backward(rk.rw, ctx, d_out))
             ws.synchronize()
             host_losses, host_shared = [], []
             for rk, v, g in zip(ranks, losses, grads):
                 with rk.device, rk.stream:
                     host_losses.append(float(v))
-                    host_shared.append({n: cp.asnumpy(cp.from_dlpack(getattr(g, "d" + n)), stream=rk.stream)
+                    host_shared.append({n: cp.asnumpy(cp.from_dlpack(grad_of(g, n)), stream=rk.stream)
                                         for n in ("ws_gate", "ws_up", "ws_down")})
             loss = float(all_ranks_sum(host_losses)) / (P * T * H)
             # The replicated shared expert: its gradient is the sum of every rank's part (the loss is
@@ -135,7 +144,7 @@ def main() -> int:
             for rk, g in zip(ranks, grads):
                 with rk.device, rk.stream:
                     for n in rk.student:
-                        grad = cp.asarray(shared[n]) if n in shared else cp.from_dlpack(getattr(g, "d" + n))
+                        grad = cp.asarray(shared[n]) if n in shared else cp.from_dlpack(grad_of(g, n))
                         m, v = rk.adam[n]
                         m *= b1; m += (1 - b1) * grad
                         v *= b2; v += (1 - b2) * grad * grad

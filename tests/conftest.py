@@ -15,8 +15,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 def _gpu_count() -> int:
     try:
-        from mok_rt.runtime.driver import device_count
-        return device_count()
+        import mok_rt as mok
+        return mok.device_count()
     except Exception:
         return 0
 

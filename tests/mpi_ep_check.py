@@ -105,19 +105,38 @@ def to_device(h: dict, device: int) -> dict:
     return d
 
 
+def experts(d: dict) -> mok.ExpertWeights:
+    """The routed experts' weights of a rank's inputs (host or device)."""
+    return mok.ExpertWeights(gate=d["w_gate"], up=d["w_up"], down=d["w_down"])
+
+
+def shared(d: dict):
+    """The shared expert's weights of a rank's inputs, None without one."""
+    return None if d["shared"][0] is None else mok.ExpertWeights(*d["shared"])
+
+
+def grads_by_name(g) -> dict:
+    """mok.Gradients by the names of GRADS (those of the reference), without the absent ones."""
+    sh = tuple(g.dw_shared) if g.dw_shared is not None else (None, None, None)
+    return {n: t for n, t in zip(GRADS, (g.dx, g.d_topk_weights, *g.dw, *sh)) if t is not None}
+
+
+def forward(rank_ws, sched, d: dict):
+    """mok.forward on a rank's inputs."""
+    return mok.forward(rank_ws, sched, d["x"], d["tw"], experts(d), shared=shared(d))
+
+
 def enqueue(rank_ws, d: dict, *, recompute: bool = True) -> dict:
     """One rank's calls: schedule, forward, backward (and recompute_context + backward).  Returns
     the result tensors (not yet waited for).  Every rank of the group must make the same calls."""
-    sh = d["shared"]
     sched = mok.schedule(rank_ws, d["ids"])
-    out, ctx = mok.forward(rank_ws, sched, d["x"], d["tw"], d["w_gate"], d["w_up"], d["w_down"], *sh)
-    g = mok.backward(rank_ws, sched, ctx, d["d_out"], d["x"], d["tw"], d["w_gate"], d["w_up"], d["w_down"], *sh)
-    res = {"out": out, **{n: getattr(g, n) for n in GRADS if getattr(g, n) is not None}}
+    out, ctx = forward(rank_ws, sched, d)
+    g = mok.backward(rank_ws, ctx, d["d_out"])
+    res = {"out": out, **grads_by_name(g)}
     if recompute:
-        ctx2 = mok.recompute_context(rank_ws, sched, d["x"], d["w_gate"], d["w_up"], *sh[:2], w_down=d["w_down"],
-                                     ws_down=sh[2])
-        g2 = mok.backward(rank_ws, sched, ctx2, d["d_out"], d["x"], d["tw"], d["w_gate"], d["w_up"], d["w_down"], *sh)
-        res.update({"recomputed_" + n: getattr(g2, n) for n in GRADS if getattr(g2, n) is not None})
+        ctx2 = mok.recompute_context(rank_ws, sched, d["x"], d["tw"], experts(d), shared=shared(d))
+        g2 = mok.backward(rank_ws, ctx2, d["d_out"])
+        res.update({"recomputed_" + n: t for n, t in grads_by_name(g2).items()})
     return res
 
 
@@ -269,7 +288,7 @@ def _checks(group) -> list[tuple[str, object]]:
         with mok.Workspace(cfg, group, max_tokens=1000) as ws:
             sched = mok.schedule(ws, d["ids"])
             if group.rank != missing:
-                mok.forward(ws, sched, d["x"], d["tw"], d["w_gate"], d["w_up"], d["w_down"])
+                mok.forward(ws, sched, d["x"], d["tw"], experts(d))
                 try:
                     ws.synchronize()
                 except mok.PeerTimeoutError as e:

@@ -182,7 +182,7 @@ def test_single_rank_workspace_stands_for_its_rank():
         rng = np.random.default_rng(0)
         x = rng.standard_normal((2, 64))
         w = [rng.standard_normal(s_) * 0.1 for s_ in ((4, 64, 64), (4, 64, 64), (4, 64, 64))]
-        out, _ = mok.forward(ws.rank(0), s, x, rng.random((2, 2)), *w)   # ws and ws.rank(0) are one rank
+        out, _ = mok.forward(ws.rank(0), s, x, rng.random((2, 2)), mok.ExpertWeights(*w))   # ws and ws.rank(0): one rank
         assert out.shape == (2, 64)
         with pytest.raises(ArgumentError) as e:
             ws.rank(1)

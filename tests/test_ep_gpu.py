@@ -18,8 +18,8 @@ pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 
 import mok_rt as mok  # noqa: E402
-from mpi_ep_check import (CASES, compare, config, digest, enqueue, rank_inputs, reference_results,  # noqa: E402
-                          rel_err, run_one_process, run_rank, to_device, to_numpy)
+from mpi_ep_check import (CASES, compare, config, digest, enqueue, experts, forward, rank_inputs,  # noqa: E402
+                          reference_results, rel_err, run_one_process, run_rank, to_device, to_numpy)
 from mpi_run import run_mpi_script  # noqa: E402
 from test_group import assert_ok, run_ranks  # noqa: E402
 
@@ -196,7 +196,7 @@ def check_dead_peer_times_out(devices) -> None:
         t0 = time.monotonic()
         for r in range(missing):
             d = ds[r]
-            mok.forward(ws.rank(r), scheds[r], d["x"], d["tw"], d["w_gate"], d["w_up"], d["w_down"])
+            mok.forward(ws.rank(r), scheds[r], d["x"], d["tw"], experts(d))
         for r in range(missing):
             with pytest.raises(mok.PeerTimeoutError) as e:
                 ws.rank(r).synchronize()
@@ -222,14 +222,11 @@ def check_dead_peer_in_backward(devices) -> None:
     missing = P - 1
     with mok.Workspace(cfg, mok.SingleProcessGroup(devices), max_tokens=1000) as ws:
         scheds = [mok.schedule(ws.rank(r), ds[r]["ids"]) for r in range(P)]
-        fw = [mok.forward(ws.rank(r), scheds[r], ds[r]["x"], ds[r]["tw"], ds[r]["w_gate"], ds[r]["w_up"],
-                          ds[r]["w_down"], *ds[r]["shared"]) for r in range(P)]
+        fw = [forward(ws.rank(r), scheds[r], ds[r]) for r in range(P)]
         ws.synchronize()
         t0 = time.monotonic()
         for r in range(missing):
-            d = ds[r]
-            mok.backward(ws.rank(r), scheds[r], fw[r][1], d["d_out"], d["x"], d["tw"], d["w_gate"], d["w_up"],
-                         d["w_down"], *d["shared"])
+            mok.backward(ws.rank(r), fw[r][1], ds[r]["d_out"])
         for r in range(missing):
             with pytest.raises(mok.PeerTimeoutError) as e:
                 ws.rank(r).synchronize()
@@ -251,7 +248,7 @@ def _dead_peer_worker(ctx, devices):
         ws.synchronize()
         if ctx.rank != missing:
             t0 = time.monotonic()
-            mok.forward(ws, sched, d["x"], d["tw"], d["w_gate"], d["w_up"], d["w_down"])
+            mok.forward(ws, sched, d["x"], d["tw"], experts(d))
             try:
                 ws.synchronize()
             except mok.PeerTimeoutError as e:
@@ -379,7 +376,7 @@ def test_api_misuse_is_named():
         assert e.value.argument == "topk_ids"
         s = [mok.schedule(ws.rank(r), ds[r]["ids"]) for r in range(2)]
         with pytest.raises(mok.ArgumentError) as e:  # rank 0's schedule handed to rank 1
-            mok.forward(ws.rank(1), s[0], ds[1]["x"], ds[1]["tw"], ds[1]["w_gate"], ds[1]["w_up"], ds[1]["w_down"])
+            mok.forward(ws.rank(1), s[0], ds[1]["x"], ds[1]["tw"], experts(ds[1]))
         assert e.value.argument == "sched"
         ws.synchronize()
 

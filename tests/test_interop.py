@@ -131,12 +131,13 @@ def test_torch_cpu_tensors_in_and_out_without_copies(torch):
     # Zero copy on the way in: mok_rt sees torch's own memory.
     for n in ("x", "ids", "tw", "w_gate", "ws_down"):
         assert from_dlpack(t[n], name=n).ptr == t[n].data_ptr()
-    dw_gate = torch.full(t["w_gate"].shape, float("nan"), dtype=torch.float64)   # caller-owned, poisoned
+    # Caller-owned, poisoned: routed buffers in torch's memory (mok_rt allocates the shared ones).
+    dw = mok.ExpertWeights(*(torch.full(t[n].shape, float("nan"), dtype=torch.float64) for n in NAMES[:3]))
     with _ws() as ws:
         sched = mok.schedule(ws, t["ids"])
-        out, ctx = mok.forward(ws, sched, t["x"], t["tw"], t["w_gate"], t["w_up"], t["w_down"], *shared)
-        g = mok.backward(ws, sched, ctx, t["d_out"], t["x"], t["tw"], t["w_gate"], t["w_up"], t["w_down"], *shared,
-                         dw_gate=dw_gate)
+        out, ctx = mok.forward(ws, sched, t["x"], t["tw"], mok.ExpertWeights(t["w_gate"], t["w_up"], t["w_down"]),
+                               shared=mok.ExpertWeights(*shared))
+        g = mok.backward(ws, ctx, t["d_out"], dw=dw)
         ws.synchronize()
     ref_out, ref_g = _oracle(p)
     out_t = torch.from_dlpack(out)
@@ -146,10 +147,11 @@ def test_torch_cpu_tensors_in_and_out_without_copies(torch):
     assert dx.data_ptr() == g.dx.ptr
     np.testing.assert_allclose(dx.numpy(), ref_g.dx, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(torch.from_dlpack(g.d_topk_weights).numpy(), ref_g.d_topk_weights, rtol=1e-12)
-    assert g.dw_gate is dw_gate    # written in place into torch's buffer
-    np.testing.assert_allclose(dw_gate.numpy(), ref_g.dw_gate, rtol=1e-12, atol=1e-14)
-    for n in ("dw_up", "dw_down", "dws_gate", "dws_up", "dws_down"):
-        np.testing.assert_allclose(torch.from_dlpack(getattr(g, n)).numpy(), getattr(ref_g, n), rtol=2e-6, atol=1e-7)
+    assert g.dw is dw and g.dw.gate is dw.gate    # written in place into torch's buffers
+    for buf, n in zip(dw, ("dw_gate", "dw_up", "dw_down")):
+        np.testing.assert_allclose(buf.numpy(), getattr(ref_g, n), rtol=1e-12, atol=1e-14)
+    for got, n in zip(g.dw_shared, ("dws_gate", "dws_up", "dws_down")):
+        np.testing.assert_allclose(torch.from_dlpack(got).numpy(), getattr(ref_g, n), rtol=2e-6, atol=1e-7)
 
 
 def test_jax_cpu_arrays_in_and_out(jax):
@@ -163,9 +165,9 @@ def test_jax_cpu_arrays_in_and_out(jax):
         shared = [a[n] for n in ("ws_gate", "ws_up", "ws_down")]
         with _ws() as ws:
             sched = mok.schedule(ws, a["ids"])
-            out, ctx = mok.forward(ws, sched, a["x"], a["tw"], a["w_gate"], a["w_up"], a["w_down"], *shared)
-            g = mok.backward(ws, sched, ctx, a["d_out"], a["x"], a["tw"], a["w_gate"], a["w_up"], a["w_down"],
-                             *shared)
+            out, ctx = mok.forward(ws, sched, a["x"], a["tw"], mok.ExpertWeights(a["w_gate"], a["w_up"], a["w_down"]),
+                                   shared=mok.ExpertWeights(*shared))
+            g = mok.backward(ws, ctx, a["d_out"])
             ws.synchronize()
         out_j = jax.dlpack.from_dlpack(out)
         dx_j = jax.dlpack.from_dlpack(g.dx)
@@ -173,7 +175,7 @@ def test_jax_cpu_arrays_in_and_out(jax):
         ref_out, ref_g = _oracle(p)
         np.testing.assert_allclose(np.asarray(out_j), ref_out, rtol=1e-12, atol=1e-12)
         np.testing.assert_allclose(np.asarray(dx_j), ref_g.dx, rtol=1e-12, atol=1e-12)
-        np.testing.assert_allclose(np.asarray(jax.dlpack.from_dlpack(g.dws_down)), ref_g.dws_down, rtol=2e-6,
+        np.testing.assert_allclose(np.asarray(jax.dlpack.from_dlpack(g.dw_shared.down)), ref_g.dws_down, rtol=2e-6,
                                    atol=1e-7)
 
 

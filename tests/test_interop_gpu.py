@@ -91,15 +91,24 @@ def _workspace():
                          poison_outputs=True)
 
 
-def _run(ws, d: dict, *, stream=None, **grad_bufs):
-    """schedule + forward + backward on ``d``'s tensors; the results as a dict (mok_rt tensors, or
-    the caller's buffers for the weight gradients given in ``grad_bufs``)."""
-    shared = (d["ws_gate"], d["ws_up"], d["ws_down"])
+def _experts(d: dict):
+    """(routed, shared) mok.ExpertWeights of ``d``'s weights."""
+    return (mok.ExpertWeights(gate=d["w_gate"], up=d["w_up"], down=d["w_down"]),
+            mok.ExpertWeights(gate=d["ws_gate"], up=d["ws_up"], down=d["ws_down"]))
+
+
+def _run(ws, d: dict, *, stream=None, grad_bufs=None):
+    """schedule + forward + backward on ``d``'s tensors; the results as a dict by RESULTS' names
+    (mok_rt tensors, or the caller's buffers for the weight gradients: ``grad_bufs`` by name, all six)."""
+    experts, shared = _experts(d)
     sched = mok.schedule(ws, d["ids"], stream=stream)
-    out, ctx = mok.forward(ws, sched, d["x"], d["tw"], d["w_gate"], d["w_up"], d["w_down"], *shared, stream=stream)
-    g = mok.backward(ws, sched, ctx, d["d_out"], d["x"], d["tw"], d["w_gate"], d["w_up"], d["w_down"], *shared,
-                     stream=stream, **grad_bufs)
-    return {"out": out, **{n: getattr(g, n) for n in RESULTS[1:]}}
+    out, ctx = mok.forward(ws, sched, d["x"], d["tw"], experts, shared=shared, stream=stream)
+    bufs = {}
+    if grad_bufs is not None:
+        b = [grad_bufs[n] for n in RESULTS[3:]]
+        bufs = dict(dw=mok.ExpertWeights(*b[:3]), dw_shared=mok.ExpertWeights(*b[3:]))
+    g = mok.backward(ws, ctx, d["d_out"], stream=stream, **bufs)
+    return dict(zip(RESULTS, (out, g.dx, g.d_topk_weights, *g.dw, *g.dw_shared)))
 
 
 def _bits(a) -> np.ndarray:
@@ -231,7 +240,7 @@ def test_torch_inputs(baseline, torch, which):
             assert from_dlpack(d[n], name=n).ptr == d[n].data_ptr(), n
         # Weight gradients written straight into torch-owned fp32 buffers (poisoned first).
         bufs = {"d" + n: torch.full(d[n].shape, float("nan"), device="cuda", dtype=torch.float32) for n in WEIGHTS}
-        res = _run(ws, d, stream=_torch_stream_arg(torch, s), **bufs)
+        res = _run(ws, d, stream=_torch_stream_arg(torch, s), grad_bufs=bufs)
         for n, b in bufs.items():
             assert res[n] is b, n
         views = {n: (v if n in bufs else torch.from_dlpack(v)) for n, v in res.items()}
@@ -268,7 +277,10 @@ def test_torch_producer_on_another_stream_is_ordered_before_us(baseline, torch):
         x_final = d["x"]
         names = ("tw", "w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down")
         sched = mok.schedule(ws, d["ids"], stream=sb)
-        mok.forward(ws, sched, x_final, *(d[n] for n in names), stream=sb)   # warm-up
+        experts = lambda imp: (mok.ExpertWeights(*(imp(d[n], n) for n in names[1:4])),  # noqa: E731
+                               mok.ExpertWeights(*(imp(d[n], n) for n in names[4:])))
+        ex, sh = experts(lambda t, n: t)
+        mok.forward(ws, sched, x_final, d["tw"], ex, shared=sh, stream=sb)   # warm-up
         torch.cuda.synchronize()
         ws.check()
 
@@ -279,7 +291,8 @@ def test_torch_producer_on_another_stream_is_ordered_before_us(baseline, torch):
             with torch.cuda.stream(A):
                 _long_matmul_chain(torch, A)
                 x.copy_(x_final)                     # the producer's last write, still far away
-                out, _ = mok.forward(ws, sched, imp(x, "x"), *(imp(d[n], n) for n in names), stream=sb)
+                ex, sh = experts(imp)
+                out, _ = mok.forward(ws, sched, imp(x, "x"), imp(d["tw"], "tw"), ex, shared=sh, stream=sb)
                 producer_busy = not A.query()
             with torch.cuda.stream(B):
                 got = torch.from_dlpack(out).clone()
@@ -304,11 +317,11 @@ def test_torch_consumer_waits_for_our_kernels(torch):
         def race(seed, *, ordered: bool):
             # A fresh problem per run: stale memory can never hold this run's result.
             d = _torch_inputs(torch, _problem(seed))
-            shared = (d["ws_gate"], d["ws_up"], d["ws_down"])
+            experts, shared = _experts(d)
             sched = mok.schedule(ws, d["ids"], stream=sb)
             torch.cuda.synchronize()
             _long_matmul_chain(torch, B)
-            out, _ = mok.forward(ws, sched, d["x"], d["tw"], d["w_gate"], d["w_up"], d["w_down"], *shared, stream=sb)
+            out, _ = mok.forward(ws, sched, d["x"], d["tw"], experts, shared=shared, stream=sb)
             with torch.cuda.stream(C):
                 y = torch.from_dlpack(out) if ordered else torch.utils.dlpack.from_dlpack(out.__dlpack__(stream=-1))
                 got = y.clone()
@@ -373,7 +386,7 @@ def test_jax_pending_producer_and_consumer(baseline, jax):
     gpu = jax.devices("gpu")[0]
     with _workspace() as ws:
         d = {n: jax.device_put(v, gpu) for n, v in h.items()}
-        shared = (d["ws_gate"], d["ws_up"], d["ws_down"])
+        experts, shared = _experts(d)
         sched = mok.schedule(ws, d["ids"])
         a = jax.device_put(np.full((PRODUCER_N, PRODUCER_N), 1.0 / PRODUCER_N, BF16), gpu)
 
@@ -386,7 +399,7 @@ def test_jax_pending_producer_and_consumer(baseline, jax):
         ws.synchronize()
         x = late_x(a, d["x"])
         assert not x.is_ready(), "the producer finished before mok_rt was called: the test proves nothing"
-        out, _ = mok.forward(ws, sched, x, d["tw"], d["w_gate"], d["w_up"], d["w_down"], *shared)
+        out, _ = mok.forward(ws, sched, x, d["tw"], experts, shared=shared)
         y = jax.dlpack.from_dlpack(out)
         z = (y.astype(jnp.float32) * 1.0).astype(jnp.bfloat16)   # JAX work on our output
         np.testing.assert_array_equal(_bits(z), want["out"])

@@ -53,22 +53,33 @@ def _to_dev(h):
     return d
 
 
+def _experts(d):
+    return mok.ExpertWeights(gate=d["w_gate"], up=d["w_up"], down=d["w_down"])
+
+
+def _shared(d):
+    return None if d["shared"][0] is None else mok.ExpertWeights(*d["shared"])
+
+
+def _flat(g) -> dict:
+    """mok.Gradients by the names of GRADS (the shared expert's None without one)."""
+    shared = tuple(g.dw_shared) if g.dw_shared is not None else (None, None, None)
+    return dict(zip(GRADS, (g.dx, g.d_topk_weights, *g.dw, *shared)))
+
+
 def run_gpu(cfg, h, *, T_max=None):
     d = _to_dev(h)
     with mok.Workspace(cfg, mok.SingleProcessGroup(devices=[0]), max_tokens=T_max or max(1, len(h["x"])),
                        poison_outputs=True) as ws:
         sched = mok.schedule(ws, d["ids"])
-        out, ctx = mok.forward(ws, sched, d["x"], d["tw"], d["w_gate"], d["w_up"], d["w_down"], *d["shared"])
-        g = mok.backward(ws, sched, ctx, d["d_out"], d["x"], d["tw"], d["w_gate"], d["w_up"], d["w_down"],
-                         *d["shared"])
-        ctx2 = mok.recompute_context(ws, sched, d["x"], d["w_gate"], d["w_up"], *d["shared"][:2],
-                                     w_down=d["w_down"], ws_down=d["shared"][2])
-        g2 = mok.backward(ws, sched, ctx2, d["d_out"], d["x"], d["tw"], d["w_gate"], d["w_up"], d["w_down"],
-                          *d["shared"])
+        out, ctx = mok.forward(ws, sched, d["x"], d["tw"], _experts(d), shared=_shared(d))
+        g = mok.backward(ws, ctx, d["d_out"])
+        ctx2 = mok.recompute_context(ws, sched, d["x"], d["tw"], _experts(d), shared=_shared(d))
+        g2 = mok.backward(ws, ctx2, d["d_out"])
         ws.synchronize()
         res = {"out": out.to_numpy()}
-        res.update({n: getattr(g, n).to_numpy() for n in GRADS if getattr(g, n) is not None})
-        res2 = {n: getattr(g2, n).to_numpy() for n in GRADS if getattr(g2, n) is not None}
+        res.update({n: t.to_numpy() for n, t in _flat(g).items() if t is not None})
+        res2 = {n: t.to_numpy() for n, t in _flat(g2).items() if t is not None}
     return res, res2
 
 
@@ -165,23 +176,33 @@ def test_zero_tokens():
         assert np.array_equal(got[n], np.zeros_like(got[n])), n
 
 
-def test_recompute_context_without_w_down():
-    """DESIGN §4's signature (no w_down): the rebuild is deferred into the backward; same bits."""
+def test_recompute_context_alone_into_caller_buffers():
+    """Activation checkpointing: the forward's context is dropped, recompute_context (same
+    arguments as forward) rebuilds it, and the backward writes caller-owned (poisoned) gradient
+    buffers: the same bits as the forward's context into mok_rt's buffers; accumulate=True adds."""
     cfg = mok.MoEConfig(hidden=512, intermediate=256, num_experts=8, top_k=2, shared_intermediate=256)
     h = make_problem(14, T=300, H=512, I=256, E=8, k=2, Is=256)
     d = _to_dev(h)
+    dw = mok.ExpertWeights(*(cp.full(d[n].shape, cp.nan, dtype=cp.float32) for n in ("w_gate", "w_up", "w_down")))
+    dws = mok.ExpertWeights(*(cp.full(a.shape, cp.nan, dtype=cp.float32) for a in d["shared"]))
     with mok.Workspace(cfg, mok.SingleProcessGroup(devices=[0]), max_tokens=300, poison_outputs=True) as ws:
         sched = mok.schedule(ws, d["ids"])
-        _, ctx = mok.forward(ws, sched, d["x"], d["tw"], d["w_gate"], d["w_up"], d["w_down"], *d["shared"])
-        a = mok.backward(ws, sched, ctx, d["d_out"], d["x"], d["tw"], d["w_gate"], d["w_up"], d["w_down"],
-                         *d["shared"])
-        ctx2 = mok.recompute_context(ws, sched, d["x"], d["w_gate"], d["w_up"], d["shared"][0], d["shared"][1])
-        b = mok.backward(ws, sched, ctx2, d["d_out"], d["x"], d["tw"], d["w_gate"], d["w_up"], d["w_down"],
-                         *d["shared"])
+        _, ctx = mok.forward(ws, sched, d["x"], d["tw"], _experts(d), shared=_shared(d))
+        a = _flat(mok.backward(ws, ctx, d["d_out"]))
+        a = {n: t.to_numpy() for n, t in a.items()}
+        del ctx
+        ctx2 = mok.recompute_context(ws, mok.schedule(ws, d["ids"]), d["x"], d["tw"], _experts(d),
+                                     shared=_shared(d))
+        g = mok.backward(ws, ctx2, d["d_out"], dw=dw, dw_shared=dws)
+        assert g.dw is dw and g.dw_shared is dws
         ws.synchronize()
+        b = {n: cp.asnumpy(t) if isinstance(t, cp.ndarray) else t.to_numpy() for n, t in _flat(g).items()}
         for n in GRADS:
-            np.testing.assert_array_equal(getattr(a, n).to_numpy().view(np.uint8),
-                                          getattr(b, n).to_numpy().view(np.uint8), err_msg=n)
+            np.testing.assert_array_equal(a[n].view(np.uint8), b[n].view(np.uint8), err_msg=n)
+        g = mok.backward(ws, ctx2, d["d_out"], dw=dw, dw_shared=dws, accumulate=True)
+        ws.synchronize()
+        for n, buf in zip(GRADS[2:], (*dw, *dws)):
+            np.testing.assert_allclose(cp.asnumpy(buf), 2 * a[n], rtol=1e-5, atol=1e-6, err_msg=n)
 
 
 def test_bitwise_deterministic():
@@ -208,7 +229,7 @@ def _fwd(ws, d, **over):
     q = dict(d)
     q.update(over)
     sched = mok.schedule(ws, q["ids"])
-    return mok.forward(ws, sched, q["x"], q["tw"], q["w_gate"], q["w_up"], q["w_down"])
+    return mok.forward(ws, sched, q["x"], q["tw"], _experts(q))
 
 
 @pytest.mark.parametrize("field,make,arg", [
@@ -217,7 +238,7 @@ def _fwd(ws, d, **over):
     ("x", lambda d, h: cp.asfortranarray(d["x"]), "x"),
     ("x", lambda d, h: h["x"], "x"),                                  # host memory, not the device
     ("tw", lambda d, h: d["tw"].astype(cp.float64), "topk_weights"),
-    ("w_up", lambda d, h: d["w_up"][:, :, ::2], "w_up"),              # strided view
+    ("w_up", lambda d, h: d["w_up"][:, :, ::2], "experts.up"),       # strided view
     ("ids", lambda d, h: d["ids"].astype(cp.float32), "topk_ids"),
 ])
 def test_bad_arguments_are_named(small, field, make, arg):

@@ -105,9 +105,10 @@ def test_engine_knob(monkeypatch):
         L.resolve_engine(None)
     with pytest.raises(ArgumentError, match="engine"):
         L.KernelKnobs(engine="mma")
-    with pytest.raises(ArgumentError, match="gemm_engine"):
-        mok.MoEConfig(hidden=64, intermediate=64, num_experts=2, top_k=1, gemm_engine="wgmma")
-    assert mok.MoEConfig(hidden=64, intermediate=64, num_experts=2, top_k=1, gemm_engine="tma").gemm_engine == "tma"
+    # The engine is no longer a MoEConfig field: $MOK_RT_GEMM_ENGINE is the one knob.
+    with pytest.raises(TypeError, match="gemm_engine"):
+        mok.MoEConfig(hidden=64, intermediate=64, num_experts=2, top_k=1, gemm_engine="tma")
+    assert not hasattr(mok.MoEConfig(hidden=64, intermediate=64, num_experts=2, top_k=1), "gemm_engine")
 
 
 def test_task_counts_per_engine():

@@ -135,5 +135,5 @@ def test_reference_backend_has_no_timelines():
         tw = rng.random((8, 2)).astype(np.float32)
         w = [rng.standard_normal(s).astype(np.float32) for s in ((4, 64, 64), (4, 64, 64), (4, 64, 64))]
         sched = mok.schedule(ws, ids)
-        mok.forward(ws, sched, x, tw, *w)
+        mok.forward(ws, sched, x, tw, mok.ExpertWeights(*w))
         assert ws.take_traces() == []

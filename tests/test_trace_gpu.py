@@ -12,13 +12,13 @@ cp = pytest.importorskip("cupy")
 import mok_rt as mok  # noqa: E402
 from mok_rt.kernels import moe_launch as L  # noqa: E402
 from mok_rt.runtime.launch import multiprocessor_count  # noqa: E402
-from test_layer_gpu import _to_dev, make_problem  # noqa: E402
+from test_layer_gpu import _experts, _shared, _to_dev, make_problem  # noqa: E402
 
 
 def _step(ws, d):
     sched = mok.schedule(ws, d["ids"])
-    out, ctx = mok.forward(ws, sched, d["x"], d["tw"], d["w_gate"], d["w_up"], d["w_down"], *d["shared"])
-    g = mok.backward(ws, sched, ctx, d["d_out"], d["x"], d["tw"], d["w_gate"], d["w_up"], d["w_down"], *d["shared"])
+    out, ctx = mok.forward(ws, sched, d["x"], d["tw"], _experts(d), shared=_shared(d))
+    g = mok.backward(ws, ctx, d["d_out"])
     return out, g
 
 
@@ -27,22 +27,23 @@ def _host(t):
 
 
 @pytest.mark.parametrize("engine", L.ENGINES)
-def test_every_task_recorded_once_and_results_unchanged(engine):
+def test_every_task_recorded_once_and_results_unchanged(engine, monkeypatch):
     h = make_problem(31, T=1000, H=1024, I=512, E=16, k=4, Is=256)
     d = _to_dev(h)
-    cfg = mok.MoEConfig(hidden=1024, intermediate=512, num_experts=16, top_k=4, shared_intermediate=256,
-                        gemm_engine=engine)
+    monkeypatch.setenv(L.ENGINE_ENV, engine)   # the engine knob (read when a workspace is built)
+    cfg = mok.MoEConfig(hidden=1024, intermediate=512, num_experts=16, top_k=4, shared_intermediate=256)
     results = {}
     for trace in (False, True):
         with mok.Workspace(cfg, mok.SingleProcessGroup(devices=[0]), max_tokens=1000, trace=trace) as ws:
             out, g = _step(ws, d)
             ws.synchronize()
-            results[trace] = (_host(out), _host(g.dx), g.dw_down.to_numpy())
+            results[trace] = (_host(out), _host(g.dx), g.dw.down.to_numpy())
             traces = ws.take_traces()
             if not trace:
                 assert traces == []
                 continue
             assert [t.kind for t in traces] == ["forward", "backward"] and ws.take_traces() == []
+            assert all(t.engine == engine for t in traces), [t.engine for t in traces]
             sms = multiprocessor_count(0)   # (%smid need not be below it: only the count of SMs is)
             for t in traces:
                 total = sum(c for _, c in t.phases)
@@ -63,8 +64,9 @@ def test_ep_ranks_sharing_one_gpu_each_record_their_launches():
     with mok.Workspace(cfg, mok.SingleProcessGroup(devices=[0, 0]), max_tokens=T, trace=True) as ws:
         ranks = [ws.rank(r) for r in range(2)]
         scheds = [mok.schedule(ranks[r], probs[r]["ids"]) for r in range(2)]
-        fwd = [mok.forward(ranks[r], scheds[r], probs[r]["x"], probs[r]["tw"], probs[r]["w_gate"][4 * r:4 * r + 4],
-                           probs[r]["w_up"][4 * r:4 * r + 4], probs[r]["w_down"][4 * r:4 * r + 4]) for r in range(2)]
+        fwd = [mok.forward(ranks[r], scheds[r], probs[r]["x"], probs[r]["tw"],
+                           mok.ExpertWeights(*(probs[r][n][4 * r:4 * r + 4] for n in ("w_gate", "w_up", "w_down"))))
+               for r in range(2)]
         ws.synchronize()
         traces = ws.take_traces()
         assert sorted((t.rank, t.kind) for t in traces) == [(0, "forward"), (1, "forward")]

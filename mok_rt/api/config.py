@@ -8,7 +8,6 @@ from mok_rt.errors import ArgumentError
 
 __all__ = ["MoEConfig"]
 
-_ENGINES = ("tile", "tma")  # mok_rt.kernels.moe_launch.ENGINES (kept import-free: config loads without cuda)
 _ALIGN = 64  # hidden / intermediate sizes must be multiples of the GEMM's K and N granule
 
 
@@ -22,13 +21,14 @@ def _positive_int(name: str, v) -> int:
 class MoEConfig:
     """One MoE layer: routed SwiGLU experts plus an optional shared expert.
 
-    Shapes (DESIGN.md §2): x [T, hidden]; w_gate/w_up [E_local, intermediate, hidden];
+    Shapes (docs/SEMANTICS.md): x [T, hidden]; w_gate/w_up [E_local, intermediate, hidden];
     w_down [E_local, hidden, intermediate]; shared expert [shared_intermediate, hidden] (×2) and
     [hidden, shared_intermediate].  A token may name the same expert twice in its top-k: the two
     routes are independent and their weighted outputs add up.
 
     Kernel knobs (defaults suit H100/H200):
-      block_m       rows per GEMM row block; each expert's rows are padded to it (64 or 128).
+      block_m       rows per GEMM row block; each expert's rows are padded to it.  The kernels
+                    use 128 (the only accepted value; the field documents the padding).
       ctas_per_sm   persistent CTAs per SM (1 or 2).
       comm_sms      with experts spread over ranks: how many tasks push this rank's token rows
                     to their experts' ranks (forward and backward), hence at most how many CTAs
@@ -39,9 +39,6 @@ class MoEConfig:
                     reports a timeout (the error names what was missing).
       capacity_factor  None: every rank can hold the worst case (all routed rows of all ranks);
                     a float f: each rank holds f × (average rows per rank) rows, rounded up.
-      gemm_engine   the CUDA kernels' GEMM engine: "tma" (TMA producer warp + 2 wgmma
-                    warpgroups, register epilogues) or "tile" (cp.async + wgmma, 256 threads);
-                    None: $MOK_RT_GEMM_ENGINE, else "tma".  Same results within rounding.
     """
 
     hidden: int
@@ -55,7 +52,6 @@ class MoEConfig:
     comm_sms: int = 32
     timeout_s: float = 10.0
     capacity_factor: float | None = None
-    gemm_engine: str | None = None
 
     def __post_init__(self):
         for name in ("hidden", "intermediate", "num_experts", "top_k"):
@@ -75,8 +71,8 @@ class MoEConfig:
             if isinstance(lim, bool) or not isinstance(lim, (int, float)) or not math.isfinite(lim) or lim <= 0:
                 raise ArgumentError("swiglu_limit", f"expected None or a positive finite float, got {lim!r}")
             object.__setattr__(self, "swiglu_limit", float(lim))
-        if self.block_m not in (64, 128):
-            raise ArgumentError("block_m", f"expected 64 or 128, got {self.block_m!r}")
+        if self.block_m != 128:
+            raise ArgumentError("block_m", f"the kernels pad each expert's rows to blocks of 128, got {self.block_m!r}")
         if self.ctas_per_sm not in (1, 2):
             raise ArgumentError("ctas_per_sm", f"expected 1 or 2, got {self.ctas_per_sm!r}")
         if isinstance(self.comm_sms, bool) or not isinstance(self.comm_sms, int) or not 1 <= self.comm_sms <= 64:
@@ -84,8 +80,6 @@ class MoEConfig:
         t = self.timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or not 0 < t <= 3600:
             raise ArgumentError("timeout_s", f"expected seconds in (0, 3600], got {t!r}")
-        if self.gemm_engine is not None and self.gemm_engine not in _ENGINES:
-            raise ArgumentError("gemm_engine", f"expected None or one of {_ENGINES}, got {self.gemm_engine!r}")
         cf = self.capacity_factor
         if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not cf > 0):
             raise ArgumentError("capacity_factor", f"expected None or a positive float, got {cf!r}")

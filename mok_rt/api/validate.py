@@ -1,33 +1,43 @@
-"""Validation of the layer's tensor arguments, shared by every backend.
+"""Validation of a layer call's tensor arguments: the one place where they are checked.
 
-Each check runs on the host before anything is launched and names the argument it rejects.
+Each check runs on the host before anything is launched and names the argument it rejects; the
+backends trust what it returns.  The CUDA contract (bf16 activations and weights, f32 routing
+weights and weight gradients, int32/int64 ids) holds on every backend; the reference backend
+also takes float32/float64 tensors unless the workspace is ``strict``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mok_rt.errors import ArgumentError
 from mok_rt.interop import dtypes
 from mok_rt.interop.dlpack import TensorView, check, from_dlpack
-from mok_rt.errors import ArgumentError
+from mok_rt.types import ExpertWeights
 
-__all__ = ["LayerArgs", "import_layer_args", "import_ids", "import_d_out"]
+__all__ = ["LayerArgs", "import_layer_args", "import_ids", "import_d_out", "import_grad_buffers"]
 
-CUDA_FLOAT = (dtypes.bfloat16,)
-REFERENCE_FLOAT = (dtypes.bfloat16, dtypes.float32, dtypes.float64)
+_CUDA_FLOAT = (dtypes.bfloat16,)
+_ORACLE_FLOAT = (dtypes.bfloat16, dtypes.float32, dtypes.float64)
+_IDS = (dtypes.int32, dtypes.int64)
+GRAD_NAMES = ("dw_gate", "dw_up", "dw_down", "dws_gate", "dws_up", "dws_down")
 
 
 @dataclass(frozen=True)
 class LayerArgs:
-    """Validated views of a layer call's tensors (shared-expert views are None when absent)."""
+    """Validated views of a layer call's tensors (the shared expert's are None without one)."""
 
-    x: TensorView | None
-    topk_weights: TensorView | None
+    x: TensorView
+    topk_weights: TensorView
     w_gate: TensorView
     w_up: TensorView
-    w_down: TensorView | None
-    ws_gate: TensorView | None
-    ws_up: TensorView | None
-    ws_down: TensorView | None
+    w_down: TensorView
+    shared_gate: TensorView | None = None
+    shared_up: TensorView | None = None
+    shared_down: TensorView | None = None
+
+
+def _oracle(ws) -> bool:
+    return ws.backend == "reference" and not ws.strict
 
 
 def _device(ws):
@@ -35,25 +45,31 @@ def _device(ws):
 
 
 def _floats(ws):
-    return REFERENCE_FLOAT if ws.backend == "reference" else CUDA_FLOAT
+    return _ORACLE_FLOAT if _oracle(ws) else _CUDA_FLOAT
 
 
-def _weights_dtype(ws):
-    return (dtypes.float32, dtypes.float64) if ws.backend == "reference" else (dtypes.float32,)
+def _f32(ws):
+    return (dtypes.float32, dtypes.float64) if _oracle(ws) else (dtypes.float32,)
 
 
-def _view(ws, obj, name, *, shape, dtype, stream):
+def _view(ws, obj, name, *, shape, dtype, stream, writable=False):
     if obj is None:
         raise ArgumentError(name, "is required")
     v = from_dlpack(obj, name=name, stream=stream)
     check(v, name=name, dtype=dtype, shape=shape, device=_device(ws))
+    if writable and v.readonly:
+        raise ArgumentError(name, "is read-only; mok_rt writes the gradient into it")
     return v
 
 
+def _triple(obj, name: str) -> ExpertWeights:
+    if isinstance(obj, ExpertWeights):
+        return obj
+    raise ArgumentError(name, f"expected mok_rt.ExpertWeights(gate=, up=, down=), got {type(obj).__name__}")
+
+
 def import_ids(ws, topk_ids, *, stream) -> TensorView:
-    cfg = ws.config
-    v = _view(ws, topk_ids, "topk_ids", shape=(None, cfg.top_k), dtype=(dtypes.int32, dtypes.int64),
-              stream=stream)
+    v = _view(ws, topk_ids, "topk_ids", shape=(None, ws.config.top_k), dtype=_IDS, stream=stream)
     if v.shape[0] > ws.max_tokens:
         raise ArgumentError("topk_ids", f"{v.shape[0]} tokens exceed the workspace's max_tokens={ws.max_tokens}")
     return v
@@ -63,35 +79,48 @@ def import_d_out(ws, d_out, *, tokens: int, stream) -> TensorView:
     return _view(ws, d_out, "d_out", shape=(tokens, ws.config.hidden), dtype=_floats(ws), stream=stream)
 
 
-def import_layer_args(ws, *, tokens: int, x, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down,
-                      stream, need_x: bool = True, need_weights: bool = True,
-                      need_down: bool = True) -> LayerArgs:
-    """Import and check every tensor of a forward/backward/recompute call."""
+def import_layer_args(ws, *, tokens: int, x, topk_weights, experts, shared, stream) -> LayerArgs:
+    """Import and check every tensor of a forward or recompute call."""
     cfg = ws.config
-    H, I, k = cfg.hidden, cfg.intermediate, cfg.top_k
-    El = ws.experts_per_rank
+    H, I, Is, k, El = cfg.hidden, cfg.intermediate, cfg.shared_intermediate, cfg.top_k, ws.experts_per_rank
     f = _floats(ws)
-    x_v = _view(ws, x, "x", shape=(tokens, H), dtype=f, stream=stream) if need_x else None
-    tw_v = None
-    if need_weights:
-        tw_v = _view(ws, topk_weights, "topk_weights", shape=(tokens, k), dtype=_weights_dtype(ws), stream=stream)
-    wg = _view(ws, w_gate, "w_gate", shape=(El, I, H), dtype=f, stream=stream)
-    wu = _view(ws, w_up, "w_up", shape=(El, I, H), dtype=f, stream=stream)
-    wd = _view(ws, w_down, "w_down", shape=(El, H, I), dtype=f, stream=stream) if need_down else None
-    shared = (ws_gate, ws_up, ws_down) if need_down else (ws_gate, ws_up)
-    given = [s is not None for s in shared]
-    Is = cfg.shared_intermediate
-    if any(given) and not cfg.has_shared:
-        raise ArgumentError("ws_gate", "the config has no shared expert (shared_intermediate=0) but shared "
-                                       "weights were given")
-    if cfg.has_shared and not all(given):
-        missing = [n for n, g in zip(("ws_gate", "ws_up", "ws_down"), given) if not g]
-        raise ArgumentError(missing[0], f"the config has a shared expert of {Is}: ws_gate, ws_up"
-                                        f"{', ws_down' if need_down else ''} are all required")
-    sg = su = sd = None
+    experts = _triple(experts, "experts")
+    views = dict(
+        x=_view(ws, x, "x", shape=(tokens, H), dtype=f, stream=stream),
+        topk_weights=_view(ws, topk_weights, "topk_weights", shape=(tokens, k), dtype=_f32(ws), stream=stream),
+        w_gate=_view(ws, experts.gate, "experts.gate", shape=(El, I, H), dtype=f, stream=stream),
+        w_up=_view(ws, experts.up, "experts.up", shape=(El, I, H), dtype=f, stream=stream),
+        w_down=_view(ws, experts.down, "experts.down", shape=(El, H, I), dtype=f, stream=stream))
+    if shared is not None and not cfg.has_shared:
+        raise ArgumentError("shared", "the config has no shared expert (shared_intermediate=0)")
     if cfg.has_shared:
-        sg = _view(ws, ws_gate, "ws_gate", shape=(Is, H), dtype=f, stream=stream)
-        su = _view(ws, ws_up, "ws_up", shape=(Is, H), dtype=f, stream=stream)
-        if need_down:
-            sd = _view(ws, ws_down, "ws_down", shape=(H, Is), dtype=f, stream=stream)
-    return LayerArgs(x=x_v, topk_weights=tw_v, w_gate=wg, w_up=wu, w_down=wd, ws_gate=sg, ws_up=su, ws_down=sd)
+        if shared is None:
+            raise ArgumentError("shared", f"the config has a shared expert of {Is}: pass "
+                                          f"shared=mok_rt.ExpertWeights(gate=, up=, down=)")
+        shared = _triple(shared, "shared")
+        views.update(
+            shared_gate=_view(ws, shared.gate, "shared.gate", shape=(Is, H), dtype=f, stream=stream),
+            shared_up=_view(ws, shared.up, "shared.up", shape=(Is, H), dtype=f, stream=stream),
+            shared_down=_view(ws, shared.down, "shared.down", shape=(H, Is), dtype=f, stream=stream))
+    return LayerArgs(**views)
+
+
+def import_grad_buffers(ws, dw, dw_shared, *, accumulate: bool, stream) -> dict:
+    """Caller-owned weight-gradient buffers by internal name (None: the backend allocates one)."""
+    cfg = ws.config
+    H, I, Is, El = cfg.hidden, cfg.intermediate, cfg.shared_intermediate, ws.experts_per_rank
+    out = dict.fromkeys(GRAD_NAMES)
+    if dw_shared is not None and not cfg.has_shared:
+        raise ArgumentError("dw_shared", "the config has no shared expert")
+    groups = [("dw", dw, ((El, I, H), (El, I, H), (El, H, I)), GRAD_NAMES[:3])]
+    if cfg.has_shared:
+        groups.append(("dw_shared", dw_shared, ((Is, H), (Is, H), (H, Is)), GRAD_NAMES[3:]))
+    for name, given, shapes, names in groups:
+        if given is None:
+            if accumulate:
+                raise ArgumentError(name, "accumulate=True needs the buffers to add into")
+            continue
+        given = _triple(given, name)
+        for part, obj, shape, key in zip(("gate", "up", "down"), given, shapes, names):
+            out[key] = _view(ws, obj, f"{name}.{part}", shape=shape, dtype=_f32(ws), stream=stream, writable=True)
+    return out

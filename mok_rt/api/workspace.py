@@ -45,6 +45,7 @@ class WorkspaceRank:
     max_tokens = property(lambda self: self._ws.max_tokens)
     backend = property(lambda self: self._ws.backend)
     poison_outputs = property(lambda self: self._ws.poison_outputs)
+    strict = property(lambda self: self._ws.strict)
     trace = property(lambda self: self._ws.trace)
     num_ranks = property(lambda self: self._ws.num_ranks)
     experts_per_rank = property(lambda self: self._ws.experts_per_rank)
@@ -88,7 +89,9 @@ class Workspace:
     kernel reported.  Use it as a context manager or call :meth:`close`.  ``poison_outputs=True``
     (for tests) fills every result and context buffer with NaN before the kernels write it.
     ``trace=True`` (profiling) records a per-task timeline of every megakernel launch:
-    :meth:`take_traces`.
+    :meth:`take_traces`.  ``strict=True`` makes the reference backend accept exactly what the
+    CUDA backend accepts (bf16 activations and weights); by default it also takes float32 and
+    float64 tensors, to serve as an oracle.
 
     Expert parallelism: creating the workspace is collective (every rank's process must create
     it, with the same config and ``max_tokens``; a mismatch raises :class:`ArgumentError` on
@@ -108,7 +111,7 @@ class Workspace:
     """
 
     def __init__(self, config: MoEConfig, group=None, *, max_tokens: int, backend: str = "cuda", stream=None,
-                 poison_outputs: bool = False, trace: bool = False):
+                 poison_outputs: bool = False, trace: bool = False, strict: bool = False):
         self._closed = True   # until everything exists: close() must work on a half-built workspace
         self._ep = None
         devices, local = _group_layout(group)
@@ -129,6 +132,8 @@ class Workspace:
         self.group = group
         self.max_tokens = max_tokens
         self.backend = backend
+        # The reference backend as a stand-in for the CUDA one: the same dtypes accepted.
+        self.strict = bool(strict)
         # Testing aid: fill every buffer mok_rt allocates for a result or a context with NaN
         # (0xFF bytes) before the kernels run, so an element they fail to write cannot pass.
         self.poison_outputs = bool(poison_outputs)

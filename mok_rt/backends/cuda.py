@@ -18,11 +18,9 @@ from mok_rt.kernels import moe_params as P
 from mok_rt.kernels import trace as _trace
 from mok_rt.interop import dtypes
 from mok_rt.runtime.errorword import ErrorWord, device_error
-from mok_rt.interop.dlpack import check, from_dlpack
 from mok_rt.runtime.device import activate
 from mok_rt.errors import ArgumentError
 from mok_rt.runtime.launch import multiprocessor_count
-from mok_rt.api.layer import Context, Gradients
 from mok_rt.kernels.schedule import build_schedule, build_schedule_ep
 from mok_rt.interop.tensor import Tensor
 
@@ -44,12 +42,10 @@ class CudaBackend:
         self.ws = ws
         self.ep = ep
         cfg = ws.config
-        if cfg.block_m != P.BLOCK_M:
-            raise ArgumentError("block_m", f"the CUDA kernels use row blocks of {P.BLOCK_M}, got {cfg.block_m}")
         self.device_id = ws.device_id
         activate(self.device_id)
         max_ctas = None
-        engine = L.resolve_engine(cfg.gemm_engine)
+        engine = L.resolve_engine(None)
         if ep is None:
             self.error = ErrorWord(self.device_id)
         else:
@@ -188,7 +184,7 @@ class CudaBackend:
         fb = L.ForwardBuffers(
             x=args.x.ptr, topk_weights=ptr(args.topk_weights), w_gate=args.w_gate.ptr, w_up=args.w_up.ptr,
             w_down=args.w_down.ptr, out=ptr(out), counters=counters.ptr, shared_y=shared_y.ptr,
-            ws_gate=ptr(args.ws_gate), ws_up=ptr(args.ws_up), ws_down=ptr(args.ws_down),
+            ws_gate=ptr(args.shared_gate), ws_up=ptr(args.shared_up), ws_down=ptr(args.shared_down),
             **{n: bufs[n].ptr for n in ctx_names})
         peers = None if self.ep is None else self.ep.peers(T)
         trace = self._trace_buffer("recompute" if context_only else "forward", L.forward_phases(
@@ -201,34 +197,16 @@ class CudaBackend:
         return out, state
 
     def forward(self, sched, args, *, stream):
-        out, state = self._run_forward(sched, args, stream, context_only=False)
-        return out, Context(schedule=sched, tokens=sched.tokens, data=state)
+        return self._run_forward(sched, args, stream, context_only=False)
 
     def recompute(self, sched, args, *, stream):
-        if args.w_down is None or (self.ws.config.has_shared and args.ws_down is None):
-            # DESIGN §4's recompute_context gets no w_down, and the context holds the experts' outputs
-            # (for d_topk_weights), which need it.  So the rebuild runs at the start of the backward,
-            # which gets w_down: the same work, done just before it is needed -- which is when
-            # activation checkpointing recomputes anyway.
-            return Context(schedule=sched, tokens=sched.tokens, data=None, recomputed=True)
-        _, state = self._run_forward(sched, args, stream, context_only=True)
-        return Context(schedule=sched, tokens=sched.tokens, data=state, recomputed=True)
+        return self._run_forward(sched, args, stream, context_only=True)[1]
 
-    def _grad_buffer(self, name, given, shape, stream, accumulate):
-        if given is None:
-            return self._empty(shape, dtypes.float32, stream), None
-        v = from_dlpack(given, name=name, stream=stream)
-        check(v, name=name, dtype=dtypes.float32, shape=shape, device=("cuda", self.device_id))
-        if v.readonly:
-            raise ArgumentError(name, "is read-only")
-        return v, given
-
-    def backward(self, sched, ctx, dout, args, *, out, accumulate, stream):
+    def backward(self, sched, state: _ForwardState, dout, args, *, out, accumulate, stream):
+        """Gradients by name (dx, d_topk_weights, dw_gate ... dws_down); ``out``: validated
+        caller buffers by name (None: allocate)."""
         self._check_usable()
         self._used(stream)
-        state: _ForwardState = ctx.data
-        if state is None:   # a deferred recompute_context (called without w_down): rebuild it now
-            _, state = self._run_forward(sched, args, stream, context_only=True)
         dims = state.dims
         cfg = self.ws.config
         T, H, I, Is, El, k = dims.tokens, dims.hidden, dims.intermediate, dims.shared_intermediate, \
@@ -241,9 +219,8 @@ class CudaBackend:
             if n.startswith("dws") and not cfg.has_shared:
                 grads[n], returned[n] = None, None
                 continue
-            buf, caller = self._grad_buffer(n, out.get(n), shapes[n], stream, accumulate)
-            grads[n] = buf
-            returned[n] = caller if caller is not None else buf
+            grads[n] = out[n] if out[n] is not None else self._empty(shapes[n], dtypes.float32, stream)
+            returned[n] = grads[n]
         dx = self._empty((T, H), dtypes.bfloat16, stream)
         dtw = self._empty((T, k), dtypes.float32, stream)
         # With EP the rows that travel (dy_routed in, dx_slot back) live in the symmetric heap.
@@ -258,7 +235,7 @@ class CudaBackend:
             w_up=args.w_up.ptr, w_down=args.w_down.ptr, x_routed=b["x_routed"].ptr, gu=b["gu"].ptr,
             act=b["act"].ptr, y_slot=b["y_slot"].ptr, dx=dx.ptr, d_topk_weights=dtw.ptr,
             dw_gate=grads["dw_gate"].ptr, dw_up=grads["dw_up"].ptr, dw_down=grads["dw_down"].ptr,
-            ws_gate=ptr(args.ws_gate), ws_up=ptr(args.ws_up), ws_down=ptr(args.ws_down), sgu=ptr(b.get("sgu")),
+            ws_gate=ptr(args.shared_gate), ws_up=ptr(args.shared_up), ws_down=ptr(args.shared_down), sgu=ptr(b.get("sgu")),
             sact=ptr(b.get("sact")), dws_gate=ptr(grads["dws_gate"]), dws_up=ptr(grads["dws_up"]),
             dws_down=ptr(grads["dws_down"]), **{n: scratch[n].ptr for n in scratch}, **heap_rows)
         if not cfg.has_shared:
@@ -270,4 +247,4 @@ class CudaBackend:
                           device_id=self.device_id, knobs=self.knobs, accumulate=accumulate, peers=peers,
                           trace_ptr=trace)
         dx._owner = (dx._owner, scratch, args, dout)   # keep inputs and scratch alive with the result
-        return Gradients(dx=dx, d_topk_weights=dtw, **returned)
+        return dict(dx=dx, d_topk_weights=dtw, **returned)

@@ -14,7 +14,6 @@ from mok_rt import reference
 from mok_rt.reference import schedule as schedule_ref
 from mok_rt.interop.dlpack import TensorView
 from mok_rt.errors import ArgumentError, ExpertIdError
-from mok_rt.api.layer import Context, Gradients
 from mok_rt.interop.tensor import Tensor, _host_array
 
 
@@ -73,51 +72,34 @@ class ReferenceBackend:
         return _RefSchedule(ids, layout)
 
     def _run_forward(self, sched, args):
-        cfg = self.ws.config
-        tw = _np(args.topk_weights)
-        if tw is None:  # recompute without weights: the routed activations do not depend on them
-            tw = np.ones(sched.ids.shape, dtype=np.float64)
-        return reference.forward(_np(args.x), sched.ids, tw, _np(args.w_gate), _np(args.w_up),
-                                 _np(args.w_down) if args.w_down is not None else
-                                 np.zeros((self.ws.experts_per_rank, cfg.hidden, cfg.intermediate)),
-                                 ws_gate=_np(args.ws_gate), ws_up=_np(args.ws_up),
-                                 ws_down=_np(args.ws_down) if args.ws_down is not None else (
-                                     None if args.ws_gate is None else
-                                     np.zeros((cfg.hidden, cfg.shared_intermediate))),
-                                 swiglu_limit=cfg.swiglu_limit)
+        return reference.forward(_np(args.x), sched.ids, _np(args.topk_weights), _np(args.w_gate), _np(args.w_up),
+                                 _np(args.w_down), ws_gate=_np(args.shared_gate), ws_up=_np(args.shared_up),
+                                 ws_down=_np(args.shared_down), swiglu_limit=self.ws.config.swiglu_limit)
 
     def forward(self, sched, args, *, stream):
-        out, rctx = self._run_forward(sched, args)
-        out_t = Tensor.from_numpy(np.ascontiguousarray(out.astype(args.x.dtype.numpy)))
-        return out_t, Context(schedule=sched, tokens=sched.tokens, data=rctx)
+        out, _ = self._run_forward(sched, args)
+        return Tensor.from_numpy(np.ascontiguousarray(out.astype(args.x.dtype.numpy))), None
 
     def recompute(self, sched, args, *, stream):
-        # The reference keeps no activations worth saving: the backward recomputes from its inputs.
-        return Context(schedule=sched, tokens=sched.tokens, data=None, recomputed=True)
+        return None   # the reference saves no activations: the backward recomputes from its inputs
 
-    def backward(self, sched, ctx, dout_view, args, *, out, accumulate, stream):
-        _, rctx = self._run_forward(sched, args)   # the backward's own inputs define the point
+    def backward(self, sched, saved, dout_view, args, *, out, accumulate, stream):
+        """Gradients by name; ``out``: validated caller buffers by name (None: a new array)."""
+        _, rctx = self._run_forward(sched, args)
         g = reference.backward(rctx, _np(dout_view))
         x_dtype, tw_dtype = args.x.dtype.numpy, args.topk_weights.dtype.numpy
         result = {"dx": Tensor.from_numpy(np.ascontiguousarray(g.dx.astype(x_dtype))),
                   "d_topk_weights": Tensor.from_numpy(np.ascontiguousarray(g.d_topk_weights.astype(tw_dtype)))}
         for name in ("dw_gate", "dw_up", "dw_down", "dws_gate", "dws_up", "dws_down"):
             val = getattr(g, name)
-            if val is None:
-                result[name] = None
+            view = out.get(name)
+            if val is None or view is None:
+                result[name] = None if val is None else Tensor.from_numpy(np.ascontiguousarray(val.astype(np.float32)))
                 continue
-            buf = out.get(name)
-            if buf is None:
-                result[name] = Tensor.from_numpy(np.ascontiguousarray(val.astype(np.float32)))
-                continue
-            from mok_rt.interop.dlpack import check, from_dlpack
-            from mok_rt.interop import dtypes
-            v = from_dlpack(buf, name=name)
-            check(v, name=name, dtype=(dtypes.float32, dtypes.float64), shape=val.shape, device="cpu")
-            arr = host_array(v)
+            arr = host_array(view)
             if accumulate:
                 arr += val.astype(arr.dtype)
             else:
                 arr[...] = val
-            result[name] = buf
-        return Gradients(**result)
+            result[name] = view
+        return result

@@ -1,0 +1,55 @@
+"""The small public types the layer functions take and return."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["ExpertWeights", "Gradients", "Context"]
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """The three projections of SwiGLU experts, or their gradients.
+
+    Routed experts (this rank's ``E_l`` of them): ``gate`` and ``up`` ``[E_l, I, H]``, ``down``
+    ``[E_l, H, I]``.  The shared expert: ``gate`` and ``up`` ``[I_s, H]``, ``down`` ``[H, I_s]``.
+    Each field is any DLPack tensor (weights, bf16) or a :class:`~mok_rt.Tensor` (fp32
+    gradients)."""
+
+    gate: Any
+    up: Any
+    down: Any
+
+    def __iter__(self):
+        return iter((self.gate, self.up, self.down))
+
+
+@dataclass(frozen=True)
+class Gradients:
+    """What :func:`mok_rt.backward` returns: ``dx`` ``[T, H]`` (x's dtype), ``d_topk_weights``
+    ``[T, k]`` f32, ``dw`` the routed experts' fp32 gradients, ``dw_shared`` the shared expert's
+    (None without one).  Where the caller passed gradient buffers, these are those buffers."""
+
+    dx: Any
+    d_topk_weights: Any
+    dw: ExpertWeights
+    dw_shared: ExpertWeights | None = None
+
+
+class Context:
+    """What :func:`mok_rt.backward` needs from :func:`mok_rt.forward` or
+    :func:`mok_rt.recompute_context`: the schedule, references to the inputs (``x``,
+    ``topk_weights``, the weights; not copies, so do not change them in place before the
+    backward) and the saved activations.  Opaque; pass it on unchanged."""
+
+    __slots__ = ("schedule", "tokens", "inputs", "saved", "recomputed")
+
+    def __init__(self, schedule, inputs, saved, *, recomputed: bool = False):
+        self.schedule = schedule
+        self.tokens = schedule.tokens
+        self.inputs = inputs
+        self.saved = saved
+        self.recomputed = recomputed
+
+    def __repr__(self) -> str:
+        return f"Context(tokens={self.tokens}, recomputed={self.recomputed})"
