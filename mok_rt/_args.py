@@ -34,18 +34,33 @@ def _device(ws):
     return "cpu" if ws.backend == "reference" else ("cuda", ws.device_id)
 
 
+def _lenient(ws) -> bool:
+    """The reference backend takes wider dtypes unless the workspace is strict (as CUDA always is)."""
+    return ws.backend == "reference" and not getattr(ws, "strict", False)
+
+
 def _floats(ws):
-    return REFERENCE_FLOAT if ws.backend == "reference" else CUDA_FLOAT
+    return REFERENCE_FLOAT if _lenient(ws) else CUDA_FLOAT
 
 
 def _weights_dtype(ws):
-    return (dtypes.float32, dtypes.float64) if ws.backend == "reference" else (dtypes.float32,)
+    return (dtypes.float32, dtypes.float64) if _lenient(ws) else (dtypes.float32,)
 
 
 def _view(ws, obj, name, *, shape, dtype, stream):
     if obj is None:
         raise ArgumentError(name, "is required")
-    v = from_dlpack(obj, name=name, stream=stream)
+    try:
+        v = from_dlpack(obj, name=name, stream=stream)
+    except ArgumentError as ex:
+        # A dtype mok_rt has no DType for (uint32, complex ...): say what this argument takes,
+        # not every dtype mok_rt knows.
+        if ex.argument == name and "unsupported" in str(ex) and "dtype" in str(ex):
+            want = " or ".join(d.name for d in (dtype if isinstance(dtype, tuple) else (dtype,)))
+            got = getattr(obj, "dtype", None)
+            raise ArgumentError(name, f"expected dtype {want}, got {got if got is not None else str(ex)}") \
+                from None
+        raise
     check(v, name=name, dtype=dtype, shape=shape, device=_device(ws))
     return v
 

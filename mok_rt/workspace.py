@@ -45,6 +45,7 @@ class WorkspaceRank:
     max_tokens = property(lambda self: self._ws.max_tokens)
     backend = property(lambda self: self._ws.backend)
     poison_outputs = property(lambda self: self._ws.poison_outputs)
+    strict = property(lambda self: self._ws.strict)
     trace = property(lambda self: self._ws.trace)
     num_ranks = property(lambda self: self._ws.num_ranks)
     experts_per_rank = property(lambda self: self._ws.experts_per_rank)
@@ -88,7 +89,11 @@ class Workspace:
     kernel reported.  Use it as a context manager or call :meth:`close`.  ``poison_outputs=True``
     (for tests) fills every result and context buffer with NaN before the kernels write it.
     ``trace=True`` (profiling) records a per-task timeline of every megakernel launch:
-    :meth:`take_traces`.
+    :meth:`take_traces`.  ``strict=True`` makes the reference backend accept exactly what the
+    CUDA backend accepts (bf16 ``x``, weights and ``d_out``, fp32 ``topk_weights`` and weight
+    gradient buffers, int32/int64 ids) instead of also fp32/fp64; the CUDA backend is always
+    strict.  Errors the device reports (expert id, capacity) are raised by :meth:`synchronize`
+    / :meth:`check` on both backends.
 
     Expert parallelism: creating the workspace is collective (every rank's process must create
     it, with the same config and ``max_tokens``; a mismatch raises :class:`ArgumentError` on
@@ -108,7 +113,7 @@ class Workspace:
     """
 
     def __init__(self, config: MoEConfig, group=None, *, max_tokens: int, backend: str = "cuda", stream=None,
-                 poison_outputs: bool = False, trace: bool = False):
+                 poison_outputs: bool = False, trace: bool = False, strict: bool = False):
         self._closed = True   # until everything exists: close() must work on a half-built workspace
         self._ep = None
         devices, local = _group_layout(group)
@@ -135,6 +140,8 @@ class Workspace:
         # Profiling aid: every megakernel launch records when each task was grabbed, ready and
         # done, on which SM (32 bytes per task; see take_traces).
         self.trace = bool(trace)
+        # The CUDA backend's dtype contract, on the reference backend too (CUDA: always).
+        self.strict = bool(strict) or backend == "cuda"
         self.num_ranks = len(devices)
         self.experts_per_rank = config.experts_per_rank(self.num_ranks)
         self.capacity_rows = config.capacity_rows(max_tokens=max_tokens, num_ranks=self.num_ranks)
@@ -291,7 +298,8 @@ class Workspace:
 
     def __repr__(self) -> str:
         c = self.config
-        ranks = ", ".join(f"{r}:cuda:{w.device_id}" for r, w in self._ranks.items())
+        where = (lambda w: "cpu") if self.backend == "reference" else (lambda w: f"cuda:{w.device_id}")
+        ranks = ", ".join(f"{r}:{where(w)}" for r, w in self._ranks.items())
         return (f"Workspace(backend={self.backend!r}, ranks=[{ranks}] of {self.num_ranks}, "
                 f"H={c.hidden}, I={c.intermediate}, E={c.num_experts}, k={c.top_k}, max_tokens={self.max_tokens})")
 
