@@ -1,7 +1,9 @@
 """Train a small MoE layer with mok_rt on a synthetic regression task and print the loss per step.
 
 A fixed "teacher" MoE layer produces the targets; a "student" layer with the same routing starts
-from other random weights and learns them with Adam through mok_rt's forward and backward.
+from other random weights and learns them with Adam through mok_rt's forward and backward.  Every
+step draws a fresh batch of inputs from the same distribution, so the printed loss is the
+student's error on data it has not trained on yet: it falls as the student learns the teacher.
 
     python samples/train_moe.py                      # CUDA + CuPy when a GPU is present
     python samples/train_moe.py --backend reference  # NumPy reference, any machine (default without a GPU)
@@ -67,7 +69,7 @@ def main() -> int:
         return getattr(g.dw_shared if n.startswith("ws_") else g.dw, part)
 
     def batch(step):
-        r = np.random.default_rng(1000 + step % 8)            # a small fixed data set of 8 batches
+        r = np.random.default_rng(1000 + step)                # a fresh batch every step
         x = xp.asarray(r.standard_normal((T, H)).astype(np.float32))
         logits = x @ router
         ids = xp.argsort(-logits, axis=1)[:, :k].astype(np.int32)
@@ -80,6 +82,7 @@ def main() -> int:
 
     group = mok.SingleProcessGroup(devices=[0]) if backend == "cuda" else None
     adam = {n: (xp.zeros_like(v), xp.zeros_like(v)) for n, v in student.items()}
+    losses = []
     with mok.Workspace(cfg, group, max_tokens=T, backend=backend) as ws:
         for step in range(args.steps):
             t0 = time.perf_counter()
@@ -102,7 +105,10 @@ def main() -> int:
                 v *= b2; v += (1 - b2) * grad * grad
                 mh, vh = m / (1 - b1 ** (step + 1)), v / (1 - b2 ** (step + 1))
                 student[n] -= args.lr * mh / (xp.sqrt(vh) + eps)
+            losses.append(loss)
             print(f"step {step:3d}  loss {loss:.6f}  ({(time.perf_counter() - t0) * 1e3:.1f} ms)", flush=True)
+    if losses:
+        print(f"done: loss {losses[0]:.4g} -> {losses[-1]:.4g} over {len(losses)} steps (backend={backend})")
     return 0
 
 

@@ -1,9 +1,13 @@
-"""Shared pytest configuration: GPU markers skip cleanly where there is no GPU."""
+"""Shared pytest configuration: GPU markers skip cleanly where there is no GPU (or fail, with
+MOK_RT_REQUIRE_GPU=1), and the run ends with one line on how many GPU tests ran."""
 from __future__ import annotations
 
+import collections
 import os
 
 import pytest
+
+from _gpu import CUPY_MISSING, REQUIRE_ENV, require_gpu, skip_or_fail
 
 # Never let anything a test starts create NVLink multicast objects on shared machines.
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -24,11 +28,71 @@ def _gpu_count() -> int:
 GPU_COUNT = _gpu_count()
 
 
-def pytest_collection_modifyitems(config, items):
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
-    skip_multi = pytest.mark.skip(reason="needs two or more CUDA GPUs")
-    for item in items:
-        if "multigpu" in item.keywords and GPU_COUNT < 2:
-            item.add_marker(skip_multi)
-        elif "gpu" in item.keywords and GPU_COUNT < 1:
-            item.add_marker(skip_gpu)
+NO_GPU = "needs a CUDA GPU (none found)"
+FEW_GPUS = f"needs two or more CUDA GPUs (found {GPU_COUNT})"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    # At setup rather than as collection-time skip marks, so MOK_RT_REQUIRE_GPU=1 can fail them.
+    if "multigpu" in item.keywords and GPU_COUNT < 2:
+        skip_or_fail(FEW_GPUS)
+    elif "gpu" in item.keywords and GPU_COUNT < 1:
+        skip_or_fail(NO_GPU)
+
+
+def _kind(report) -> str | None:
+    if "multigpu" in report.keywords:
+        return "multi-GPU"
+    if "gpu" in report.keywords:
+        return "GPU"
+    return None
+
+
+def _reason(report) -> str:
+    longrepr = report.longrepr
+    text = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    for known, short in ((NO_GPU, "no GPU found"), (FEW_GPUS, "fewer than 2 GPUs"),
+                         (CUPY_MISSING, "CuPy missing")):
+        if known in text:
+            return short
+    return "other: " + text.removeprefix("Skipped: ").strip().splitlines()[-1][:80]
+
+
+def _why(reasons: collections.Counter) -> str:
+    if len(reasons) == 1:
+        return f" ({next(iter(reasons))})"
+    top = ", ".join(f"{n} {r}" for r, n in reasons.most_common(3))
+    more = f", {len(reasons) - 3} more reason(s)" if len(reasons) > 3 else ""
+    return f" ({top}{more})" if reasons else ""
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """One line: how many GPU / multi-GPU tests ran, were skipped or could not run, and why."""
+    ran = collections.Counter()
+    skipped = {"GPU": collections.Counter(), "multi-GPU": collections.Counter()}
+    blocked = {"GPU": collections.Counter(), "multi-GPU": collections.Counter()}
+    for outcome, reports in terminalreporter.stats.items():
+        for report in reports:
+            kind = _kind(report) if hasattr(report, "keywords") else None
+            if kind is None:
+                continue
+            if outcome == "skipped":
+                skipped[kind][_reason(report)] += 1
+                continue
+            if outcome in ("error", "failed"):
+                reason = _reason(report)
+                if not reason.startswith("other"):  # failed instead of skipping (MOK_RT_REQUIRE_GPU)
+                    blocked[kind][reason] += 1
+                    continue
+            if report.when == "call":
+                ran[kind] += 1
+    parts = []
+    for kind in ("GPU", "multi-GPU"):
+        part = f"{kind} tests: {ran[kind]} ran, {sum(skipped[kind].values())} skipped"
+        part += _why(skipped[kind])
+        if blocked[kind]:
+            part += f", {sum(blocked[kind].values())} failed to run{_why(blocked[kind])}"
+        parts.append(part)
+    note = f" [{REQUIRE_ENV}=1]" if require_gpu() else ""
+    terminalreporter.write_line("; ".join(parts) + note)

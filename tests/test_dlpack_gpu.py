@@ -14,7 +14,7 @@ from mok_rt.interop.dlpack import check, from_dlpack
 from mok_rt.interop.tensor import Tensor
 
 pytestmark = pytest.mark.gpu
-cp = pytest.importorskip("cupy")
+from _gpu import cp  # noqa: E402  (CuPy is imported when a test first uses it)
 
 rng = np.random.default_rng()
 SPIN_NS = 300_000_000  # 0.3 s: far longer than anything else a test enqueues

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 pytestmark = pytest.mark.gpu
-cp = pytest.importorskip("cupy")
+from _gpu import cp  # noqa: E402  (CuPy is imported when a test first uses it)
 
 import mok_rt as mok  # noqa: E402
 from mpi_ep_check import (CASES, compare, config, digest, enqueue, experts, forward, rank_inputs,  # noqa: E402

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 pytestmark = pytest.mark.gpu
-cp = pytest.importorskip("cupy")
+from _gpu import cp  # noqa: E402  (CuPy is imported when a test first uses it)
 
 from mok_rt.runtime import tensormap as tm  # noqa: E402
 from mok_rt.runtime.cubins import get_kernel  # noqa: E402

@@ -50,7 +50,8 @@ def torch():
 
 @pytest.fixture(scope="module")
 def cp():
-    return pytest.importorskip("cupy")
+    from _gpu import need_cupy
+    return need_cupy()
 
 
 @pytest.fixture(scope="module")

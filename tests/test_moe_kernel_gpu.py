@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 pytestmark = pytest.mark.gpu
-cp = pytest.importorskip("cupy")
+from _gpu import cp  # noqa: E402  (CuPy is imported when a test first uses it)
 
 from mok_rt import reference  # noqa: E402
 from mok_rt.kernels.moe_launch import (BackwardBuffers, ForwardBuffers, KernelKnobs, LayerDims,  # noqa: E402

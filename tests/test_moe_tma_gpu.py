@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 pytestmark = pytest.mark.gpu
-cp = pytest.importorskip("cupy")
+from _gpu import cp  # noqa: E402  (CuPy is imported when a test first uses it)
 
 from mok_rt.kernels.moe_launch import KernelKnobs  # noqa: E402
 from test_moe_kernel_gpu import (CASES, TOL, Problem, _assert_bitwise_equal, _check_backward,  # noqa: E402

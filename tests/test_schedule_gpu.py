@@ -6,7 +6,7 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-cp = pytest.importorskip("cupy")
+from _gpu import cp  # noqa: E402  (CuPy is imported when a test first uses it)
 
 from mok_rt.kernels import schedule as routing  # noqa: E402
 from mok_rt.errors import CapacityError, ExpertIdError  # noqa: E402

@@ -224,7 +224,8 @@ def test_blocks_export_through_dlpack():
         mine.copy_from_numpy(data, stream=stream)
         stream.sync()
         np.testing.assert_array_equal(seen_by_1.to_numpy(stream=stream), data)
-        cupy = pytest.importorskip("cupy")
+        from _gpu import need_cupy
+        cupy = need_cupy()
         with cupy.cuda.Device(0):
             arr = cupy.from_dlpack(heap.as_tensor(1, "float32", (64, 32)))
             arr[...] = cupy.asarray(data) * 2

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 pytestmark = pytest.mark.gpu
-cp = pytest.importorskip("cupy")
+from _gpu import cp  # noqa: E402  (CuPy is imported when a test first uses it)
 
 import mok_rt as mok  # noqa: E402
 from mok_rt.kernels import moe_launch as L  # noqa: E402

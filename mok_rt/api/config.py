@@ -9,6 +9,7 @@ from mok_rt.errors import ArgumentError
 __all__ = ["MoEConfig"]
 
 _ALIGN = 64  # hidden / intermediate sizes must be multiples of the GEMM's K and N granule
+MAX_TOP_K = 8  # routes per token the layer supports (the README promises top-k 1-8)
 
 
 def _positive_int(name: str, v) -> int:
@@ -64,8 +65,9 @@ class MoEConfig:
         if isinstance(si, bool) or not isinstance(si, int) or si < 0 or si % _ALIGN:
             raise ArgumentError("shared_intermediate", f"expected 0 (no shared expert) or a positive multiple "
                                                        f"of {_ALIGN}, got {si!r}")
-        if self.top_k > 32:
-            raise ArgumentError("top_k", f"at most 32 routes per token are supported, got {self.top_k}")
+        if not 1 <= self.top_k <= min(MAX_TOP_K, self.num_experts):
+            raise ArgumentError("top_k", f"top_k must be 1..{MAX_TOP_K} and <= num_experts "
+                                         f"({self.num_experts}), got {self.top_k}")
         if self.swiglu_limit is not None:
             lim = self.swiglu_limit
             if isinstance(lim, bool) or not isinstance(lim, (int, float)) or not math.isfinite(lim) or lim <= 0:

@@ -55,7 +55,16 @@ def _f32(ws):
 def _view(ws, obj, name, *, shape, dtype, stream, writable=False):
     if obj is None:
         raise ArgumentError(name, "is required")
-    v = from_dlpack(obj, name=name, stream=stream)
+    try:
+        v = from_dlpack(obj, name=name, stream=stream)
+    except ArgumentError as ex:
+        # A dtype mok_rt has no DType for (uint32, complex ...): say what this argument takes,
+        # not every dtype mok_rt knows.
+        if ex.argument == name and "unsupported" in str(ex) and "dtype" in str(ex):
+            want = " or ".join(d.name for d in dtype)
+            got = getattr(obj, "dtype", None)
+            raise ArgumentError(name, f"expected dtype {want}, got {got if got is not None else ex}") from None
+        raise
     check(v, name=name, dtype=dtype, shape=shape, device=_device(ws))
     if writable and v.readonly:
         raise ArgumentError(name, "is read-only; mok_rt writes the gradient into it")

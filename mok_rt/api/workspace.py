@@ -90,8 +90,10 @@ class Workspace:
     (for tests) fills every result and context buffer with NaN before the kernels write it.
     ``trace=True`` (profiling) records a per-task timeline of every megakernel launch:
     :meth:`take_traces`.  ``strict=True`` makes the reference backend accept exactly what the
-    CUDA backend accepts (bf16 activations and weights); by default it also takes float32 and
-    float64 tensors, to serve as an oracle.
+    CUDA backend accepts (bf16 ``x``, weights and ``d_out``, fp32 ``topk_weights`` and weight
+    gradient buffers, int32/int64 ids) instead of also fp32/fp64; the CUDA backend is always
+    strict.  Errors the device reports (expert id, capacity) are raised by :meth:`synchronize`
+    / :meth:`check` on both backends.
 
     Expert parallelism: creating the workspace is collective (every rank's process must create
     it, with the same config and ``max_tokens``; a mismatch raises :class:`ArgumentError` on
@@ -132,14 +134,14 @@ class Workspace:
         self.group = group
         self.max_tokens = max_tokens
         self.backend = backend
-        # The reference backend as a stand-in for the CUDA one: the same dtypes accepted.
-        self.strict = bool(strict)
         # Testing aid: fill every buffer mok_rt allocates for a result or a context with NaN
         # (0xFF bytes) before the kernels run, so an element they fail to write cannot pass.
         self.poison_outputs = bool(poison_outputs)
         # Profiling aid: every megakernel launch records when each task was grabbed, ready and
         # done, on which SM (32 bytes per task; see take_traces).
         self.trace = bool(trace)
+        # The CUDA backend's dtype contract, on the reference backend too (CUDA: always).
+        self.strict = bool(strict) or backend == "cuda"
         self.num_ranks = len(devices)
         self.experts_per_rank = config.experts_per_rank(self.num_ranks)
         self.capacity_rows = config.capacity_rows(max_tokens=max_tokens, num_ranks=self.num_ranks)
@@ -296,7 +298,8 @@ class Workspace:
 
     def __repr__(self) -> str:
         c = self.config
-        ranks = ", ".join(f"{r}:cuda:{w.device_id}" for r, w in self._ranks.items())
+        where = (lambda w: "cpu") if self.backend == "reference" else (lambda w: f"cuda:{w.device_id}")
+        ranks = ", ".join(f"{r}:{where(w)}" for r, w in self._ranks.items())
         return (f"Workspace(backend={self.backend!r}, ranks=[{ranks}] of {self.num_ranks}, "
                 f"H={c.hidden}, I={c.intermediate}, E={c.num_experts}, k={c.top_k}, max_tokens={self.max_tokens})")
 

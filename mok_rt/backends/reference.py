@@ -2,8 +2,10 @@
 
 Computes in float64 (mok_rt.reference) whatever the input precision; results come back in the
 inputs' precision (out and dx like x, d_topk_weights like topk_weights, weight gradients fp32 or
-fp64 like the caller's buffers).  Checks that the device can only do later (ids in range,
-capacity) raise at once here.
+fp64 like the caller's buffers).  What the device reports through its error word (an expert id
+out of range, capacity) is recorded the same way here and raised by ``ws.synchronize()`` /
+``ws.check()``, not by ``schedule``: code written against the reference then handles errors
+where it must on the GPU.  The calls in between run and produce NaN, as on the device.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from mok_rt.interop.tensor import Tensor, _host_array
 class _RefSchedule:
     def __init__(self, ids: np.ndarray, layout):
         self.ids = ids
-        self.layout = layout
+        self.layout = layout   # None: the schedule failed (the error waits for synchronize)
         self.tokens = ids.shape[0]
 
 
@@ -39,15 +41,22 @@ def _np(view):
 class ReferenceBackend:
     def __init__(self, ws):
         self.ws = ws
+        self._error = None   # the first error since the last synchronize/check, like the device's
 
     def close(self) -> None:
         pass
 
     def synchronize(self) -> None:
-        pass
+        self.check()
 
     def check(self) -> None:
-        pass
+        err, self._error = self._error, None
+        if err is not None:
+            raise err
+
+    def _record(self, err) -> None:
+        if self._error is None:
+            self._error = err
 
     def take_traces(self) -> list:
         return []   # no kernels, no timelines
@@ -58,8 +67,10 @@ class ReferenceBackend:
         bad = np.argwhere((ids < 0) | (ids >= cfg.num_experts))
         if bad.size:
             t, j = (int(v) for v in bad[0])
-            raise ExpertIdError(f"topk_ids[{t}, {j}] = {ids[t, j]} is outside [0, {cfg.num_experts}) "
-                                f"(rank {ws.rank_id}, token {t})", code=1, info=(ws.rank_id, t, int(ids[t, j])))
+            self._record(ExpertIdError(
+                f"topk_ids[{t}, {j}] = {ids[t, j]} is outside [0, {cfg.num_experts}) "
+                f"(rank {ws.rank_id}, token {t})", code=1, info=(ws.rank_id, t, int(ids[t, j]))))
+            return _RefSchedule(ids, None)
         try:
             layout = schedule_ref.schedule_reference([ids], num_experts=cfg.num_experts, num_ranks=ws.num_ranks,
                                                      block_m=cfg.block_m, rank=ws.rank_id,
@@ -68,8 +79,12 @@ class ReferenceBackend:
             if ex.argument != "capacity_rows":
                 raise
             from mok_rt.errors import CapacityError
-            raise CapacityError(str(ex)) from None
+            self._record(CapacityError(str(ex)))
+            return _RefSchedule(ids, None)
         return _RefSchedule(ids, layout)
+
+    def _nan(self, shape, dtype) -> Tensor:
+        return Tensor.from_numpy(np.full(shape, np.nan, dtype=dtype))
 
     def _run_forward(self, sched, args):
         return reference.forward(_np(args.x), sched.ids, _np(args.topk_weights), _np(args.w_gate), _np(args.w_up),
@@ -77,6 +92,8 @@ class ReferenceBackend:
                                  ws_down=_np(args.shared_down), swiglu_limit=self.ws.config.swiglu_limit)
 
     def forward(self, sched, args, *, stream):
+        if sched.layout is None:   # a failed schedule: NaN, the error waits for synchronize
+            return self._nan((sched.tokens, self.ws.config.hidden), args.x.dtype.numpy), None
         out, _ = self._run_forward(sched, args)
         return Tensor.from_numpy(np.ascontiguousarray(out.astype(args.x.dtype.numpy))), None
 
@@ -85,6 +102,8 @@ class ReferenceBackend:
 
     def backward(self, sched, saved, dout_view, args, *, out, accumulate, stream):
         """Gradients by name; ``out``: validated caller buffers by name (None: a new array)."""
+        if sched.layout is None:
+            return self._nan_gradients(sched, args, out)
         _, rctx = self._run_forward(sched, args)
         g = reference.backward(rctx, _np(dout_view))
         x_dtype, tw_dtype = args.x.dtype.numpy, args.topk_weights.dtype.numpy
@@ -102,4 +121,24 @@ class ReferenceBackend:
             else:
                 arr[...] = val
             result[name] = view
+        return result
+
+    def _nan_gradients(self, sched, args, out) -> dict:
+        """What a backward on a failed schedule leaves: NaN everywhere (the error is pending)."""
+        cfg, ws = self.ws.config, self.ws
+        T, H, I, El = sched.tokens, cfg.hidden, cfg.intermediate, ws.experts_per_rank
+        shapes = {"dw_gate": (El, I, H), "dw_up": (El, I, H), "dw_down": (El, H, I)}
+        if cfg.has_shared:
+            Is = cfg.shared_intermediate
+            shapes.update(dws_gate=(Is, H), dws_up=(Is, H), dws_down=(H, Is))
+        result = {"dx": self._nan((T, H), args.x.dtype.numpy),
+                  "d_topk_weights": self._nan((T, cfg.top_k), args.topk_weights.dtype.numpy)}
+        for name in ("dw_gate", "dw_up", "dw_down", "dws_gate", "dws_up", "dws_down"):
+            if name not in shapes:
+                result[name] = None
+            elif out.get(name) is None:
+                result[name] = self._nan(shapes[name], np.float32)
+            else:
+                host_array(out[name])[...] = np.nan
+                result[name] = out[name]
         return result

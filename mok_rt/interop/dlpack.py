@@ -11,11 +11,14 @@ Export: :func:`_export_capsule` builds a (versioned or legacy) capsule for a mok
 capsule keeps its owner alive until the consumer's call to the deleter, or until the capsule
 itself is destroyed unconsumed.
 
-Caveat of a pure-ctypes producer: the deleter and capsule destructor are Python callbacks.  When
-a consumer releases our capsule while it is already raising (e.g. ``numpy.from_dlpack`` refusing
-a dtype), the callback still frees everything, but CPython cannot carry the consumer's pending
-exception through a ctypes callback: it is printed as "Exception ignored" and the consumer then
-fails with a SystemError instead.
+The capsule is NumPy's own (``ndarray.__dlpack__`` of an unsigned-integer carrier array over the
+same bytes, whose base keeps the owner alive), with the DLTensor's device, dtype, data pointer,
+version and flags then set to ours.  So its deleter and capsule destructor are NumPy's C
+functions, which keep a consumer's pending exception intact.  A Python (ctypes) callback cannot:
+when a consumer drops the capsule while it is raising (``numpy.from_dlpack`` refusing bfloat16,
+an expression failing on a consumed array), CPython would report the consumer's exception as
+"Exception ignored" and the consumer would fail with a SystemError.  Only where NumPy cannot make
+the capsule (NumPy < 2.1 asked for a versioned one) are ctypes callbacks used instead.
 """
 from __future__ import annotations
 
@@ -196,6 +199,29 @@ def _fill_dltensor(t: DLTensor, ptr, shape_arr, strides_arr, ndim, dtype: DType,
     t.byte_offset = 0
 
 
+_CARRIER_TYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_CARRIERS: dict[int, weakref.ref] = {}  # id -> carrier arrays of exports not yet released
+
+
+def _carrier(ptr: int, shape, strides, itemsize: int, owner) -> np.ndarray:
+    """An unsigned-integer array over the tensor's bytes whose base keeps ``owner`` alive.
+
+    Nothing reads through it (the pointer may be device memory): it only carries the lifetime.
+    """
+    carrier = np.dtype(_CARRIER_TYPES[itemsize])
+    byte_strides = tuple(s * itemsize for s in strides)
+    if any(n == 0 for n in shape) or not ptr:
+        buf = (ctypes.c_char * 1)()
+        offset = 0
+    else:
+        lo = sum((n - 1) * s for n, s in zip(shape, strides) if s < 0)
+        hi = sum((n - 1) * s for n, s in zip(shape, strides) if s > 0)
+        buf = (ctypes.c_char * ((hi - lo + 1) * itemsize)).from_address(ptr + lo * itemsize)
+        offset = -lo * itemsize
+    buf._mok_keepalive = owner
+    return np.ndarray(shape, carrier, buffer=buf, offset=offset, strides=byte_strides)
+
+
 def _export_capsule(*, ptr: int, shape, strides, dtype: DType, device: tuple[int, int],
                     owner, versioned: bool, version: tuple[int, int] = DLPACK_VERSION,
                     readonly: bool = False, copied: bool = False):
@@ -203,6 +229,41 @@ def _export_capsule(*, ptr: int, shape, strides, dtype: DType, device: tuple[int
 
     ``device`` is the DLPack ``(device_type, device_id)``; ``strides`` are in elements.
     """
+    kwargs = dict(ptr=ptr, shape=shape, strides=strides, dtype=dtype, device=device,
+                  owner=owner, versioned=versioned, version=version, readonly=readonly,
+                  copied=copied)
+    if dtype.itemsize not in _CARRIER_TYPES:
+        return _export_capsule_ctypes(**kwargs)
+    arr = _carrier(ptr, shape, strides, dtype.itemsize, owner)
+    try:
+        cap = arr.__dlpack__(max_version=(1, 0)) if versioned else arr.__dlpack__()
+    except TypeError:  # NumPy < 2.1: no versioned capsules
+        return _export_capsule_ctypes(**kwargs)
+    name = _NAME_V if versioned else _NAME_LEGACY
+    if not _PyCapsule_IsValid(cap, name):
+        return _export_capsule_ctypes(**kwargs)
+    addr = _PyCapsule_GetPointer(cap, name)
+    if versioned:
+        managed = DLManagedTensorVersioned.from_address(addr)
+        managed.version = DLPackVersion(*version)
+        managed.flags = ((DLPACK_FLAG_BITMASK_READ_ONLY if readonly else 0)
+                         | (DLPACK_FLAG_BITMASK_IS_COPIED if copied else 0))
+    else:
+        managed = DLManagedTensor.from_address(addr)
+    t = managed.dl_tensor
+    t.data = ptr or None
+    t.byte_offset = 0
+    t.device = DLDevice(device[0], device[1])
+    t.dtype = DLDataType(dtype.code, dtype.bits, dtype.lanes)
+    key = id(arr)
+    _CARRIERS[key] = weakref.ref(arr, lambda _, key=key: _CARRIERS.pop(key, None))
+    return cap
+
+
+def _export_capsule_ctypes(*, ptr: int, shape, strides, dtype: DType, device: tuple[int, int],
+                    owner, versioned: bool, version: tuple[int, int] = DLPACK_VERSION,
+                    readonly: bool = False, copied: bool = False):
+    """:func:`_export_capsule` with ctypes callbacks as deleter and capsule destructor."""
     ndim = len(shape)
     shape_arr = (ctypes.c_int64 * max(ndim, 1))(*shape)
     strides_arr = (ctypes.c_int64 * max(ndim, 1))(*strides)
@@ -229,7 +290,7 @@ def _export_capsule(*, ptr: int, shape, strides, dtype: DType, device: tuple[int
 
 def _live_exports() -> int:
     """Number of exported tensors not yet released (for leak tests)."""
-    return len(_EXPORTS)
+    return len(_EXPORTS) + len(_CARRIERS)
 
 
 # --------------------------------------------------------------------------- import side

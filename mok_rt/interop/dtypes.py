@@ -57,6 +57,32 @@ class DType:
     def is_floating(self) -> bool:
         return self.code in _FLOAT_CODES
 
+    @property
+    def dtype(self) -> np.dtype:
+        """The host NumPy dtype; lets NumPy take a DType wherever it takes a dtype
+        (``np.dtype(mok_rt.bfloat16)``, ``np.zeros(3, mok_rt.float32)``)."""
+        return self.numpy
+
+    def __eq__(self, other) -> bool:
+        """Equal to the same element type spelled any way: a DType, a NumPy dtype or scalar
+        type (``np.float32``, ``np.dtype("float32")``, ``ml_dtypes.bfloat16``) or a name."""
+        if isinstance(other, DType):
+            return self.name == other.name
+        if isinstance(other, str):
+            found = _BY_NAME.get(other)
+            if found is not None:
+                return found.name == self.name
+        elif other is None or isinstance(other, (bool, int, float)):
+            return False  # np.dtype(None) is float64; never equal to "no dtype"
+        try:
+            return np.dtype(other) == self.numpy
+        except (TypeError, ValueError):
+            return NotImplemented
+
+    def __hash__(self) -> int:
+        # As the NumPy dtype's, so a DType and its np.dtype share dict/set entries.
+        return hash(self.numpy)
+
     def __str__(self) -> str:
         return self.name
 

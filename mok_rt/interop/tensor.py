@@ -299,6 +299,23 @@ class Tensor:
             device=source.__dlpack_device__(), owner=source, versioned=versioned,
             version=version, readonly=source._readonly, copied=bool(copy))
 
+    def __array__(self, dtype=None, copy=None):
+        """``np.asarray(t)``: a host tensor's array itself (bfloat16 as ``ml_dtypes.bfloat16``),
+        converted or copied only as ``dtype`` / ``copy`` ask (NumPy 2 protocol).  A device
+        tensor raises: NumPy cannot read device memory, and a hidden device-to-host copy would
+        need a stream; ``to_numpy()`` makes that copy explicitly."""
+        if self._device_id is not None:
+            raise TypeError(f"{self!r} is in GPU memory, which NumPy cannot read; use "
+                            f".to_numpy() for a host copy (or cupy/torch.from_dlpack to stay "
+                            f"on the device)")
+        arr = self._array
+        if dtype is not None and np.dtype(dtype) != arr.dtype:
+            if copy is False:
+                raise ValueError(f"converting {self._dtype.name} to {np.dtype(dtype)} needs a "
+                                 f"copy, but copy=False")
+            return arr.astype(dtype)
+        return arr.copy() if copy else arr
+
     def _copy(self) -> "Tensor":
         if self._device_id is None:
             return Tensor.from_numpy(np.array(self._array, copy=True))
