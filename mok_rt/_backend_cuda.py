@@ -49,21 +49,20 @@ class CudaBackend:
         self.device_id = ws.device_id
         activate(self.device_id)
         max_ctas = None
-        engine = L.resolve_engine(cfg.gemm_engine)
         if ep is None:
             self.error = ErrorWord(self.device_id)
         else:
             self.error = ep.error   # the heap's, one per local rank
             from .routing import prepare
             prepare(self.device_id, cfg.num_experts)
-            L.prepare(self.device_id, engine=engine)
+            L.prepare(self.device_id)
             share = ep.shared.ranks_sharing_gpu(ep.rank)
             if share > 1:
                 # Ranks sharing a GPU split its SMs, so that all their persistent grids are resident
                 # at once (a rank waiting for a peer that cannot start would only time out).
                 max_ctas = max(1, multiprocessor_count(self.device_id) * cfg.ctas_per_sm // share)
         self.knobs = L.KernelKnobs(ctas_per_sm=cfg.ctas_per_sm, max_ctas=max_ctas,
-                                   timeout_ns=int(cfg.timeout_s * 1e9), engine=engine)
+                                   timeout_ns=int(cfg.timeout_s * 1e9))
         self._streams: dict[int, object] = {}   # streams with mok_rt work since the last synchronize
         # Workspace(trace=True): (kind, phases, records) of the latest launches not yet taken.
         self._traces: collections.deque[tuple[str, tuple, Tensor]] = collections.deque(maxlen=_MAX_PENDING_TRACES)
@@ -126,7 +125,7 @@ class CudaBackend:
         self._sync_streams()
         rank = 0 if self.ep is None else self.ep.rank
         out = [_trace.LaunchTrace.decode(buf.to_numpy().view(np.uint64)[:4 * sum(c for _, c in phases)],
-                                         kind=kind, engine=self.knobs.engine, phases=phases, rank=rank,
+                                         kind=kind, phases=phases, rank=rank,
                                          device_id=self.device_id)
                for kind, phases, buf in self._traces]
         self._traces.clear()   # only once every launch decoded: an error keeps them for another try
@@ -192,8 +191,7 @@ class CudaBackend:
             **{n: bufs[n].ptr for n in ctx_names})
         peers = None if self.ep is None else self.ep.peers(T)
         trace = self._trace_buffer("recompute" if context_only else "forward", L.forward_phases(
-            dims, context_only=context_only, push_tasks=0 if peers is None else peers.push_tasks,
-            engine=self.knobs.engine), stream)
+            dims, context_only=context_only, push_tasks=0 if peers is None else peers.push_tasks), stream)
         L.launch_forward(fb, self._sched_bufs(sched), dims, stream=stream, err_ptr=self.error.device_ptr,
                          device_id=self.device_id, knobs=self.knobs, context_only=context_only, peers=peers,
                          trace_ptr=trace)
@@ -265,7 +263,7 @@ class CudaBackend:
             bb = L.BackwardBuffers(**{**bb.__dict__, "sgu": 0, "sact": 0})
         peers = None if self.ep is None else self.ep.peers(T)
         trace = self._trace_buffer("backward", L.backward_phases(
-            dims, push_tasks=0 if peers is None else peers.push_tasks, engine=self.knobs.engine), stream)
+            dims, push_tasks=0 if peers is None else peers.push_tasks), stream)
         L.launch_backward(bb, self._sched_bufs(sched), dims, stream=stream, err_ptr=self.error.device_ptr,
                           device_id=self.device_id, knobs=self.knobs, accumulate=accumulate, peers=peers,
                           trace_ptr=trace)

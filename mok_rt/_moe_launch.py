@@ -1,14 +1,8 @@
 """Launching the fused MoE forward/backward kernels on one GPU, or as one rank of an
 expert-parallel group (``peers=PeerSpec(...)``).
 
-Two GEMM engines, same tasks, counters and buffers (``KernelKnobs.engine``):
-  "tma"   cuda_src/moe/moe_layer_tma.cu: 384 threads, a TMA producer warp + 2 wgmma worker
-          warpgroups, epilogues from registers; needs a tensor map per operand (_moe_maps.py)
-          (the default: 1.2-1.4x faster than "tile" on H200, bench/NOTES.md).
-  "tile"  cuda_src/moe/moe_layer.cu: 256 threads, cp.async into a swizzled ring + wgmma, C staged
-          through shared memory for the epilogues.
-The default is "tma" unless $MOK_RT_GEMM_ENGINE names the other one (how the GPU test suite runs
-against both without changing a test).
+The kernels (cuda_src/moe/moe_layer.cu): 384 threads, a TMA producer warp + 2 wgmma worker
+warpgroups, epilogues from registers; a tensor map per operand view (_moe_maps.py).
 
 The caller (the Workspace) owns every buffer; this module only checks the plain facts it can
 see (sizes, alignment, null pointers), fills the parameter structs, zeroes the dependency
@@ -26,7 +20,6 @@ Typical use::
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, fields
 
 from . import _moe_maps
@@ -37,16 +30,13 @@ from .errors import ArgumentError, MokError
 from .launch import launch, multiprocessor_count, stream_handle
 
 __all__ = [
-    "LayerDims", "ScheduleBuffers", "ForwardBuffers", "BackwardBuffers", "KernelKnobs", "PeerSpec", "ENGINES",
-    "resolve_engine",
+    "LayerDims", "ScheduleBuffers", "ForwardBuffers", "BackwardBuffers", "KernelKnobs", "PeerSpec",
     "forward_buffer_bytes", "backward_buffer_bytes", "forward_phases", "backward_phases", "forward_task_count",
     "backward_task_count",
     "launch_forward", "launch_backward",
 ]
 
 _BF16, _F32, _I32 = 2, 4, 4
-ENGINES = ("tile", "tma")
-ENGINE_ENV = "MOK_RT_GEMM_ENGINE"
 
 
 @dataclass(frozen=True)
@@ -58,29 +48,10 @@ class _Engine:
     smem_bytes: int
     tile_n: int          # dA / dX / down / wgrad tile width
     gate_up_cols: int    # intermediate columns per fused gate|up tile
-    maps: bool           # parameter struct starts with tensor maps
 
 
-_ENGINE_SPECS = {
-    "tile": _Engine("moe_layer", "moe_forward", "moe_backward", P.THREADS, P.SMEM_BYTES, P.TILE_N,
-                    P.GATE_UP_COLS, False),
-    "tma": _Engine("moe_layer_tma", "moe_forward_tma", "moe_backward_tma", P.TMA_THREADS, P.TMA_SMEM_BYTES,
-                   P.TMA_TILE_N, P.TMA_GATE_UP_COLS, True),
-}
-
-
-def _check_engine(name: str, v) -> str:
-    if v not in ENGINES:
-        raise ArgumentError(name, f"expected one of {ENGINES}, got {v!r}")
-    return v
-
-
-def resolve_engine(engine: str | None) -> str:
-    """``engine``, or (None) $MOK_RT_GEMM_ENGINE, or "tma"."""
-    if engine is not None:
-        return _check_engine("engine", engine)
-    env = os.environ.get(ENGINE_ENV)
-    return _check_engine(ENGINE_ENV, env) if env else "tma"
+_ENGINE = _Engine("moe_layer", "moe_forward", "moe_backward", P.THREADS, P.SMEM_BYTES, P.TILE_N,
+                  P.GATE_UP_COLS)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -218,13 +189,11 @@ class BackwardBuffers:
 @dataclass(frozen=True)
 class KernelKnobs:
     """ctas_per_sm: persistent CTAs per SM (None: as many as fit); max_ctas caps the grid;
-    timeout_ns: how long a dependency wait may last before the kernel reports kErrTimeout;
-    engine: "tma" or "tile" (None: $MOK_RT_GEMM_ENGINE, else "tma"; see the module doc)."""
+    timeout_ns: how long a dependency wait may last before the kernel reports kErrTimeout."""
 
     ctas_per_sm: int | None = None
     max_ctas: int | None = None
     timeout_ns: int = 10_000_000_000
-    engine: str | None = None
 
     def __post_init__(self):
         if self.ctas_per_sm is not None:
@@ -232,8 +201,6 @@ class KernelKnobs:
         if self.max_ctas is not None:
             _int("max_ctas", self.max_ctas, minimum=1)
         _int("timeout_ns", self.timeout_ns, minimum=1)
-        if self.engine is not None:
-            _check_engine("engine", self.engine)
 
 
 @dataclass(frozen=True)
@@ -344,12 +311,11 @@ def backward_buffer_bytes(dims: LayerDims) -> dict[str, int]:
     }
 
 
-def forward_phases(dims: LayerDims, *, context_only: bool = False, push_tasks: int = 0,
-                   engine: str = "tile") -> tuple[tuple[str, int], ...]:
+def forward_phases(dims: LayerDims, *, context_only: bool = False, push_tasks: int = 0) -> tuple[tuple[str, int], ...]:
     """The forward's task index space as (phase, task count) in plan order: the mirror of
     ForwardPlan::make (forward_tasks.cuh) with the engine's tile widths; ``push_tasks`` > 0 with
     expert parallelism.  Task t belongs to the phase whose range holds t (trace labels)."""
-    d, eng = dims, _ENGINE_SPECS[_check_engine("engine", engine)]
+    d, eng = dims, _ENGINE
     tb, mb, h_tiles = d.token_blocks, d.max_blocks, _ceil_div(d.hidden, eng.tile_n)
     gu, sgu = _ceil_div(d.intermediate, eng.gate_up_cols), _ceil_div(d.shared_intermediate, eng.gate_up_cols)
     shared = d.shared_intermediate > 0
@@ -362,9 +328,9 @@ def forward_phases(dims: LayerDims, *, context_only: bool = False, push_tasks: i
                          ("combine", 0 if context_only and not ep else tb * P.combine_parts(tb))])
 
 
-def backward_phases(dims: LayerDims, *, push_tasks: int = 0, engine: str = "tile") -> tuple[tuple[str, int], ...]:
+def backward_phases(dims: LayerDims, *, push_tasks: int = 0) -> tuple[tuple[str, int], ...]:
     """The backward's task index space as (phase, task count): mirror of BackwardPlan::make."""
-    d, eng = dims, _ENGINE_SPECS[_check_engine("engine", engine)]
+    d, eng = dims, _ENGINE
     tb, mb = d.token_blocks, d.max_blocks
     i_t, si_t, h_t = (_ceil_div(v, eng.tile_n) for v in (d.intermediate, d.shared_intermediate, d.hidden))
     i_r, si_r, h_r = (_ceil_div(v, P.BLOCK_M) for v in (d.intermediate, d.shared_intermediate, d.hidden))
@@ -381,15 +347,14 @@ def backward_phases(dims: LayerDims, *, push_tasks: int = 0, engine: str = "tile
                          ("combine", tb * P.combine_parts(tb))])
 
 
-def forward_task_count(dims: LayerDims, *, context_only: bool = False, push_tasks: int = 0,
-                       engine: str = "tile") -> int:
+def forward_task_count(dims: LayerDims, *, context_only: bool = False, push_tasks: int = 0) -> int:
     """Size of the forward task index space (see forward_phases)."""
-    return sum(n for _, n in forward_phases(dims, context_only=context_only, push_tasks=push_tasks, engine=engine))
+    return sum(n for _, n in forward_phases(dims, context_only=context_only, push_tasks=push_tasks))
 
 
-def backward_task_count(dims: LayerDims, *, push_tasks: int = 0, engine: str = "tile") -> int:
+def backward_task_count(dims: LayerDims, *, push_tasks: int = 0) -> int:
     """Size of the backward task index space (see backward_phases)."""
-    return sum(n for _, n in backward_phases(dims, push_tasks=push_tasks, engine=engine))
+    return sum(n for _, n in backward_phases(dims, push_tasks=push_tasks))
 
 
 # ---- launching --------------------------------------------------------------------------------
@@ -483,15 +448,13 @@ def _check_launch(bufs, sched: ScheduleBuffers, dims: LayerDims, peers: PeerSpec
 
 def _launch_megakernel(p, bufs, dims: LayerDims, eng: _Engine, *, backward: bool, num_tasks: int, trace_ptr: int,
                        counter_words: int, stream, device_id: int, knobs: KernelKnobs) -> None:
-    """The common tail of both launches: trace size, the TMA engine's tensor maps, the memset of
+    """The common tail of both launches: trace size, the tensor maps, the memset of
     the dependency counters (they start every launch at zero), then the launch unless there is
     no task (a forward with T = 0; a backward always has weight-gradient tasks)."""
     p.trace_tasks = num_tasks if trace_ptr else 0
-    params = p
-    if eng.maps:
-        params = P.MoEBackwardTmaParams() if backward else P.MoEForwardTmaParams()
-        params.p = p
-        _moe_maps.encode_maps(_moe_maps.map_specs(bufs, dims, backward=backward), params.maps)
+    params = P.MoEBackwardTmaParams() if backward else P.MoEForwardTmaParams()
+    params.p = p
+    _moe_maps.encode_maps(_moe_maps.map_specs(bufs, dims, backward=backward), params.maps)
     _zero_counters(bufs.counters, counter_words, stream)
     if num_tasks == 0:
         return
@@ -532,8 +495,7 @@ def launch_forward(bufs: ForwardBuffers, sched: ScheduleBuffers, dims: LayerDims
     cnt = _carve(bufs.counters, [("task_next", 1), ("down_done", 1), ("block_ready", d.max_blocks),
                                  ("block_act_ready", d.max_blocks), ("token_sact_ready", d.token_blocks),
                                  ("token_shared_done", d.token_blocks), ("push_done", 1), ("ctas_done", 1)])
-    engine = resolve_engine(knobs.engine)
-    eng = _ENGINE_SPECS[engine]
+    eng = _ENGINE
     p = P.MoEForwardParams()
     p.sched = _schedule_struct(sched)
     _fill(p.w, {n: getattr(bufs, n) for n in ("w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down")})
@@ -547,7 +509,7 @@ def launch_forward(bufs: ForwardBuffers, sched: ScheduleBuffers, dims: LayerDims
     p.peers = _no_peers() if peers is None else peers._struct()
 
     num_tasks = forward_task_count(d, context_only=bool(context_only),
-                                   push_tasks=0 if peers is None else peers.push_tasks, engine=engine)
+                                   push_tasks=0 if peers is None else peers.push_tasks)
     _launch_megakernel(p, bufs, d, eng, backward=False, num_tasks=num_tasks, trace_ptr=trace_ptr,
                        counter_words=_forward_counter_words(d), stream=stream, device_id=device_id, knobs=knobs)
 
@@ -569,8 +531,7 @@ def launch_backward(bufs: BackwardBuffers, sched: ScheduleBuffers, dims: LayerDi
                                  ("expert_dy_ready", d.local_experts), ("expert_dgu_ready", d.local_experts),
                                  ("token_dsgu_ready", d.token_blocks), ("token_dxs_ready", d.token_blocks),
                                  ("push_done", 1), ("ctas_done", 1)])
-    engine = resolve_engine(knobs.engine)
-    eng = _ENGINE_SPECS[engine]
+    eng = _ENGINE
     p = P.MoEBackwardParams()
     p.sched = _schedule_struct(sched)
     _fill(p.w, {n: getattr(bufs, n) for n in ("w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down")})
@@ -586,18 +547,18 @@ def launch_backward(bufs: BackwardBuffers, sched: ScheduleBuffers, dims: LayerDi
     p.accumulate = int(bool(accumulate))
     p.peers = _no_peers() if peers is None else peers._struct()
 
-    num_tasks = backward_task_count(d, push_tasks=0 if peers is None else peers.push_tasks, engine=engine)
+    num_tasks = backward_task_count(d, push_tasks=0 if peers is None else peers.push_tasks)
     _launch_megakernel(p, bufs, d, eng, backward=True, num_tasks=num_tasks, trace_ptr=trace_ptr,
                        counter_words=_backward_counter_words(d), stream=stream, device_id=device_id, knobs=knobs)
 
 
-def prepare(device_id: int, *, engine: str | None = None) -> None:
-    """Load both megakernels of the engine on ``device_id`` and set their launch attributes now.
+def prepare(device_id: int) -> None:
+    """Load both megakernels on ``device_id`` and set their launch attributes now.
     Expert parallelism needs this before the first launch: loading a module or changing a
     kernel's attributes may wait for the device's running kernels, and a rank's kernel may
     already be spinning for a peer whose launch would then wait behind it."""
     from .launch import _ensure_shared_memory
-    eng = _ENGINE_SPECS[resolve_engine(engine)]
+    eng = _ENGINE
     for name in (eng.forward, eng.backward):
         kernel = get_kernel(eng.cubin, name, device_id)
         _ctas_that_fit(kernel, device_id, eng)

@@ -20,7 +20,7 @@ from ._tensormap import Major, TensorMapSpec, encode, gemm_operand
 __all__ = ["map_specs", "encode_maps"]
 
 _A_ROWS = P.BLOCK_M          # box height of an A operand and of each half of a gate|up B
-_B_ROWS = P.TMA_TILE_N       # box height of a whole K-major B tile
+_B_ROWS = P.TILE_N       # box height of a whole K-major B tile
 
 
 def _view(address: int, major: Major, rows: int, k: int, box_rows: int, groups: int = 1) -> TensorMapSpec | None:

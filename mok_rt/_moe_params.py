@@ -12,31 +12,27 @@ import ctypes
 from ._tensormap import TENSOR_MAP_BYTES, TensorMapBytes
 
 __all__ = [
-    "BLOCK_M", "combine_parts", "THREADS", "TILE_N", "GATE_UP_COLS", "SMEM_BYTES",
-    "TMA_THREADS", "TMA_TILE_N", "TMA_GATE_UP_COLS", "TMA_SMEM_BYTES", "FORWARD_MAP_NAMES", "BACKWARD_MAP_NAMES",
+    "BLOCK_M", "combine_parts", "THREADS", "TILE_N", "GATE_UP_COLS", "SMEM_BYTES", "FORWARD_MAP_NAMES", "BACKWARD_MAP_NAMES",
     "MoEForwardMaps", "MoEBackwardMaps", "MoEForwardTmaParams", "MoEBackwardTmaParams",
     "MoESchedule", "MoEDims", "MoEWeights", "MoEContext", "MoEForwardCounters", "MoEForwardParams",
     "MoEBackwardCounters", "MoEWeightGrads", "MoEBackwardParams", "MoEPeers", "MAX_EP_RANKS", "NUM_PEER_FLAGS",
 ]
 
-# ---- tiling (cuda_src/moe/params.cuh, cuda_src/moe/gemm_tile.cuh) ----------------------------
+# ---- tiling (cuda_src/moe/params.cuh, ws_pipeline.cuh) ------------------------------------------
 BLOCK_M = 128          # rows per row block / token block; the schedule's block_m must equal it
-THREADS = 256          # threads per CTA
-TILE_N = 128           # GEMM tile width
-GATE_UP_COLS = 64      # SwiGLU columns per fused gate|up forward tile
+THREADS = 384          # producer warpgroup + 2 worker warpgroups
+TILE_N = 256           # GEMM tile width (128 x 256 tiles)
+GATE_UP_COLS = 128     # intermediate columns per fused gate|up tile (128 gate + 128 up)
+_BK, _STAGES = 64, 4
+# 4-slot ring of (128 x 64 A + 256 x 64 B) bf16 + 1024 bytes of alignment slack + ring and queue
+# mbarriers + 2 Jobs of 36 bytes (ws_pipeline.cuh asserts it).
+SMEM_BYTES = _STAGES * (BLOCK_M + TILE_N) * _BK * 2 + 1024 + 2 * _STAGES * 8 + 2 * 2 * 8 + 2 * 36
 
 
 def combine_parts(token_blocks: int) -> int:
     """Combine tasks per token block (params.cuh combine_parts): 1 from 128 token blocks, 2 from 64, else 4."""
     return 1 if token_blocks >= 128 else 2 if token_blocks >= 64 else 4
 
-
-# The wgmma engine's ring: 6 slots of a 128x64 A and a 128x64 B bf16 slice (128B-swizzled,
-# 1024-byte aligned: + 1024 bytes of slack); the fp32 C tile reuses it.  gemm_tile.cuh asserts it.
-_BK, _STAGES = 64, 6
-_RING_BYTES = _STAGES * 2 * BLOCK_M * _BK * 2
-_C_BYTES = BLOCK_M * (TILE_N + 8) * 4
-SMEM_BYTES = max(_RING_BYTES + 1024, _C_BYTES)   # dynamic shared memory per CTA (197632)
 
 _ptr = ctypes.c_uint64
 
@@ -153,15 +149,9 @@ assert ctypes.sizeof(MoEBackwardCounters) == 11 * 8
 assert ctypes.sizeof(MoEWeightGrads) == 6 * 8
 assert ctypes.sizeof(MoEBackwardParams) == (8 * 8 + 6 * 8 + 6 * 8 + 11 * 8 + 6 * 8 + 12 * 8 + (8 + 12 * 4) + 8
                                             + _PEERS)
-assert SMEM_BYTES == 197632
+assert SMEM_BYTES == 197800
 
-# ---- the warp-specialised TMA + wgmma kernels (cuda_src/moe/moe_layer_tma.cu, params_tma.cuh) ----
-TMA_THREADS = 384          # producer warpgroup + 2 worker warpgroups
-TMA_TILE_N = 256           # GEMM tile width (128 x 256 tiles)
-TMA_GATE_UP_COLS = 128     # intermediate columns per fused gate|up tile (128 gate + 128 up)
-# 4-slot ring of (128 x 64 A + 256 x 64 B) bf16 + 1024 bytes of alignment slack + ring and queue
-# mbarriers + 2 Jobs of 36 bytes (ws_pipeline.cuh asserts it).
-TMA_SMEM_BYTES = 4 * (BLOCK_M + TMA_TILE_N) * _BK * 2 + 1024 + 2 * 4 * 8 + 2 * 2 * 8 + 2 * 36
+# ---- tensor maps (cuda_src/moe/params_tma.cuh) --------------------------------------------------
 
 FORWARD_MAP_NAMES = ("x_k", "x_routed_k", "sact_k", "act_k", "w_gate_k", "w_up_k", "w_down_k", "ws_gate_k",
                      "ws_up_k", "ws_down_k")
@@ -200,4 +190,3 @@ assert ctypes.sizeof(MoEForwardMaps) == 10 * TENSOR_MAP_BYTES
 assert ctypes.sizeof(MoEBackwardMaps) == 18 * TENSOR_MAP_BYTES
 assert ctypes.sizeof(MoEForwardTmaParams) == 2240
 assert ctypes.sizeof(MoEBackwardTmaParams) == 3392
-assert TMA_SMEM_BYTES == 197800

@@ -8,7 +8,6 @@ from .errors import ArgumentError
 
 __all__ = ["MoEConfig"]
 
-_ENGINES = ("tile", "tma")  # mok_rt._moe_launch.ENGINES (kept import-free: config loads without cuda)
 _ALIGN = 64  # hidden / intermediate sizes must be multiples of the GEMM's K and N granule
 
 
@@ -39,9 +38,6 @@ class MoEConfig:
                     reports a timeout (the error names what was missing).
       capacity_factor  None: every rank can hold the worst case (all routed rows of all ranks);
                     a float f: each rank holds f × (average rows per rank) rows, rounded up.
-      gemm_engine   the CUDA kernels' GEMM engine: "tma" (TMA producer warp + 2 wgmma
-                    warpgroups, register epilogues) or "tile" (cp.async + wgmma, 256 threads);
-                    None: $MOK_RT_GEMM_ENGINE, else "tma".  Same results within rounding.
     """
 
     hidden: int
@@ -55,7 +51,6 @@ class MoEConfig:
     comm_sms: int = 32
     timeout_s: float = 10.0
     capacity_factor: float | None = None
-    gemm_engine: str | None = None
 
     def __post_init__(self):
         for name in ("hidden", "intermediate", "num_experts", "top_k"):
@@ -84,8 +79,6 @@ class MoEConfig:
         t = self.timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or not 0 < t <= 3600:
             raise ArgumentError("timeout_s", f"expected seconds in (0, 3600], got {t!r}")
-        if self.gemm_engine is not None and self.gemm_engine not in _ENGINES:
-            raise ArgumentError("gemm_engine", f"expected None or one of {_ENGINES}, got {self.gemm_engine!r}")
         cf = self.capacity_factor
         if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not cf > 0):
             raise ArgumentError("capacity_factor", f"expected None or a positive float, got {cf!r}")

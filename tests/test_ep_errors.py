@@ -109,9 +109,9 @@ def _read(*parts):
         return f.read()
 
 
-@pytest.mark.parametrize("name", ["forward_tasks.cuh", "backward_tasks.cuh", "tma_forward.cuh", "tma_backward.cuh"])
+@pytest.mark.parametrize("name", ["tma_forward.cuh", "tma_backward.cuh"])
 def test_peer_waits_use_the_peer_deadline_and_local_waits_the_longer_one(name):
-    # Both engines: the one-engine kernel's CTA-wide waits and the TMA producer's one-thread waits.
+    # The producer's one-thread waits.
     src = _read("moe", name)
     peer_waits = re.findall(r"ep::wait_all(?:_thread)?\(([^;]*)\)", src)
     assert len(peer_waits) == 2

@@ -1,5 +1,5 @@
 """Host side of the warp-specialised TMA + wgmma kernels (no GPU): parameter-struct layout, the
-tensor-map specs every operand view gets, the engine knob, and the task counts per engine."""
+tensor-map specs every operand view gets, and the task counts."""
 from __future__ import annotations
 
 import ctypes
@@ -48,7 +48,7 @@ def test_parameter_structs_mirror_params_tma():
         assert [f[0] for f in cls._fields_] == list(names)
         for i, n in enumerate(names):
             assert getattr(cls, n).offset == 128 * i   # each map 64-byte aligned
-    assert P.TMA_SMEM_BYTES == 197800 and P.TMA_THREADS == 384
+    assert P.SMEM_BYTES == 197800 and P.THREADS == 384
 
 
 def test_forward_map_specs():
@@ -94,37 +94,17 @@ def test_encode_maps_writes_zeros_for_unused_views():
     assert bytes(maps) == bytes(ctypes.sizeof(maps))
 
 
-def test_engine_knob(monkeypatch):
-    monkeypatch.delenv(L.ENGINE_ENV, raising=False)
-    assert L.resolve_engine(None) == "tma"
-    assert L.resolve_engine("tile") == "tile"
-    monkeypatch.setenv(L.ENGINE_ENV, "tile")
-    assert L.resolve_engine(None) == "tile" and L.resolve_engine("tma") == "tma"
-    monkeypatch.setenv(L.ENGINE_ENV, "fast")
-    with pytest.raises(ArgumentError, match=L.ENGINE_ENV):
-        L.resolve_engine(None)
-    with pytest.raises(ArgumentError, match="engine"):
-        L.KernelKnobs(engine="mma")
-    with pytest.raises(ArgumentError, match="gemm_engine"):
-        mok.MoEConfig(hidden=64, intermediate=64, num_experts=2, top_k=1, gemm_engine="wgmma")
-    assert mok.MoEConfig(hidden=64, intermediate=64, num_experts=2, top_k=1, gemm_engine="tma").gemm_engine == "tma"
-
-
-def test_task_counts_per_engine():
+def test_task_counts():
     d = L.LayerDims(capacity_rows=16384 * 8 + 128 * 128, **QWEN)
     mb, tb = d.max_blocks, d.token_blocks
     cb = tb * P.combine_parts(tb)  # combine tasks
-    # tile: gate|up tiles of 64 columns, N tiles of 128.
-    assert L.forward_task_count(d) == mb + mb * 12 + mb * 16 + cb
-    # tma: gate|up tiles of 128 columns (768 / 128 = 6), N tiles of 256 (2048 / 256 = 8).
-    assert L.forward_task_count(d, engine="tma") == mb + mb * 6 + mb * 8 + cb
+    # gate|up tiles of 128 columns (768 / 128 = 6), N tiles of 256 (2048 / 256 = 8).
+    assert L.forward_task_count(d) == mb + mb * 6 + mb * 8 + cb
     E = 128
-    assert L.backward_task_count(d, engine="tma") == (mb + tb + mb * 3 + mb * 8 + E * 16 * 3 + E * 2 * 6 * 8 + cb)
+    assert L.backward_task_count(d) == (mb + tb + mb * 3 + mb * 8 + E * 16 * 3 + E * 2 * 6 * 8 + cb)
     # Ragged widths round up: I = 192 -> 2 gate|up tiles, 1 dA tile; H = 320 -> 2 N tiles.
     r = _dims()
     si_t, si_r = 2, 3   # I_s = 320: 256-wide tiles, 128-row tiles
     want = (r.max_blocks + r.token_blocks + r.token_blocks * si_t + r.max_blocks * 1 + r.token_blocks * 2
             + r.max_blocks * 2 + 5 * 3 * 1 + 5 * 2 * 2 * 2 + (3 * si_t + 2 * si_r * 2) + r.token_blocks * P.combine_parts(r.token_blocks))
-    assert L.backward_task_count(r, engine="tma") == want
-    with pytest.raises(ArgumentError, match="engine"):
-        L.forward_task_count(d, engine="mma")
+    assert L.backward_task_count(r) == want

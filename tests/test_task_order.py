@@ -104,11 +104,11 @@ def _ranges(phases):
 def _order(kind, dims, push, grid, sched=None, num_blocks=0):
     """TmaForward::make_order / TmaBackward::make_order on the plan of forward/backward_phases."""
     if kind == "forward":
-        rng, total = _ranges(L.forward_phases(dims, push_tasks=push, engine="tma"))
+        rng, total = _ranges(L.forward_phases(dims, push_tasks=push))
         lead, dispatch, gemm, tiled = rng["shared_gate_up"], rng["dispatch"], rng["routed_gate_up"], rng["routed_down"]
         trail = _Range(dispatch.begin, 0)
     else:
-        rng, total = _ranges(L.backward_phases(dims, push_tasks=push, engine="tma"))
+        rng, total = _ranges(L.backward_phases(dims, push_tasks=push))
         dispatch, gemm, tiled = rng["dispatch"], rng["routed_da"], rng["routed_dx"]
         if push:
             lead = _Range(rng["d_weights"].begin, rng["d_weights"].count + rng["shared_da"].count)

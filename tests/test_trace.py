@@ -23,31 +23,29 @@ def _cdiv(a, b):
     return -(-a // b)
 
 
-@pytest.mark.parametrize("engine", L.ENGINES)
 @pytest.mark.parametrize("Is", [0, 384])
 @pytest.mark.parametrize("push", [0, 8])
 @pytest.mark.parametrize("T", [0, 1, 1000])
-def test_phase_tables_add_up_to_the_plans(engine, Is, push, T):
+def test_phase_tables_add_up_to_the_plans(Is, push, T):
     # The closed forms the kernels' plans compute (forward_tasks.cuh / backward_tasks.cuh).
     d = _dims(T=T, Is=Is)
-    tile_n = P.TMA_TILE_N if engine == "tma" else P.TILE_N
-    gu_cols = P.TMA_GATE_UP_COLS if engine == "tma" else P.GATE_UP_COLS
+    tile_n, gu_cols = P.TILE_N, P.GATE_UP_COLS
     tb, mb, h_t = d.token_blocks, d.max_blocks, _cdiv(d.hidden, tile_n)
     cp = P.combine_parts(tb)  # combine tasks per token block
     gu, sgu = _cdiv(d.intermediate, gu_cols), _cdiv(Is, gu_cols)
     for ctx_only in (False, True):
         want = ((push + 2 if push else 0) + mb + tb * sgu + mb * gu + (tb * h_t if Is and not ctx_only else 0)
                 + mb * h_t + (0 if ctx_only and not push else tb * cp))
-        phases = L.forward_phases(d, context_only=ctx_only, push_tasks=push, engine=engine)
+        phases = L.forward_phases(d, context_only=ctx_only, push_tasks=push)
         assert sum(n for _, n in phases) == want == L.forward_task_count(
-            d, context_only=ctx_only, push_tasks=push, engine=engine)
+            d, context_only=ctx_only, push_tasks=push)
         assert len({n for n, _ in phases}) == len(phases)
     i_t, si_t = _cdiv(d.intermediate, tile_n), _cdiv(Is, tile_n)
     h_r, i_r, si_r = _cdiv(d.hidden, 128), _cdiv(d.intermediate, 128), _cdiv(Is, 128)
     want = ((push + 2 if push else 0) + mb + tb + (tb * si_t if Is else 0) + mb * i_t + (tb * h_t if Is else 0)
             + mb * h_t + d.local_experts * h_r * i_t + d.local_experts * 2 * i_r * h_t
             + (h_r * si_t + 2 * si_r * h_t if Is else 0) + tb * cp)
-    assert sum(n for _, n in L.backward_phases(d, push_tasks=push, engine=engine)) == want
+    assert sum(n for _, n in L.backward_phases(d, push_tasks=push)) == want
 
 
 def test_phase_order_follows_the_plans():
@@ -86,7 +84,7 @@ def test_decode_spans_statistics_and_chrome_events(tmp_path):
                     (base + 1_500, base + 1_500, base + 8_000, 3, 7),
                     (base + 8_000, base + 8_000, base + 10_000, 4, 7),
                     (base + 9_000, base + 9_500, 0, 5, 3)])               # never finished
-    t = LaunchTrace.decode(rec, kind="forward", engine="tma", phases=_PHASES, rank=1, device_id=0)
+    t = LaunchTrace.decode(rec, kind="forward", phases=_PHASES, rank=1, device_id=0)
     assert t.unfinished == 1 and len(t.spans) == 5
     assert [s.task for s in t.spans] == [0, 1, 3, 2, 4]
     assert {s.task: s.phase for s in t.spans} == {0: "dispatch", 1: "dispatch", 2: "routed_gate_up",
@@ -116,12 +114,12 @@ def test_decode_spans_statistics_and_chrome_events(tmp_path):
 
 def test_decode_rejects_records_that_do_not_fit_the_plan():
     with pytest.raises(ValueError, match="records for a plan of 6"):
-        LaunchTrace.decode(np.zeros((5, 4), np.uint64), kind="forward", engine="tile", phases=_PHASES)
+        LaunchTrace.decode(np.zeros((5, 4), np.uint64), kind="forward", phases=_PHASES)
     bad = np.zeros((6, 4), np.uint64)
     bad[0] = (1, 1, 2, (6 << 32) | 0)
     with pytest.raises(ValueError, match="task 6"):
-        LaunchTrace.decode(bad, kind="forward", engine="tile", phases=_PHASES)
-    empty = LaunchTrace.decode(np.zeros((6, 4), np.uint64), kind="backward", engine="tile", phases=_PHASES)
+        LaunchTrace.decode(bad, kind="forward", phases=_PHASES)
+    empty = LaunchTrace.decode(np.zeros((6, 4), np.uint64), kind="backward", phases=_PHASES)
     assert empty.spans == [] and empty.span_us == 0.0 and "0 tasks" in empty.summary()
 
 

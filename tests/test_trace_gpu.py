@@ -1,6 +1,6 @@
 """Per-task timelines on the GPU (Workspace(trace=True)): every task of every launch is recorded
 once, in order (grab <= ready <= end), with its plan phase and SM; tracing changes no result bit;
-both engines and an EP pair of ranks sharing one GPU."""
+and an EP pair of ranks sharing one GPU."""
 from __future__ import annotations
 
 import numpy as np
@@ -26,12 +26,10 @@ def _host(t):
     return t.to_numpy().view(np.uint16)
 
 
-@pytest.mark.parametrize("engine", L.ENGINES)
-def test_every_task_recorded_once_and_results_unchanged(engine):
+def test_every_task_recorded_once_and_results_unchanged():
     h = make_problem(31, T=1000, H=1024, I=512, E=16, k=4, Is=256)
     d = _to_dev(h)
-    cfg = mok.MoEConfig(hidden=1024, intermediate=512, num_experts=16, top_k=4, shared_intermediate=256,
-                        gemm_engine=engine)
+    cfg = mok.MoEConfig(hidden=1024, intermediate=512, num_experts=16, top_k=4, shared_intermediate=256)
     results = {}
     for trace in (False, True):
         with mok.Workspace(cfg, mok.SingleProcessGroup(devices=[0]), max_tokens=1000, trace=trace) as ws:

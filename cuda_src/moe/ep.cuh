@@ -126,12 +126,6 @@ __device__ __forceinline__ bool wait_all_thread(const MoEPeers& pe, int kind, in
   return true;
 }
 
-// The same for the whole CTA (one-engine kernel): thread 0 waits, the barrier broadcasts.
-__device__ __forceinline__ bool wait_all(const MoEPeers& pe, int kind, int earlier, const WaitCtx& w, int stage) {
-  const int ok = threadIdx.x == 0 ? wait_all_thread(pe, kind, earlier, w, stage) : 1;
-  return __syncthreads_and(ok) != 0;
-}
-
 // Push this rank's token rows [t0, t1) of push task `task` to the routed buffers of their
 // destinations: route (t, j) goes to rank route_rank[t*k+j], row route_row[t*k+j], scaled by
 // weights[t*k+j] in fp32 when given (as the one-GPU gather does).  16-byte stores, a token's

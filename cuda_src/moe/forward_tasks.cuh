@@ -14,7 +14,6 @@
 // tasks of lower phases, so the ranks progress as long as their kernels are resident together.
 #pragma once
 #include "moe/ep.cuh"
-#include "moe/gemm_tile.cuh"
 #include "moe/row_copy.cuh"
 #include "moe/task_graph.cuh"
 
@@ -63,31 +62,6 @@ __device__ __forceinline__ float bf16_keep_clamp_side(float v, float limit, bool
 }
 
 __device__ __forceinline__ SwiGLU make_swiglu(const MoEDims& d) { return SwiGLU{d.has_limit != 0, d.swiglu_limit}; }
-
-// Fused gate|up epilogue: tile columns [0, 64) are gate, [64, 128) up, for intermediate columns
-// col0 .. col0+63.  Writes gu (bf16, ld 2*inter: gate at col0+c, up at inter+col0+c) and act
-// (bf16, ld inter), rows [0, rows) from row 0 of the given buffers.
-__device__ __forceinline__ void swiglu_epilogue(const unsigned char* smem, int rows, bf16* gu, bf16* act, int inter,
-                                                int col0, const SwiGLU& sw) {
-  gemm::for_each_chunk<kGateUpCols>(rows, kGateUpCols, [&](int r, int c) {
-    float g[8], u[8], a[8];
-    gemm::c_load8(smem, r, c, g);
-    gemm::c_load8(smem, r, kGateUpCols + c, u);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) a[i] = sw.act(g[i], u[i]);
-    if (sw.limited) {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        g[i] = bf16_keep_clamp_side(g[i], sw.limit, false);
-        u[i] = bf16_keep_clamp_side(u[i], sw.limit, true);
-      }
-    }
-    bf16* gu_row = gu + (size_t)r * 2 * inter;
-    *reinterpret_cast<uint4*>(gu_row + col0 + c) = pack_bf16x8(g);
-    *reinterpret_cast<uint4*>(gu_row + inter + col0 + c) = pack_bf16x8(u);
-    *reinterpret_cast<uint4*>(act + (size_t)r * inter + col0 + c) = pack_bf16x8(a);
-  });
-}
 
 // Row block b of a routed buffer: row <- src[slot / k] (times weights[slot] when given), zeros
 // for padding rows.  Shared by the forward (x) and the backward (d_out) dispatch.
@@ -161,7 +135,7 @@ struct ForwardPlan {
   int total;
 
   __device__ static ForwardPlan make(const MoEDims& d, bool context_only, const MoEPeers& pe,
-                                     TileWidths tw = TileWidths{kGateUpCols, gemm::kBN}) {
+                                     TileWidths tw) {
     ForwardPlan f;
     f.token_blocks = ceil_div(d.tokens, kBlockM);
     f.gu_tiles = ceil_div(d.inter, tw.gate_up_cols);
@@ -199,19 +173,9 @@ struct ForwardTasks {
   const MoEForwardParams& p;
   const ForwardPlan& plan;
   int num_blocks;        // row blocks in use (device count)
-  unsigned char* smem;
-
-  // Local waits (task counters) and peer waits (ep::wait_all): see ep::local_timeout_ns.
-  __device__ WaitCtx wait_ctx() const { return ep::local_wait_ctx(p); }
-  __device__ WaitCtx peer_wait_ctx() const { return ep::peer_wait_ctx(p); }
 
   __device__ bool ep_on() const { return ep::enabled(p.peers); }
 
-  // F0: gather the token rows of row block b (EP: copy the rows the sources pushed).
-  __device__ void dispatch(int b, int task) const {
-    if (ep_on() && !ep::wait_all(p.peers, kFlagFwdRows, -1, peer_wait_ctx(), ep::kStageFwdRows)) return;
-    dispatch_body(b);
-  }
   // F0 after its wait (EP: every source's rows arrived).
   __device__ void dispatch_body(int b) const {
     if (ep_on()) {
@@ -238,94 +202,10 @@ struct ForwardTasks {
     ep::signal_counter_sys(p.cnt.push_done);
   }
 
-  // Fp', F4': once `target` tasks counted by `counter` are done, tell every rank.
-  __device__ void notify(const int* counter, int target, int kind, int task) const {
-    if (!wait_counter(counter, target, wait_ctx(), task)) return;
-    if (threadIdx.x == 0) ep::notify_all(p.peers, kind);
-  }
-
-  // F1: shared gate|up for token block tb, intermediate columns n*64 ...
-  __device__ void shared_gate_up(int tb, int n) const {
-    const MoEDims& d = p.dims;
-    const int t0 = tb * kBlockM, rows = min_int(kBlockM, d.tokens - t0), col0 = n * kGateUpCols;
-    gemm::tile_gemm<gemm::kKMajor, gemm::kKMajor>(
-        gemm::operand(p.x + (size_t)t0 * d.hidden, d.hidden, rows),
-        gemm::operand2(p.w.ws_gate + (size_t)col0 * d.hidden, p.w.ws_up + (size_t)col0 * d.hidden, kGateUpCols,
-                       d.hidden, 2 * kGateUpCols),
-        d.hidden, smem);
-    swiglu_epilogue(smem, rows, p.ctx.sgu + (size_t)t0 * 2 * d.shared_inter, p.ctx.sact + (size_t)t0 * d.shared_inter,
-                    d.shared_inter, col0, make_swiglu(d));
-    signal_counter(p.cnt.token_sact_ready + tb);
-  }
-
-  // F2: routed gate|up for row block b, intermediate columns n*64 ...
-  __device__ void routed_gate_up(int b, int n, int task) const {
-    const MoEDims& d = p.dims;
-    const int e = p.sched.block_expert[b];
-    if (!valid_expert(e, b, d, p.err)) return;
-    if (!wait_counter(p.cnt.block_ready + b, 1, wait_ctx(), task)) return;
-    const size_t row0 = (size_t)b * kBlockM, w0 = ((size_t)e * d.inter + n * kGateUpCols) * d.hidden;
-    gemm::tile_gemm<gemm::kKMajor, gemm::kKMajor>(
-        gemm::operand(p.ctx.x_routed + row0 * d.hidden, d.hidden, kBlockM),
-        gemm::operand2(p.w.w_gate + w0, p.w.w_up + w0, kGateUpCols, d.hidden, 2 * kGateUpCols), d.hidden, smem);
-    swiglu_epilogue(smem, kBlockM, p.ctx.gu + row0 * 2 * d.inter, p.ctx.act + row0 * d.inter, d.inter,
-                    n * kGateUpCols, make_swiglu(d));
-    signal_counter(p.cnt.block_act_ready + b);
-  }
-
-  // F3: shared down for token block tb, hidden columns h*128 ...
-  __device__ void shared_down(int tb, int h, int task) const {
-    const MoEDims& d = p.dims;
-    if (!wait_counter(p.cnt.token_sact_ready + tb, plan.sgu_tiles, wait_ctx(), task)) return;
-    const int t0 = tb * kBlockM, rows = min_int(kBlockM, d.tokens - t0);
-    const int h0 = h * gemm::kBN, cols = min_int(gemm::kBN, d.hidden - h0);
-    gemm::tile_gemm<gemm::kKMajor, gemm::kKMajor>(
-        gemm::operand(p.ctx.sact + (size_t)t0 * d.shared_inter, d.shared_inter, rows),
-        gemm::operand(p.w.ws_down + (size_t)h0 * d.shared_inter, d.shared_inter, cols), d.shared_inter, smem);
-    gemm::store_tile_f32(smem, p.shared_y + (size_t)t0 * d.hidden + h0, d.hidden, rows, cols, false);
-    signal_counter(p.cnt.token_shared_done + tb);
-  }
-
-  // F4: routed down for row block b, hidden columns h*128 ...; rows go to their route's slot.
-  __device__ void routed_down(int b, int h, int task) const {
-    const MoEDims& d = p.dims;
-    const int e = p.sched.block_expert[b];
-    if (!valid_expert(e, b, d, p.err)) return;
-    if (!wait_counter(p.cnt.block_act_ready + b, plan.gu_tiles, wait_ctx(), task)) return;
-    const size_t row0 = (size_t)b * kBlockM;
-    const int h0 = h * gemm::kBN, cols = min_int(gemm::kBN, d.hidden - h0);
-    gemm::tile_gemm<gemm::kKMajor, gemm::kKMajor>(
-        gemm::operand(p.ctx.act + row0 * d.inter, d.inter, kBlockM),
-        gemm::operand(p.w.w_down + ((size_t)e * d.hidden + h0) * d.inter, d.inter, cols), d.inter, smem);
-    if (ep_on()) {  // rows go straight to their source rank's slot rows
-      gemm::store_tile_bf16_rows(smem, kBlockM, cols, [&](int r) {
-        return ep::return_row_ptr(p.sched, p.peers, d, (int)row0 + r, h0, p.err);
-      });
-      ep::signal_counter_sys(p.cnt.down_done);
-      return;
-    }
-    gemm::store_tile_bf16_rows(smem, kBlockM, cols, [&](int r) {
-      return route_row_ptr(p.sched, d, p.ctx.y_slot, (int)row0 + r, h0);
-    });
-    signal_counter(p.cnt.down_done);
-  }
-
   // F5: out[t] = shared_y[t] + sum_j w[t,j] * y_slot[t*k+j], fp32, j in order.  With EP the
   // routes' outputs arrive in this rank's slot rows: they are also copied into y_slot (context),
   // and a context-only launch stops there.
   // `q`: the combine task (token block q / plan.combine_parts, its part q % plan.combine_parts).
-  __device__ void combine(int q, int task) const {
-    const MoEDims& d = p.dims;
-    const int tb = q / plan.combine_parts;
-    if (ep_on()) {
-      if (!ep::wait_all(p.peers, kFlagFwdReturn, kFlagFwdRows, peer_wait_ctx(), ep::kStageFwdReturn)) return;
-    } else if (!wait_counter(p.cnt.down_done, num_blocks * plan.h_tiles, wait_ctx(), task)) {
-      return;
-    }
-    const bool shared = d.shared_inter > 0 && p.context_only == 0;
-    if (shared && !wait_counter(p.cnt.token_shared_done + tb, plan.h_tiles, wait_ctx(), task)) return;
-    combine_body(q);
-  }
   // F5 after its waits: the kBlockM / plan.combine_parts tokens of combine task q.
   __device__ void combine_body(int q) const {
     const MoEDims& d = p.dims;
@@ -368,33 +248,6 @@ struct ForwardTasks {
         }
       }
       if (write_out) *reinterpret_cast<uint4*>(p.out + t * d.hidden + c) = pack_bf16x8(acc);
-    }
-  }
-
-  __device__ void run(int task) const {
-    if (plan.push.has(task)) {
-      push(plan.push.local(task));
-    } else if (plan.push_notify.has(task)) {
-      notify(p.cnt.push_done, p.peers.push_tasks, kFlagFwdRows, task);
-    } else if (plan.dispatch.has(task)) {
-      const int b = plan.dispatch.local(task);
-      if (b < num_blocks) dispatch(b, task);
-    } else if (plan.shared_gu.has(task)) {
-      const int q = plan.shared_gu.local(task);
-      shared_gate_up(q / plan.sgu_tiles, q % plan.sgu_tiles);
-    } else if (plan.routed_gu.has(task)) {
-      const int q = plan.routed_gu.local(task), b = q / plan.gu_tiles;
-      if (b < num_blocks) routed_gate_up(b, q % plan.gu_tiles, task);
-    } else if (plan.shared_down.has(task)) {
-      const int q = plan.shared_down.local(task);
-      shared_down(q / plan.h_tiles, q % plan.h_tiles, task);
-    } else if (plan.routed_down.has(task)) {
-      const int q = plan.routed_down.local(task), b = q / plan.h_tiles;
-      if (b < num_blocks) routed_down(b, q % plan.h_tiles, task);
-    } else if (plan.down_notify.has(task)) {
-      notify(p.cnt.down_done, num_blocks * plan.h_tiles, kFlagFwdReturn, task);
-    } else if (plan.combine.has(task)) {
-      combine(plan.combine.local(task), task);
     }
   }
 };

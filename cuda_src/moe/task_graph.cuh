@@ -1,11 +1,12 @@
-// The persistent task loop and the dependency counters of the MoE megakernels.
+// The dependency counters of the MoE megakernels.
 //
 // CTAs grab task indices in increasing order from one global counter.  A task waits only on
 // tasks with lower indices, which were grabbed earlier by CTAs that are running, so the graph
 // makes progress without any assumption about co-residency.  Counters live in global memory:
-//   signal: every thread's writes -> __syncthreads -> thread 0 red.release.gpu (cumulative).
-//   wait:   thread 0 spins with ld.acquire.gpu (bounded by %globaltimer) -> barrier.
-// Data produced inside the launch is then read with L1-bypassing loads (cp.async.cg, ld.cg).
+//   signal: the workers' writes -> proxy fence -> worker barrier -> worker 0 red.release.gpu.
+//   wait:   the producer thread spins with ld.acquire.gpu (bounded by %globaltimer), then
+//           fence.proxy.async.global before its TMA loads; the workers get the task after that.
+// Workers read data produced inside the launch with L1-bypassing loads (ld.cg) or through TMA.
 #pragma once
 #include "common/errors.cuh"
 #include "common/ptx.cuh"
@@ -20,38 +21,25 @@ struct WaitCtx {
   int rank;
 };
 
-// Worker threads: the threads that run task bodies (kThreads of them).  moe_layer.cu: the whole
-// CTA.  moe_layer_tma.cu defines MOK_WORKER_THREAD0=128: its workers are the two consumer
-// warpgroups (threads 128..383) and warpgroup 0 is the TMA producer, so worker barriers are the
-// named barrier kWorkerBarrier over kThreads threads instead of __syncthreads.
-#ifndef MOK_WORKER_THREAD0
-#define MOK_WORKER_THREAD0 0
-#endif
-constexpr int kWorkerThread0 = MOK_WORKER_THREAD0;
+// Worker threads: the two consumer warpgroups (threads 128..383) run the task bodies; warpgroup 0
+// is the TMA producer.  Worker barriers are the named barrier kWorkerBarrier over kThreads threads.
+constexpr int kWorkerThread0 = 128;
 constexpr int kWorkerBarrier = 3;  // 0 is __syncthreads, 1-2 the wgmma engine's warpgroup votes
 
 __device__ __forceinline__ int worker_tid() { return static_cast<int>(threadIdx.x) - kWorkerThread0; }
 
 __device__ __forceinline__ void workers_sync() {
-  if constexpr (kWorkerThread0 == 0) {
-    __syncthreads();
-  } else {
-    asm volatile("bar.sync %0, %1;" :: "n"(kWorkerBarrier), "n"(kThreads) : "memory");
-  }
+  asm volatile("bar.sync %0, %1;" :: "n"(kWorkerBarrier), "n"(kThreads) : "memory");
 }
 
 // A worker barrier that also returns whether any worker passed true.
 __device__ __forceinline__ bool workers_any(bool v) {
-  if constexpr (kWorkerThread0 == 0) {
-    return __syncthreads_or(v) != 0;
-  } else {
-    uint32_t r;
-    asm volatile(
-        "{\n\t.reg .pred p, q;\n\tsetp.ne.u32 q, %1, 0;\n\t"
-        "bar.red.or.pred p, %2, %3, q;\n\tselp.u32 %0, 1, 0, p;\n\t}"
-        : "=r"(r) : "r"(static_cast<uint32_t>(v)), "n"(kWorkerBarrier), "n"(kThreads) : "memory");
-    return r != 0;
-  }
+  uint32_t r;
+  asm volatile(
+      "{\n\t.reg .pred p, q;\n\tsetp.ne.u32 q, %1, 0;\n\t"
+      "bar.red.or.pred p, %2, %3, q;\n\tselp.u32 %0, 1, 0, p;\n\t}"
+      : "=r"(r) : "r"(static_cast<uint32_t>(v)), "n"(kWorkerBarrier), "n"(kThreads) : "memory");
+  return r != 0;
 }
 
 // One thread: true once *counter >= target (acquire.gpu); false when the error word is set (by
@@ -73,19 +61,10 @@ __device__ __forceinline__ bool wait_counter_thread(const int* counter, int targ
   return true;
 }
 
-// The same for the whole CTA (every thread calls it; thread 0 waits, the barrier broadcasts its
-// verdict without a shared variable to race on).  Only the one-engine kernel (moe_layer.cu).
-__device__ __forceinline__ bool wait_counter(const int* counter, int target, const WaitCtx& w, int what) {
-  const int ok = threadIdx.x == 0 ? wait_counter_thread(counter, target, w, what) : 1;
-  return __syncthreads_and(ok) != 0;
-}
-
-// The TMA kernels read data produced inside the launch through the async proxy.  The reader
-// (producer thread) fences after its acquire; writers also order their generic stores before
-// their release with a proxy fence (cheap, once per task; a no-op in the one-engine kernel).
-__device__ __forceinline__ void proxy_fence_for_tma() {
-  if constexpr (kWorkerThread0 != 0) asm volatile("fence.proxy.async.global;" ::: "memory");
-}
+// The kernels read data produced inside the launch through the async proxy (TMA).  The reader
+// (producer thread) fences after its acquire; writers order their generic stores before their
+// release with a proxy fence (once per task).
+__device__ __forceinline__ void proxy_fence_for_tma() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 
 // Publishes everything the workers wrote for this task: counter += add.
 __device__ __forceinline__ void signal_counter(int* counter, int add = 1) {
@@ -97,28 +76,6 @@ __device__ __forceinline__ void signal_counters(int* c0, int* c1) {
   proxy_fence_for_tma();
   workers_sync();
   if (worker_tid() == 0) { red_release_gpu(c0, 1); red_release_gpu(c1, 1); }
-}
-
-// Runs run(task) for task indices grabbed in increasing order until num_tasks is reached or an
-// error is recorded.  The two barriers per grab also separate one task's shared-memory use from
-// the next one's.
-// `trace` (trace.cuh, may be null): one record per task, indexed by the task (grab order = task order).
-template <class Run>
-__device__ __forceinline__ void task_loop(int* task_next, int num_tasks, const int* err, unsigned long long* trace,
-                                          Run&& run) {
-  __shared__ int s_task;
-  for (;;) {
-    if (threadIdx.x == 0) {
-      s_task = error_set(err) ? num_tasks : atom_add_relaxed_gpu(task_next, 1);
-      if (s_task < num_tasks) trace_grab(trace, s_task, s_task);
-    }
-    __syncthreads();
-    const int task = s_task;
-    __syncthreads();
-    if (task >= num_tasks) return;
-    run(task);
-    if (threadIdx.x == 0 && !error_set(err)) trace_end(trace, task);  // after its signal (its last barrier)
-  }
 }
 
 // Task-index bookkeeping: phases are consecutive ranges of the index space.

@@ -29,7 +29,6 @@
 namespace mok {
 namespace ws {
 
-static_assert(kWorkerThread0 == 128, "moe_layer_tma.cu defines MOK_WORKER_THREAD0=128 before its includes");
 constexpr int kBN = 256;                       // tile: 128 rows x 256 columns
 constexpr int kStages = 4;                     // 4 x 48 KB ring
 constexpr int kCtaThreads = 128 + kThreads;    // producer warpgroup + workers
