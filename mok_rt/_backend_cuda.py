@@ -26,7 +26,8 @@ from .layer import Context, Gradients
 from .routing import build_schedule, build_schedule_ep
 from .tensor import Tensor
 
-_WEIGHT_GRADS = ("dw_gate", "dw_up", "dw_down", "dws_gate", "dws_up", "dws_down")
+# The public API's names of the weight gradients whose kernel field names differ.
+_API_GRAD_NAMES = {"d_shared_gate": "dws_gate", "d_shared_up": "dws_up", "d_shared_down": "dws_down"}
 _MAX_PENDING_TRACES = 64   # traced launches kept until take_traces() (the oldest are dropped)
 
 
@@ -108,14 +109,13 @@ class CudaBackend:
             self.ep.shared.health.check(self.ep.rank)
 
     # -- traces (Workspace(trace=True)) --------------------------------------------------------------
-    def _trace_buffer(self, kind: str, phases, stream) -> int:
-        """Zeroed records for one launch (0: tracing is off)."""
+    def _trace_buffer(self, kind: str, plan, stream) -> int:
+        """Zeroed records for one launch, one per task of its plan (0: tracing is off)."""
         if not self.ws.trace:
             return 0
-        n = sum(c for _, c in phases)
-        buf = self._bytes(max(n, 1) * _trace.RECORD_BYTES, stream, poison=False)
+        buf = self._bytes(max(plan.total, 1) * _trace.RECORD_BYTES, stream, poison=False)
         buf.fill_bytes(0, stream=stream)
-        self._traces.append((kind, tuple(phases), buf))
+        self._traces.append((kind, plan.phase_table(), buf))
         return buf.ptr
 
     def take_traces(self) -> list:
@@ -176,26 +176,26 @@ class CudaBackend:
         self._used(stream)
         T = sched.tokens
         dims = self._dims(T)
+        peers = None if self.ep is None else self.ep.peers(T)
+        plan = L.forward_plan(dims, context_only=context_only, push_tasks=0 if peers is None else peers.push_tasks)
         sizes = L.forward_buffer_bytes(dims)
-        H = dims.hidden
-        ctx_names = ("x_routed", "gu", "act", "y_slot", "sgu", "sact")
-        bufs = {n: self._bytes(sizes[n], stream) for n in ctx_names}
-        out = None if context_only else self._empty((T, H), dtypes.bfloat16, stream)
-        shared_y = self._bytes(sizes["shared_y"], stream, poison=False)
-        counters = self._bytes(sizes["counters"], stream, poison=False)
+        # The buffers the launch writes, by role (_moe_params.FORWARD_BUFFERS): the context is owned
+        # by the returned state, `out` is returned, the scratch lives as long as the launch.
+        roles = {b.name: b.role for b in P.FORWARD_BUFFERS}
+        bufs = {n: self._bytes(sizes[n], stream) for n in sizes if roles[n] == "context"}
+        out = None if context_only else self._empty((T, dims.hidden), dtypes.bfloat16, stream)
+        scratch = {n: self._bytes(sizes[n], stream, poison=False) for n in sizes
+                   if roles[n] in ("scratch", "counters")}
         ptr = lambda v: 0 if v is None else v.ptr  # noqa: E731
         fb = L.ForwardBuffers(
             x=args.x.ptr, topk_weights=ptr(args.topk_weights), w_gate=args.w_gate.ptr, w_up=args.w_up.ptr,
-            w_down=args.w_down.ptr, out=ptr(out), counters=counters.ptr, shared_y=shared_y.ptr,
-            ws_gate=ptr(args.ws_gate), ws_up=ptr(args.ws_up), ws_down=ptr(args.ws_down),
-            **{n: bufs[n].ptr for n in ctx_names})
-        peers = None if self.ep is None else self.ep.peers(T)
-        trace = self._trace_buffer("recompute" if context_only else "forward", L.forward_phases(
-            dims, context_only=context_only, push_tasks=0 if peers is None else peers.push_tasks), stream)
+            w_down=args.w_down.ptr, shared_gate=ptr(args.ws_gate), shared_up=ptr(args.ws_up),
+            shared_down=ptr(args.ws_down), out=ptr(out), **{n: v.ptr for n, v in {**bufs, **scratch}.items()})
+        trace = self._trace_buffer("recompute" if context_only else "forward", plan, stream)
         L.launch_forward(fb, self._sched_bufs(sched), dims, stream=stream, err_ptr=self.error.device_ptr,
                          device_id=self.device_id, knobs=self.knobs, context_only=context_only, peers=peers,
                          trace_ptr=trace)
-        state = _ForwardState(dims=dims, bufs=bufs, keep=(args, shared_y, counters))
+        state = _ForwardState(dims=dims, bufs=bufs, keep=(args, scratch))
         return out, state
 
     def forward(self, sched, args, *, stream):
@@ -228,42 +228,38 @@ class CudaBackend:
         if state is None:   # a deferred recompute_context (called without w_down): rebuild it now
             _, state = self._run_forward(sched, args, stream, context_only=True)
         dims = state.dims
-        cfg = self.ws.config
-        T, H, I, Is, El, k = dims.tokens, dims.hidden, dims.intermediate, dims.shared_intermediate, \
-            dims.local_experts, dims.top_k
+        T, H, k = dims.tokens, dims.hidden, dims.top_k
         sizes = L.backward_buffer_bytes(dims)
-        shapes = {"dw_gate": (El, I, H), "dw_up": (El, I, H), "dw_down": (El, H, I),
-                  "dws_gate": (Is, H), "dws_up": (Is, H), "dws_down": (H, Is)}
         grads, returned = {}, {}
-        for n in _WEIGHT_GRADS:
-            if n.startswith("dws") and not cfg.has_shared:
-                grads[n], returned[n] = None, None
+        for b in P.BACKWARD_BUFFERS:   # the weight gradients: the caller's (accumulate / out=) or new
+            if b.struct != "grads":
                 continue
-            buf, caller = self._grad_buffer(n, out.get(n), shapes[n], stream, accumulate)
-            grads[n] = buf
-            returned[n] = caller if caller is not None else buf
+            api = _API_GRAD_NAMES.get(b.name, b.name)
+            if sizes[b.name] == 0:
+                grads[b.name], returned[api] = None, None
+                continue
+            buf, caller = self._grad_buffer(api, out.get(api), b.shape(dims), stream, accumulate)
+            grads[b.name] = buf
+            returned[api] = caller if caller is not None else buf
         dx = self._empty((T, H), dtypes.bfloat16, stream)
         dtw = self._empty((T, k), dtypes.float32, stream)
-        # With EP the rows that travel (dy_routed in, dx_slot back) live in the symmetric heap.
-        travel = () if self.ep is None else ("dy_routed", "dx_slot")
-        scratch = {n: self._bytes(sizes[n], stream, poison=False)
-                   for n in ("dy_routed", "dgu", "dx_slot", "dsgu", "dx_shared", "counters") if n not in travel}
+        # Scratch per launch; with EP the rows that travel (role "heap": dy_routed in, dx_slot back)
+        # live in the symmetric heap.
+        roles = {b.name: b.role for b in P.BACKWARD_BUFFERS}
         heap_rows = {} if self.ep is None else {"dy_routed": self.ep.routed_ptr(), "dx_slot": self.ep.slot_ptr()}
+        scratch = {n: self._bytes(sizes[n], stream, poison=False) for n in sizes
+                   if roles[n] in ("scratch", "counters") or (roles[n] == "heap" and n not in heap_rows)}
         ptr = lambda v: 0 if v is None else v.ptr  # noqa: E731
         b = state.bufs
         bb = L.BackwardBuffers(
             d_out=dout.ptr, x=args.x.ptr, topk_weights=args.topk_weights.ptr, w_gate=args.w_gate.ptr,
-            w_up=args.w_up.ptr, w_down=args.w_down.ptr, x_routed=b["x_routed"].ptr, gu=b["gu"].ptr,
-            act=b["act"].ptr, y_slot=b["y_slot"].ptr, dx=dx.ptr, d_topk_weights=dtw.ptr,
-            dw_gate=grads["dw_gate"].ptr, dw_up=grads["dw_up"].ptr, dw_down=grads["dw_down"].ptr,
-            ws_gate=ptr(args.ws_gate), ws_up=ptr(args.ws_up), ws_down=ptr(args.ws_down), sgu=ptr(b.get("sgu")),
-            sact=ptr(b.get("sact")), dws_gate=ptr(grads["dws_gate"]), dws_up=ptr(grads["dws_up"]),
-            dws_down=ptr(grads["dws_down"]), **{n: scratch[n].ptr for n in scratch}, **heap_rows)
-        if not cfg.has_shared:
-            bb = L.BackwardBuffers(**{**bb.__dict__, "sgu": 0, "sact": 0})
+            w_up=args.w_up.ptr, w_down=args.w_down.ptr, shared_gate=ptr(args.ws_gate), shared_up=ptr(args.ws_up),
+            shared_down=ptr(args.ws_down), dx=dx.ptr, d_topk_weights=dtw.ptr,
+            **{n: (v.ptr if v.nbytes else 0) for n, v in b.items()}, **{n: ptr(v) for n, v in grads.items()},
+            **{n: v.ptr for n, v in scratch.items()}, **heap_rows)
         peers = None if self.ep is None else self.ep.peers(T)
-        trace = self._trace_buffer("backward", L.backward_phases(
-            dims, push_tasks=0 if peers is None else peers.push_tasks), stream)
+        plan = L.backward_plan(dims, push_tasks=0 if peers is None else peers.push_tasks)
+        trace = self._trace_buffer("backward", plan, stream)
         L.launch_backward(bb, self._sched_bufs(sched), dims, stream=stream, err_ptr=self.error.device_ptr,
                           device_id=self.device_id, knobs=self.knobs, accumulate=accumulate, peers=peers,
                           trace_ptr=trace)

@@ -3,7 +3,7 @@
 Every launch of a traced workspace gets one 32-byte record per task of its plan, zeroed before
 the launch: when the task was grabbed, when its waits were done, when its work was done, and
 (plan task << 32 | SM id).  :class:`LaunchTrace` decodes them with the plan's phase table
-(``_moe_launch.forward_phases`` / ``backward_phases``) into :class:`TaskSpan` s, answers the
+(``_moe_plan.Plan.phase_table()``) into :class:`TaskSpan` s, answers the
 questions a profile needs (busy and waiting time per phase, how long SMs sat idle at the end)
 and writes Chrome trace events (chrome://tracing, https://ui.perfetto.dev), one row per SM.
 

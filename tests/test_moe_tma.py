@@ -28,7 +28,7 @@ def _fwd_bufs(shared=True, tokens=True):
     names = [f.name for f in L.ForwardBuffers.__dataclass_fields__.values()]
     b = {n: next(v) for n in names}
     if not shared:
-        b.update({n: 0 for n in ("ws_gate", "ws_up", "ws_down", "sgu", "sact", "shared_y")})
+        b.update({n: 0 for n in ("shared_gate", "shared_up", "shared_down", "sgu", "sact", "shared_y")})
     if not tokens:
         b.update({n: 0 for n in ("x", "topk_weights", "out", "y_slot", "sgu", "sact", "shared_y")})
     return L.ForwardBuffers(**b)
@@ -40,8 +40,8 @@ def _bwd_bufs():
 
 
 def test_parameter_structs_mirror_params_tma():
-    assert ctypes.sizeof(P.MoEForwardTmaParams) == 2240
-    assert ctypes.sizeof(P.MoEBackwardTmaParams) == 3392 <= 4096
+    assert ctypes.sizeof(P.MoEForwardTmaParams) == 2368
+    assert ctypes.sizeof(P.MoEBackwardTmaParams) == 3520 <= 4096
     assert P.MoEForwardTmaParams.maps.offset == 0 and P.MoEForwardTmaParams.p.offset == 10 * 128
     assert P.MoEBackwardTmaParams.maps.offset == 0 and P.MoEBackwardTmaParams.p.offset == 18 * 128
     for cls, names in ((P.MoEForwardMaps, P.FORWARD_MAP_NAMES), (P.MoEBackwardMaps, P.BACKWARD_MAP_NAMES)):
@@ -62,11 +62,11 @@ def test_forward_map_specs():
     wg = s["w_gate_k"]   # one expert per group: a box never reads the next expert's rows
     assert wg.dims == (320, 192, 5) and wg.box == (64, 128, 1) and wg.strides == (640, 192 * 320 * 2)
     assert s["w_down_k"].dims == (192, 320, 5) and s["w_down_k"].box == (64, 256, 1)
-    assert s["ws_down_k"].dims == (320, 320, 1) and s["ws_down_k"].box == (64, 256, 1)
+    assert s["shared_down_k"].dims == (320, 320, 1) and s["shared_down_k"].box == (64, 256, 1)
     assert s["act_k"].dims == (192, 1280, 1)
     # No shared expert, no tokens: those maps are zeros.
     s = M.map_specs(_fwd_bufs(shared=False), _dims(shared_intermediate=0), backward=False)
-    assert all(s[n] is None for n in ("sact_k", "ws_gate_k", "ws_up_k", "ws_down_k"))
+    assert all(s[n] is None for n in ("sact_k", "shared_gate_k", "shared_up_k", "shared_down_k"))
     s = M.map_specs(_fwd_bufs(tokens=False), _dims(tokens=0), backward=False)
     assert s["x_k"] is None and s["sact_k"] is None and s["x_routed_k"] is not None
 

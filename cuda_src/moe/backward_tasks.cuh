@@ -1,9 +1,9 @@
 // Backward tasks of the fused MoE layer (one GPU).  Phases, in task-index order:
 //   B0 dispatch dy     row block:                 dy_routed = w[slot] * d_out[token] (zeros for padding)
 //   B1 d weights       token block:               d_topk_weights[t,j] = <d_out[t], y_slot[t*k+j]>
-//   B2 shared dA       token block x I_s/128:     d_out * ws_down -> SwiGLU bwd with sgu -> dsgu
+//   B2 shared dA       token block x I_s/128:     d_out * shared_down -> SwiGLU bwd with sgu -> dsgu
 //   B3 routed dA       row block x I/128:         dy_routed * W_down[e] -> SwiGLU bwd with gu -> dgu
-//   B4 shared dX       token block x H/128:       dsgu * [ws_gate; ws_up] -> dx_shared (fp32)
+//   B4 shared dX       token block x H/128:       dsgu * [shared_gate; shared_up] -> dx_shared (fp32)
 //   B5 routed dX       row block x H/128:         dgu * [W_gate[e]; W_up[e]] -> dx_slot[route]
 //   B6 wgrad down      expert x H/128 x I/128:    dW_down[e] = dy_e^T * act_e
 //   B7 wgrad gate|up   expert x {g,u} x I/128 x H/128: dW_{gate,up}[e] = dG_e^T / dU_e^T * x_routed_e
@@ -19,60 +19,10 @@
 
 namespace mok {
 
-// ---- task index space -------------------------------------------------------------------------
-// Tiles: dA / dX / wgrad columns are `n_cols` wide (i_tiles, si_tiles, h_tiles count them);
-// wgrad rows come in kBlockM-row tiles (h_rows, i_rows, si_rows).  n_cols = kBlockM for the
-// one-engine kernel, where both counts coincide.
-struct BackwardPlan {
-  int token_blocks, i_tiles, si_tiles, h_tiles, h_rows, i_rows, si_rows, combine_parts;
-  PhaseRange push, push_notify, dispatch, d_weights, shared_da, routed_da, shared_dx, routed_dx, dx_notify,
-      wgrad_down, wgrad_gate_up, shared_wgrad, combine;
-  int total;
-
-  __device__ static BackwardPlan make(const MoEDims& d, const MoEPeers& pe, int n_cols) {
-    BackwardPlan f;
-    f.token_blocks = ceil_div(d.tokens, kBlockM);
-    f.i_tiles = ceil_div(d.inter, n_cols);
-    f.si_tiles = ceil_div(d.shared_inter, n_cols);
-    f.h_tiles = ceil_div(d.hidden, n_cols);
-    f.h_rows = ceil_div(d.hidden, kBlockM);
-    f.i_rows = ceil_div(d.inter, kBlockM);
-    f.si_rows = ceil_div(d.shared_inter, kBlockM);
-    const bool shared = d.shared_inter > 0;
-    int at = 0;
-    auto next = [&](int count) { PhaseRange r{at, count}; at += count; return r; };
-    const bool ep = ep::enabled(pe);
-    if (ep) {  // local work (d weights, shared dA) runs while the rows travel
-      f.push = next(pe.push_tasks);
-      f.push_notify = next(1);
-      f.d_weights = next(f.token_blocks);
-      f.shared_da = next(shared ? f.token_blocks * f.si_tiles : 0);
-      f.dispatch = next(d.max_blocks);
-    } else {
-      f.push = next(0);
-      f.push_notify = next(0);
-      f.dispatch = next(d.max_blocks);
-      f.d_weights = next(f.token_blocks);
-      f.shared_da = next(shared ? f.token_blocks * f.si_tiles : 0);
-    }
-    f.routed_da = next(d.max_blocks * f.i_tiles);
-    f.shared_dx = next(shared ? f.token_blocks * f.h_tiles : 0);
-    f.routed_dx = next(d.max_blocks * f.h_tiles);
-    f.dx_notify = next(ep ? 1 : 0);
-    f.wgrad_down = next(d.local_experts * f.h_rows * f.i_tiles);
-    f.wgrad_gate_up = next(d.local_experts * 2 * f.i_rows * f.h_tiles);
-    f.shared_wgrad = next(shared ? f.h_rows * f.si_tiles + 2 * f.si_rows * f.h_tiles : 0);
-    f.combine_parts = mok::combine_parts(f.token_blocks);
-    f.combine = next(f.token_blocks * f.combine_parts);
-    f.total = at;
-    return f;
-  }
-};
-
 // ---- the tasks ----------------------------------------------------------------------------------
 struct BackwardTasks {
   const MoEBackwardParams& p;
-  const BackwardPlan& plan;
+  const MoEBackwardPlan& plan;
   int num_blocks;        // row blocks in use (device count)
   __device__ int token_rows(int tb) const { return min_int(kBlockM, p.dims.tokens - tb * kBlockM); }
 

@@ -1,8 +1,8 @@
 // Forward tasks of the fused MoE layer.  Phases, in task-index order (one GPU):
 //   F0 dispatch      row block b:            x_routed[b] <- token rows (zeros for padding)
-//   F1 shared g|u    token block x I_s/64:   [x | ws_gate; ws_up] -> sgu, sact
+//   F1 shared g|u    token block x I_s/64:   [x | shared_gate; shared_up] -> sgu, sact
 //   F2 routed g|u    row block x I/64:       [x_routed | W_gate[e]; W_up[e]] -> gu, act
-//   F3 shared down   token block x H/128:    sact * ws_down^T -> shared_y (fp32)
+//   F3 shared down   token block x H/128:    sact * shared_down^T -> shared_y (fp32)
 //   F4 routed down   row block x H/128:      act * W_down[e]^T -> y_slot[route] (unweighted)
 //   F5 combine       part of a token block:  out = shared_y + sum_j w[t,j] y_slot[t*k+j]
 // With expert parallelism (ep.cuh) the order is
@@ -121,57 +121,10 @@ __device__ __forceinline__ bf16* route_row_ptr(const MoESchedule& s, const MoEDi
   return (slot >= 0 && slot < d.tokens * d.top_k) ? base + (size_t)slot * d.hidden + col0 : nullptr;
 }
 
-// ---- task index space -------------------------------------------------------------------------
-// GEMM tile widths of an engine: gate|up tiles cover `gate_up_cols` intermediate columns (a tile
-// of 2x that width: gate | up), down tiles `n_cols` hidden columns.
-struct TileWidths {
-  int gate_up_cols;
-  int n_cols;
-};
-
-struct ForwardPlan {
-  int token_blocks, gu_tiles, sgu_tiles, h_tiles, combine_parts;
-  PhaseRange push, push_notify, dispatch, shared_gu, routed_gu, shared_down, routed_down, down_notify, combine;
-  int total;
-
-  __device__ static ForwardPlan make(const MoEDims& d, bool context_only, const MoEPeers& pe,
-                                     TileWidths tw) {
-    ForwardPlan f;
-    f.token_blocks = ceil_div(d.tokens, kBlockM);
-    f.gu_tiles = ceil_div(d.inter, tw.gate_up_cols);
-    f.sgu_tiles = ceil_div(d.shared_inter, tw.gate_up_cols);
-    f.h_tiles = ceil_div(d.hidden, tw.n_cols);
-    const bool shared = d.shared_inter > 0;
-    const bool ep = ep::enabled(pe);
-    int at = 0;
-    auto next = [&](int count) { PhaseRange r{at, count}; at += count; return r; };
-    if (ep) {  // the shared expert's gate|up runs while the rows travel
-      f.push = next(pe.push_tasks);
-      f.push_notify = next(1);
-      f.shared_gu = next(f.token_blocks * f.sgu_tiles);
-      f.dispatch = next(d.max_blocks);
-    } else {
-      f.push = next(0);
-      f.push_notify = next(0);
-      f.dispatch = next(d.max_blocks);
-      f.shared_gu = next(f.token_blocks * f.sgu_tiles);
-    }
-    f.routed_gu = next(d.max_blocks * f.gu_tiles);
-    f.shared_down = next(shared && !context_only ? f.token_blocks * f.h_tiles : 0);
-    f.routed_down = next(d.max_blocks * f.h_tiles);
-    f.down_notify = next(ep ? 1 : 0);
-    // With EP a context-only launch still collects its routes' outputs (y_slot is context).
-    f.combine_parts = mok::combine_parts(f.token_blocks);
-    f.combine = next(context_only && !ep ? 0 : f.token_blocks * f.combine_parts);
-    f.total = at;
-    return f;
-  }
-};
-
 // ---- the tasks ----------------------------------------------------------------------------------
 struct ForwardTasks {
   const MoEForwardParams& p;
-  const ForwardPlan& plan;
+  const MoEForwardPlan& plan;
   int num_blocks;        // row blocks in use (device count)
 
   __device__ bool ep_on() const { return ep::enabled(p.peers); }

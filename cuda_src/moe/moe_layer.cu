@@ -1,7 +1,7 @@
 // The fused MoE layer kernels on the warp-specialised TMA + wgmma engine: one persistent forward
 // and one persistent backward, with the tasks, counters and EP behaviour of moe_layer.cu (the
 // results match it within rounding; each is deterministic on its own).
-// Launch: 384 threads (ws::kCtaThreads), ws::kSmemBytes of dynamic shared memory, a grid of about
+// Launch: 384 threads (pipe::kCtaThreads), pipe::kSmemBytes of dynamic shared memory, a grid of about
 // one CTA per SM; the parameter struct carries one TMA map per operand view (params_tma.cuh).
 // Roles and protocol: moe/ws_pipeline.cuh.
 #include "moe/tma_backward.cuh"
@@ -12,10 +12,10 @@ namespace {
 
 // Uniform start: every thread takes the same verdicts, then thread 0 sets up the barriers.
 __device__ __forceinline__ bool start(const int* err, int num_blocks, const MoEDims& d, int* err_w,
-                                      const ws::Shared& s) {
+                                      const pipe::Shared& s) {
   if (__syncthreads_or(threadIdx.x == 0 && error_set(err))) return false;
   if (!check_capacity(num_blocks, d, err_w)) return false;
-  ws::init(s);
+  pipe::init(s);
   __syncthreads();
   return true;
 }
@@ -33,15 +33,14 @@ __device__ __forceinline__ void prefetch_maps(const Maps& m) {
 // The body of both kernels: plan and task order into shared memory (the producer's registers
 // could not hold them), the uniform start, then the two roles (ws_pipeline.cuh) and, with EP,
 // the end-of-launch group barrier.
-template <class Kernel, class Plan, class Tasks, class Params, class Maps, class MakePlan>
-__device__ __forceinline__ void run_megakernel(const Params& p, const Maps& maps, unsigned char* smem,
-                                               MakePlan&& make_plan) {
+template <class Kernel, class Plan, class Tasks, class Params, class Maps>
+__device__ __forceinline__ void run_megakernel(const Params& p, const Maps& maps, unsigned char* smem) {
   const int num_blocks = p.sched.num_blocks[0];
-  const ws::Shared s = ws::layout(smem);
+  const pipe::Shared s = pipe::layout(smem);
   __shared__ Plan plan;
-  __shared__ ws::AheadOrder order;
+  __shared__ pipe::AheadOrder order;
   if (threadIdx.x == 0) {
-    plan = make_plan();
+    plan = p.plan;
     order = Kernel::make_order(plan, p, num_blocks);
   }
   if (!start(p.err, num_blocks, p.dims, p.err, s)) return;
@@ -49,34 +48,30 @@ __device__ __forceinline__ void run_megakernel(const Params& p, const Maps& maps
   const Kernel k{maps, p, plan, tasks, order, num_blocks};
   const WaitCtx wc{p.err, p.dims.timeout_ns, p.dims.rank};
   if (threadIdx.x < 128) {
-    setmaxnreg_dec<ws::kProducerRegs>();
+    setmaxnreg_dec<pipe::kProducerRegs>();
     if (threadIdx.x == 0) {
       prefetch_maps(maps);
-      ws::producer_loop(k, s, p.cnt.task_next, plan.total, wc);
+      pipe::producer_loop(k, s, p.cnt.task_next, plan.total, wc);
     }
     return;
   }
-  setmaxnreg_inc<ws::kWorkerRegs>();
-  ws::worker_loop(k, s, wc);
+  setmaxnreg_inc<pipe::kWorkerRegs>();
+  pipe::worker_loop(k, s, wc);
   if (ep::enabled(p.peers)) ep::end_of_launch(p.peers, p.cnt.ctas_done, p.err, p.dims.timeout_ns);
 }
 
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(ws::kCtaThreads, 1)
+extern "C" __global__ void __launch_bounds__(pipe::kCtaThreads, 1)
     moe_forward(const __grid_constant__ MoEForwardTmaParams tp) {
   extern __shared__ __align__(1024) unsigned char smem[];
   const MoEForwardParams& p = tp.p;
-  run_megakernel<TmaForward, ForwardPlan, ForwardTasks>(p, tp.maps, smem, [&] {
-    return ForwardPlan::make(p.dims, p.context_only != 0, p.peers, kTmaForwardTiles);
-  });
+  run_megakernel<TmaForward, MoEForwardPlan, ForwardTasks>(p, tp.maps, smem);
 }
 
-extern "C" __global__ void __launch_bounds__(ws::kCtaThreads, 1)
+extern "C" __global__ void __launch_bounds__(pipe::kCtaThreads, 1)
     moe_backward(const __grid_constant__ MoEBackwardTmaParams tp) {
   extern __shared__ __align__(1024) unsigned char smem[];
   const MoEBackwardParams& p = tp.p;
-  run_megakernel<TmaBackward, BackwardPlan, BackwardTasks>(p, tp.maps, smem, [&] {
-    return BackwardPlan::make(p.dims, p.peers, kTmaBackwardCols);
-  });
+  run_megakernel<TmaBackward, MoEBackwardPlan, BackwardTasks>(p, tp.maps, smem);
 }

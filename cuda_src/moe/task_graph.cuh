@@ -78,13 +78,6 @@ __device__ __forceinline__ void signal_counters(int* c0, int* c1) {
   if (worker_tid() == 0) { red_release_gpu(c0, 1); red_release_gpu(c1, 1); }
 }
 
-// Task-index bookkeeping: phases are consecutive ranges of the index space.
-struct PhaseRange {
-  int begin, count;
-  __device__ __forceinline__ bool has(int task) const { return task >= begin && task < begin + count; }
-  __device__ __forceinline__ int local(int task) const { return task - begin; }
-};
-
 __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 // Routing counts are device data: a schedule that overflows the buffers is reported, not used.

@@ -27,7 +27,7 @@
 #include "moe/task_graph.cuh"
 
 namespace mok {
-namespace ws {
+namespace pipe {
 
 constexpr int kBN = 256;                       // tile: 128 rows x 256 columns
 constexpr int kStages = 4;                     // 4 x 48 KB ring
@@ -609,5 +609,5 @@ __device__ __forceinline__ void store_f32(const float (&acc)[kAccRegs], const Fr
   }
 }
 
-}  // namespace ws
+}  // namespace pipe
 }  // namespace mok
