@@ -204,7 +204,7 @@ class CudaBackend:
 
     def recompute(self, sched, args, *, stream):
         if args.w_down is None or (self.ws.config.has_shared and args.ws_down is None):
-            # DESIGN §4's recompute_context gets no w_down, and the context holds the experts' outputs
+            # recompute_context gets no w_down, and the context holds the experts' outputs
             # (for d_topk_weights), which need it.  So the rebuild runs at the start of the backward,
             # which gets w_down: the same work, done just before it is needed -- which is when
             # activation checkpointing recomputes anyway.

@@ -65,7 +65,7 @@ def _int(name: str, v, *, minimum: int = 0, multiple: int = 1) -> int:
 
 @dataclass(frozen=True)
 class LayerDims:
-    """Host-known sizes of one launch (DESIGN.md §2 names): T, H, I, k, E_l, capacity, I_s."""
+    """Host-known sizes of one launch: T, H, I, k, E_l, capacity, I_s."""
 
     tokens: int                 # T (0 allowed)
     hidden: int                 # H, multiple of 64

@@ -1,4 +1,4 @@
-"""Per-task timelines of the MoE megakernels (``Workspace(trace=True)``; cuda_src/moe/trace.cuh).
+"""Per-task timelines of the MoE megakernels (``Workspace(trace=True)``; cuda_src/moe/tasks/trace.cuh).
 
 Every launch of a traced workspace gets one 32-byte record per task of its plan, zeroed before
 the launch: when the task was grabbed, when its waits were done, when its work was done, and

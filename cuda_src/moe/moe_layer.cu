@@ -1,10 +1,10 @@
-// The fused MoE layer kernels on the warp-specialised TMA + wgmma engine: one persistent forward
-// and one persistent backward, with the tasks, counters and EP behaviour of moe_layer.cu (the
-// results match it within rounding; each is deterministic on its own).
+// The fused MoE layer kernels: one persistent forward and one persistent backward on the
+// warp-specialised TMA + wgmma pipeline; each is deterministic (fixed reduction orders).
 // Launch: 384 threads (pipe::kCtaThreads), pipe::kSmemBytes of dynamic shared memory, a grid of about
 // one CTA per SM; the parameter struct carries one TMA map per operand view (params_tma.cuh).
-// Roles and protocol: moe/ws_pipeline.cuh.
-#include "moe/tma_backward.cuh"
+// Roles and protocol: pipeline/pipeline.cuh; tasks: tasks/forward.cuh, tasks/backward.cuh; the
+// task plan comes from the host in the parameter struct (mok_rt/_moe_plan.py).
+#include "moe/tasks/backward.cuh"
 
 using namespace mok;
 
@@ -31,7 +31,7 @@ __device__ __forceinline__ void prefetch_maps(const Maps& m) {
 }
 
 // The body of both kernels: plan and task order into shared memory (the producer's registers
-// could not hold them), the uniform start, then the two roles (ws_pipeline.cuh) and, with EP,
+// could not hold them), the uniform start, then the two roles (pipeline/pipeline.cuh) and, with EP,
 // the end-of-launch group barrier.
 template <class Kernel, class Plan, class Tasks, class Params, class Maps>
 __device__ __forceinline__ void run_megakernel(const Params& p, const Maps& maps, unsigned char* smem) {

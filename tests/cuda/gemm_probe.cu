@@ -13,7 +13,7 @@
 //   b: K-major  dims {K, N, groups}, box {64, BN, 1}
 //      MN-major dims {N, K, groups}, box {64, 64, 1}
 #include "common/mma.cuh"
-#include "moe/gemm_wgmma.cuh"
+#include "moe/pipeline/gemm_wgmma.cuh"
 
 namespace mok {
 

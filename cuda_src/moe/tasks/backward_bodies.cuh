@@ -1,13 +1,15 @@
-// Backward tasks of the fused MoE layer (one GPU).  Phases, in task-index order:
+// Backward tasks of the fused MoE layer: the bodies of the non-GEMM tasks (tasks/backward.cuh
+// runs them).  Phases, in task-index order (one GPU; mok_rt/_moe_plan.py); column tiles are 256
+// wide, wgrad row tiles 128:
 //   B0 dispatch dy     row block:                 dy_routed = w[slot] * d_out[token] (zeros for padding)
 //   B1 d weights       token block:               d_topk_weights[t,j] = <d_out[t], y_slot[t*k+j]>
-//   B2 shared dA       token block x I_s/128:     d_out * shared_down -> SwiGLU bwd with sgu -> dsgu
-//   B3 routed dA       row block x I/128:         dy_routed * W_down[e] -> SwiGLU bwd with gu -> dgu
-//   B4 shared dX       token block x H/128:       dsgu * [shared_gate; shared_up] -> dx_shared (fp32)
-//   B5 routed dX       row block x H/128:         dgu * [W_gate[e]; W_up[e]] -> dx_slot[route]
-//   B6 wgrad down      expert x H/128 x I/128:    dW_down[e] = dy_e^T * act_e
-//   B7 wgrad gate|up   expert x {g,u} x I/128 x H/128: dW_{gate,up}[e] = dG_e^T / dU_e^T * x_routed_e
-//   B8 shared wgrad    H/128 x I_s/128, then {g,u} x I_s/128 x H/128 (K = T)
+//   B2 shared dA       token block x I_s/256:     d_out * shared_down -> SwiGLU bwd with sgu -> dsgu
+//   B3 routed dA       row block x I/256:         dy_routed * W_down[e] -> SwiGLU bwd with gu -> dgu
+//   B4 shared dX       token block x H/256:       dsgu * [shared_gate; shared_up] -> dx_shared (fp32)
+//   B5 routed dX       row block x H/256:         dgu * [W_gate[e]; W_up[e]] -> dx_slot[route]
+//   B6 wgrad down      expert x H/128 x I/256:    dW_down[e] = dy_e^T * act_e
+//   B7 wgrad gate|up   expert x {g,u} x I/128 x H/256: dW_{gate,up}[e] = dG_e^T / dU_e^T * x_routed_e
+//   B8 shared wgrad    H/128 x I_s/256, then {g,u} x I_s/128 x H/256 (K = T)
 //   B9 combine dx      part of a token block:     dx = dx_shared + sum_j dx_slot[t*k+j]
 // With expert parallelism (ep.cuh) the order is
 //   Bp push (weighted d_out rows -> their destinations' routed rows = dy_routed), Bp' notify,
@@ -15,7 +17,7 @@
 //   B5 (rows return to their source's slot rows = dx_slot), B5' notify, B6, B7, B8,
 //   B9 (wait for every destination).  Weight gradients stay on the expert's rank.
 #pragma once
-#include "moe/forward_tasks.cuh"
+#include "moe/tasks/forward_bodies.cuh"
 
 namespace mok {
 

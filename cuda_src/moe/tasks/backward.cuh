@@ -1,6 +1,5 @@
-// Backward tasks of the warp-specialised MoE kernel (moe_layer_tma.cu): the phases, counters and
-// EP behaviour of backward_tasks.cuh, with every GEMM on the TMA + wgmma pipeline and its
-// epilogue straight from registers.  Tiles are 128 x 256:
+// The backward's task set (TmaBackward): phases in backward_bodies.cuh, every GEMM on the pipeline
+// (pipeline/pipeline.cuh) with its epilogue straight from registers.  Tiles are 128 x 256:
 //   B2/B3 dA: 256 intermediate columns; A = d_out / dy_routed (K-major), B = the down weights
 //             read MN-major; SwiGLU backward reads gu at the same (row, column).
 //   B4/B5 dX: 256 hidden columns; K = [gate | up] (2I): B switches from the gate to the up map
@@ -10,9 +9,9 @@
 //             64 rows: the rows past the expert's count are its padding rows, which are zero in
 //             dy_routed, act, dgu and x_routed (dispatch writes zeros, and zeros stay zero).
 #pragma once
-#include "moe/backward_tasks.cuh"
-#include "moe/staged_rows.cuh"
-#include "moe/tma_forward.cuh"
+#include "moe/tasks/backward_bodies.cuh"
+#include "moe/pipeline/staged_rows.cuh"
+#include "moe/tasks/forward.cuh"
 
 namespace mok {
 
@@ -34,7 +33,7 @@ enum BackwardJob : int {
 
 // SwiGLU backward epilogue: the tile holds dA for intermediate columns col0 + c (c < cols); reads
 // the saved pre-activations gu (ld 2*inter, gate | up) and writes dgu, 16 bytes at a time (dA is
-// quad-transposed to the 8-column chunk each lane then owns; see ws_pipeline.cuh).
+// quad-transposed to the 8-column chunk each lane then owns; see pipeline/epilogue.cuh).
 __device__ __forceinline__ void swiglu_bwd_epilogue_regs(const float (&acc)[pipe::kAccRegs], const pipe::Frag& f,
                                                          int rows, int cols, const bf16* gu, bf16* dgu, int inter,
                                                          int col0, const SwiGLU& sw) {
@@ -235,7 +234,7 @@ struct TmaBackward {
   }
 
   // ---- workers -------------------------------------------------------------------------------------
-  // The weight gradients: short K, long fp32 epilogues (ws_pipeline.cuh, "GEMMs in turns").
+  // The weight gradients: short K, long fp32 epilogues (pipeline/pipeline.cuh, "GEMMs in turns").
   __device__ static bool in_turns(const pipe::Job& job) {
     return job.kind == kBwdWgradDown || job.kind == kBwdWgradGateUp || job.kind == kBwdSharedWgradDown ||
            job.kind == kBwdSharedWgradGateUp;

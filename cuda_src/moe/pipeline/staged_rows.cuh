@@ -11,7 +11,7 @@
 // with the GEMM Jobs around the copy.
 #pragma once
 #include "moe/params.cuh"
-#include "moe/ws_pipeline.cuh"
+#include "moe/pipeline/pipeline.cuh"
 
 namespace mok {
 namespace rows {
@@ -144,7 +144,7 @@ __device__ __forceinline__ bool copy_block(const pipe::Shared& s, wg::PipeState&
 
 // ---- d_topk_weights through the ring (the backward's B1) ----------------------------------------
 // d_topk_weights[t, j] = <d_out[t], y_slot[t, j]>: per token k + 1 rows of H, read once.  The
-// register version (backward_tasks.cuh d_weights) keeps 4 loads in flight per lane and took
+// register version (backward_bodies.cuh d_weights) keeps 4 loads in flight per lane and took
 // ~1.8 ms per deepseek-v3 token block.  A stage here is one (token, column piece): the piece of
 // d_out[t] and of its k routes' rows (k + 1 bulk copies); warp j < k sums route j's products.
 // Lanes walk their 16-byte chunks as the register version does (lane * 8 + 256 i, in order; the

@@ -1,16 +1,17 @@
-// Forward tasks of the warp-specialised MoE kernel (moe_layer_tma.cu): the phases, counters and
-// EP behaviour of forward_tasks.cuh, with the GEMMs on the TMA + wgmma pipeline (ws_pipeline.cuh)
-// and their epilogues straight from registers.  Tiles are 128 x 256:
+// The forward's task set (TmaForward): the producer decodes each plan task (phases in
+// forward_bodies.cuh, plan in params.cuh), does its waits and streams its operands; the workers
+// run the GEMMs on the pipeline (pipeline/pipeline.cuh) with epilogues straight from registers.
+// Tiles are 128 x 256:
 //   F1/F2 gate|up: 128 intermediate columns (B = 128 gate rows | 128 up rows, two TMA boxes);
 //   F3/F4 down:    256 hidden columns.
-// The one-GPU dispatch streams its rows through the ring (staged_rows.cuh).  The other non-GEMM
-// tasks (push, EP dispatch, combine) run the one-engine kernel's bodies on the 256 workers after
-// the producer did their waits; the notify tasks run entirely on the producer.
+// The one-GPU dispatch streams its rows through the ring (pipeline/staged_rows.cuh).  The other
+// non-GEMM tasks (push, EP dispatch, combine) run the bodies of forward_bodies.cuh on the 256
+// workers after the producer did their waits; the notify tasks run entirely on the producer.
 #pragma once
-#include "moe/forward_tasks.cuh"
+#include "moe/tasks/forward_bodies.cuh"
 #include "moe/params_tma.cuh"
-#include "moe/staged_rows.cuh"
-#include "moe/ws_pipeline.cuh"
+#include "moe/pipeline/staged_rows.cuh"
+#include "moe/pipeline/epilogue.cuh"
 
 namespace mok {
 
@@ -30,7 +31,7 @@ enum ForwardJob : int {
 // SwiGLU epilogue of a 128 x 256 gate|up tile from registers: column c < 128 is gate and 128 + c
 // up for intermediate column col0 + c, i.e. registers 4j.. and 4(j + 16).. of the same thread.
 // Writes gu (bf16, ld 2*inter: gate | up) and act (bf16, ld inter) for rows < rows, columns
-// col0 + c < inter; same values as swiglu_epilogue (forward_tasks.cuh).  Values are computed in
+// col0 + c < inter; SwiGLU (forward_bodies.cuh).  Values are computed in
 // the accumulator layout and quad-transposed (pipe::quad_transpose) for 16-byte stores.
 __device__ __forceinline__ void swiglu_epilogue_regs(const float (&acc)[pipe::kAccRegs], const pipe::Frag& f, int rows,
                                                      bf16* gu, bf16* act, int inter, int col0, const SwiGLU& sw) {
@@ -42,7 +43,7 @@ __device__ __forceinline__ void swiglu_epilogue_regs(const float (&acc)[pipe::kA
     bf16* act_row = act + (size_t)r * inter;
 #pragma unroll
     for (int q = 0; q < kHalf / 4; ++q) {
-      if (col0 + 32 * q >= inter) break;  // warp-uniform (see ws_pipeline.cuh)
+      if (col0 + 32 * q >= inter) break;  // warp-uniform (see pipeline/epilogue.cuh)
       uint32_t gw[4], uw[4], aw[4];
 #pragma unroll
       for (int k = 0; k < 4; ++k) {

@@ -12,8 +12,8 @@
 #include "comm/barrier.cuh"
 #include "common/mma.cuh"
 #include "moe/params.cuh"
-#include "moe/row_copy.cuh"
-#include "moe/task_graph.cuh"
+#include "moe/tasks/row_copy.cuh"
+#include "moe/tasks/task_graph.cuh"
 
 namespace mok {
 namespace ep {

@@ -11,7 +11,7 @@
 #include "common/errors.cuh"
 #include "common/ptx.cuh"
 #include "moe/params.cuh"
-#include "moe/trace.cuh"
+#include "moe/tasks/trace.cuh"
 
 namespace mok {
 

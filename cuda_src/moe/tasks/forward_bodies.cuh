@@ -1,9 +1,10 @@
-// Forward tasks of the fused MoE layer.  Phases, in task-index order (one GPU):
-//   F0 dispatch      row block b:            x_routed[b] <- token rows (zeros for padding)
-//   F1 shared g|u    token block x I_s/64:   [x | shared_gate; shared_up] -> sgu, sact
-//   F2 routed g|u    row block x I/64:       [x_routed | W_gate[e]; W_up[e]] -> gu, act
-//   F3 shared down   token block x H/128:    sact * shared_down^T -> shared_y (fp32)
-//   F4 routed down   row block x H/128:      act * W_down[e]^T -> y_slot[route] (unweighted)
+// Forward tasks of the fused MoE layer: SwiGLU, and the bodies of the non-GEMM tasks (tasks/
+// forward.cuh runs them).  Phases, in task-index order (one GPU; mok_rt/_moe_plan.py):
+//   F0 dispatch      row block b:             x_routed[b] <- token rows (zeros for padding)
+//   F1 shared g|u    token block x I_s/128:   [x | shared_gate; shared_up] -> sgu, sact
+//   F2 routed g|u    row block x I/128:       [x_routed | W_gate[e]; W_up[e]] -> gu, act
+//   F3 shared down   token block x H/256:     sact * shared_down^T -> shared_y (fp32)
+//   F4 routed down   row block x H/256:       act * W_down[e]^T -> y_slot[route] (unweighted)
 //   F5 combine       part of a token block:  out = shared_y + sum_j w[t,j] y_slot[t*k+j]
 // With expert parallelism (ep.cuh) the order is
 //   Fp push (this rank's token rows -> their destinations' routed rows), Fp' notify "rows sent",
@@ -13,13 +14,13 @@
 // Each task waits only on lower-index tasks of its rank (see task_graph.cuh), or on peers'
 // tasks of lower phases, so the ranks progress as long as their kernels are resident together.
 #pragma once
-#include "moe/ep.cuh"
-#include "moe/row_copy.cuh"
-#include "moe/task_graph.cuh"
+#include "moe/tasks/ep.cuh"
+#include "moe/tasks/row_copy.cuh"
+#include "moe/tasks/task_graph.cuh"
 
 namespace mok {
 
-// ---- SwiGLU with the optional clamp (DESIGN.md §2) ---------------------------------------------
+// ---- SwiGLU with the optional clamp -------------------------------------------------------------
 struct SwiGLU {
   bool limited;
   float limit;
@@ -157,9 +158,9 @@ struct ForwardTasks {
 
   // F5: out[t] = shared_y[t] + sum_j w[t,j] * y_slot[t*k+j], fp32, j in order.  With EP the
   // routes' outputs arrive in this rank's slot rows: they are also copied into y_slot (context),
-  // and a context-only launch stops there.
+  // and a context-only launch stops there.  Runs after the producer's waits:
   // `q`: the combine task (token block q / plan.combine_parts, its part q % plan.combine_parts).
-  // F5 after its waits: the kBlockM / plan.combine_parts tokens of combine task q.
+  // the kBlockM / plan.combine_parts tokens of combine task q.
   __device__ void combine_body(int q) const {
     const MoEDims& d = p.dims;
     const bool ep = ep_on();
