@@ -97,8 +97,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "training; serial: the host waits for each call (adds its enqueue latency)")
     ap.add_argument("--comm-sms", type=int, default=None,
                     help="MoEConfig.comm_sms with EP (tasks that push this rank's rows; default: the config's)")
-    ap.add_argument("--engine", choices=("tile", "tma"), default=None,
-                    help="mok_rt's GEMM engine (sets $MOK_RT_GEMM_ENGINE; default: that variable, else tma)")
     ap.add_argument("--out", default=None, help="directory for the results JSON (default bench/results)")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="self-test of the harness without a GPU: torch on the CPU (gloo between processes), "
@@ -106,8 +104,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--commit", default=os.environ.get("MOK_BENCH_COMMIT"),
                     help="commit id to record when the tree has no git metadata (env MOK_BENCH_COMMIT)")
     args = ap.parse_args(argv)
-    if args.engine is not None:
-        os.environ["MOK_RT_GEMM_ENGINE"] = args.engine   # read by mok_rt when a workspace is built
     if args.cpu_smoke:
         args.quick = True
         if args.tokens is None:
@@ -759,7 +755,7 @@ def main(argv=None) -> int:
            "machine": _machine(torch, ranks), "commit": _commit(args.commit), "versions": _versions(torch, mok),
            "argv": sys.argv[1:], "ep": size, "iters": args.iters, "warmup": args.warmup, "seed": args.seed,
            "quick": args.quick, "cpu_smoke": args.cpu_smoke, "impl": args.impl, "tolerance": TOLERANCE,
-           "gemm_engine": os.environ.get("MOK_RT_GEMM_ENGINE") or "tma", "comm_sms": args.comm_sms,
+           "comm_sms": args.comm_sms,
            "mok_error": mok.error, "complete": False,
            "timed": {"fwd": "schedule + forward", "fwd_bwd": "schedule + forward + backward",
                      "statistic": "median over iterations, max over ranks", "timing": args.timing,

@@ -182,6 +182,17 @@ def compile_one(nvcc: str, version: str, source: Path, target: str, out_dir: Pat
     return BuiltCubin(entry=entry, log=log)
 
 
+def compile_cubin(source: Path, out_dir: Path, target: str = DEFAULT_TARGETS[0]) -> Path:
+    """Compiles one source outside the package (the test suite's probes) into ``out_dir`` with the
+    package's flags and include path; returns the cubin's path."""
+    out_path = Path(out_dir) / f"{Path(source).stem}.{target}.cubin"
+    cmd = [find_nvcc(), *BASE_FLAGS, *target_flags(target), "-I", str(SOURCE_DIR), str(source), "-o", str(out_path)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise BuildError(f"nvcc failed for {source} ({target}):\n{res.stderr}")
+    return out_path
+
+
 def build(targets=DEFAULT_TARGETS, *, jobs: int = 2, verbose: bool = False,
           only: tuple[str, ...] = ()) -> dict:
     """Compile the kernels (all of them, or the source stems in ``only``) and update the manifest.

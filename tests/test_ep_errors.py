@@ -109,9 +109,9 @@ def _read(*parts):
         return f.read()
 
 
-@pytest.mark.parametrize("name", ["forward_tasks.cuh", "backward_tasks.cuh", "tma_forward.cuh", "tma_backward.cuh"])
+@pytest.mark.parametrize("name", ["tasks/forward.cuh", "tasks/backward.cuh"])
 def test_peer_waits_use_the_peer_deadline_and_local_waits_the_longer_one(name):
-    # Both engines: the one-engine kernel's CTA-wide waits and the TMA producer's one-thread waits.
+    # The producer's one-thread waits.
     src = _read("moe", name)
     peer_waits = re.findall(r"ep::wait_all(?:_thread)?\(([^;]*)\)", src)
     assert len(peer_waits) == 2
@@ -128,7 +128,7 @@ def test_peer_waits_use_the_peer_deadline_and_local_waits_the_longer_one(name):
 
 
 def test_wait_contexts_give_local_waits_the_longer_deadline():
-    src = _read("moe", "ep.cuh")
+    src = _read("moe", "tasks", "ep.cuh")
     local = src[src.index("WaitCtx local_wait_ctx("):src.index("WaitCtx peer_wait_ctx(")]
     assert "local_timeout_ns(p.peers, p.dims.timeout_ns)" in local
     peer = src[src.index("WaitCtx peer_wait_ctx("):]
@@ -136,7 +136,7 @@ def test_wait_contexts_give_local_waits_the_longer_deadline():
 
 
 def test_local_deadline_outlasts_the_peer_deadline():
-    src = _read("moe", "ep.cuh")
+    src = _read("moe", "tasks", "ep.cuh")
     factor = int(re.search(r"kLocalTimeoutFactor = (\d+);", src).group(1))
     assert factor >= 2
     # Only the own-flag part of wait_all may report an unknown peer (-1).

@@ -1,4 +1,4 @@
-"""GPU test of the TMA + wgmma engine through its standalone probe (cuda_src/moe/gemm_probe.cu).
+"""GPU test of the TMA + wgmma engine through its standalone probe (tests/cuda/gemm_probe.cu).
 
 The probe computes a grouped GEMM C[rows of g] = A[rows of g] * B[g]^T with device-side row offsets
 (multiples of 128, like the MoE experts), B either K-major ([G, N, K], the weights) or MN-major
@@ -8,7 +8,8 @@ give the same bits.  test_probe_timing prints the qwen3-30b-a3b expert shapes as
 "PROBE <name> <ms> <TFLOP/s>" (median of 20 launches, CUDA events) for both tile widths
 (kernels gemm_probe: 128 x 256 tiles, gemm_probe_bn128: 128 x 128 tiles).
 
-Needs the cubin: `python -m mok_rt.build` (builds mok_rt/cubins/gemm_probe.sm_90a.cubin).
+The probe is not part of the package: it is compiled here with nvcc into a temporary directory
+(once per session; skipped when nvcc is absent).
 """
 from __future__ import annotations
 
@@ -22,7 +23,10 @@ pytestmark = pytest.mark.gpu
 from _gpu import cp  # noqa: E402  (CuPy is imported when a test first uses it)
 
 from mok_rt.runtime import tensormap as tm  # noqa: E402
-from mok_rt.runtime.cubins import get_kernel  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from mok_rt import build  # noqa: E402
+from mok_rt.runtime.cubins import get_kernel_at  # noqa: E402
 from mok_rt.runtime.launch import launch, multiprocessor_count  # noqa: E402
 
 BF16 = ml_dtypes.bfloat16
@@ -65,6 +69,23 @@ class ProbeParams(ctypes.Structure):
 
 assert ctypes.sizeof(ProbeParams) == 320
 assert ProbeParams.b.offset == 128 and ProbeParams.group_offset.offset == 256
+
+
+_PROBE_SOURCE = Path(__file__).resolve().parent / "cuda" / "gemm_probe.cu"
+_probe_path = None
+
+
+def _probe_cubin() -> Path:
+    """tests/cuda/gemm_probe.cu compiled with the package's flags (once per session)."""
+    global _probe_path
+    if _probe_path is None:
+        import tempfile
+        try:
+            build.find_nvcc()
+        except build.BuildError as ex:
+            pytest.skip(f"the GEMM probe is compiled on the fly and needs nvcc: {ex}")
+        _probe_path = build.compile_cubin(_PROBE_SOURCE, Path(tempfile.mkdtemp(prefix="mok_probe_")))
+    return _probe_path
 
 
 # ---- helpers ----------------------------------------------------------------------------------
@@ -131,7 +152,7 @@ class Probe:
         p.b_mn_major = int(self.b_major == tm.Major.MN)
         self.params = p
         self.device_id = cp.cuda.Device().id
-        self.kernel = get_kernel("gemm_probe", kernel, self.device_id)
+        self.kernel = get_kernel_at(_probe_cubin(), kernel, self.device_id)
 
     def grid(self, max_ctas=None) -> int:
         tiles = (self.cap // BLOCK_M) * -(-self.n // self.bn)

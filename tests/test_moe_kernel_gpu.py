@@ -156,7 +156,7 @@ class Problem:
     def forward(self, stream, *, context_only=False, knobs=KernelKnobs()):
         b = self.new_forward_buffers()
         ptrs = {n: _ptr(a) for n, a in b.items()}
-        ptrs.update({n: _ptr(a) for n, a in self.dw.items()})
+        ptrs.update({_KERNEL_NAMES.get(n, n): _ptr(a) for n, a in self.dw.items()})
         bufs = ForwardBuffers(x=_ptr(self.dx_in), topk_weights=_ptr(self.dweights), **ptrs)
         stream.synchronize()
         cp.cuda.Device().synchronize()
@@ -180,7 +180,7 @@ class Problem:
             b.update(dws_gate=_empty_f32((Is, H)), dws_up=_empty_f32((Is, H)), dws_down=_empty_f32((H, Is)),
                      dsgu=_empty_bf16((T, 2 * Is)), dx_shared=_empty_f32((T, H)))
         for name, arr in b.items():
-            assert arr.nbytes == sizes[name], name
+            assert arr.nbytes == sizes[_KERNEL_NAMES.get(name, name)], name
         if prefill is not None:
             for name, arr in prefill.items():
                 b[name][...] = cp.asarray(arr)
@@ -188,8 +188,8 @@ class Problem:
 
     def backward(self, stream, fwd, *, accumulate=False, prefill=None, knobs=KernelKnobs()):
         b = self.new_backward_buffers(fwd, prefill=prefill)
-        ptrs = {n: _ptr(a) for n, a in b.items()}
-        ptrs.update({n: _ptr(a) for n, a in self.dw.items()})
+        ptrs = {_KERNEL_NAMES.get(n, n): _ptr(a) for n, a in b.items()}
+        ptrs.update({_KERNEL_NAMES.get(n, n): _ptr(a) for n, a in self.dw.items()})
         ctx = {n: _ptr(fwd[n]) for n in ("x_routed", "gu", "act", "y_slot")}
         if self.Is:
             ctx.update(sgu=_ptr(fwd["sgu"]), sact=_ptr(fwd["sact"]))
@@ -204,6 +204,9 @@ class Problem:
         return b
 
 
+# The reference's names (mok_rt.reference) -> the kernels' buffer names (_moe_params.BACKWARD_BUFFERS).
+_KERNEL_NAMES = {"ws_gate": "shared_gate", "ws_up": "shared_up", "ws_down": "shared_down",
+                 "dws_gate": "d_shared_gate", "dws_up": "d_shared_up", "dws_down": "d_shared_down"}
 _GRAD_F32 = ("d_topk_weights", "dw_gate", "dw_up", "dw_down", "dws_gate", "dws_up", "dws_down")
 
 

@@ -1,5 +1,5 @@
 """Host side of the warp-specialised TMA + wgmma kernels (no GPU): parameter-struct layout, the
-tensor-map specs every operand view gets, the engine knob, and the task counts per engine."""
+tensor-map specs every operand view gets, and the task counts."""
 from __future__ import annotations
 
 import ctypes
@@ -28,7 +28,7 @@ def _fwd_bufs(shared=True, tokens=True):
     names = [f.name for f in L.ForwardBuffers.__dataclass_fields__.values()]
     b = {n: next(v) for n in names}
     if not shared:
-        b.update({n: 0 for n in ("ws_gate", "ws_up", "ws_down", "sgu", "sact", "shared_y")})
+        b.update({n: 0 for n in ("shared_gate", "shared_up", "shared_down", "sgu", "sact", "shared_y")})
     if not tokens:
         b.update({n: 0 for n in ("x", "topk_weights", "out", "y_slot", "sgu", "sact", "shared_y")})
     return L.ForwardBuffers(**b)
@@ -40,15 +40,15 @@ def _bwd_bufs():
 
 
 def test_parameter_structs_mirror_params_tma():
-    assert ctypes.sizeof(P.MoEForwardTmaParams) == 2240
-    assert ctypes.sizeof(P.MoEBackwardTmaParams) == 3392 <= 4096
+    assert ctypes.sizeof(P.MoEForwardTmaParams) == 2368
+    assert ctypes.sizeof(P.MoEBackwardTmaParams) == 3520 <= 4096
     assert P.MoEForwardTmaParams.maps.offset == 0 and P.MoEForwardTmaParams.p.offset == 10 * 128
     assert P.MoEBackwardTmaParams.maps.offset == 0 and P.MoEBackwardTmaParams.p.offset == 18 * 128
     for cls, names in ((P.MoEForwardMaps, P.FORWARD_MAP_NAMES), (P.MoEBackwardMaps, P.BACKWARD_MAP_NAMES)):
         assert [f[0] for f in cls._fields_] == list(names)
         for i, n in enumerate(names):
             assert getattr(cls, n).offset == 128 * i   # each map 64-byte aligned
-    assert P.TMA_SMEM_BYTES == 197800 and P.TMA_THREADS == 384
+    assert P.SMEM_BYTES == 197800 and P.THREADS == 384
 
 
 def test_forward_map_specs():
@@ -62,11 +62,11 @@ def test_forward_map_specs():
     wg = s["w_gate_k"]   # one expert per group: a box never reads the next expert's rows
     assert wg.dims == (320, 192, 5) and wg.box == (64, 128, 1) and wg.strides == (640, 192 * 320 * 2)
     assert s["w_down_k"].dims == (192, 320, 5) and s["w_down_k"].box == (64, 256, 1)
-    assert s["ws_down_k"].dims == (320, 320, 1) and s["ws_down_k"].box == (64, 256, 1)
+    assert s["shared_down_k"].dims == (320, 320, 1) and s["shared_down_k"].box == (64, 256, 1)
     assert s["act_k"].dims == (192, 1280, 1)
     # No shared expert, no tokens: those maps are zeros.
     s = M.map_specs(_fwd_bufs(shared=False), _dims(shared_intermediate=0), backward=False)
-    assert all(s[n] is None for n in ("sact_k", "ws_gate_k", "ws_up_k", "ws_down_k"))
+    assert all(s[n] is None for n in ("sact_k", "shared_gate_k", "shared_up_k", "shared_down_k"))
     s = M.map_specs(_fwd_bufs(tokens=False), _dims(tokens=0), backward=False)
     assert s["x_k"] is None and s["sact_k"] is None and s["x_routed_k"] is not None
 
@@ -94,38 +94,17 @@ def test_encode_maps_writes_zeros_for_unused_views():
     assert bytes(maps) == bytes(ctypes.sizeof(maps))
 
 
-def test_engine_knob(monkeypatch):
-    monkeypatch.delenv(L.ENGINE_ENV, raising=False)
-    assert L.resolve_engine(None) == "tma"
-    assert L.resolve_engine("tile") == "tile"
-    monkeypatch.setenv(L.ENGINE_ENV, "tile")
-    assert L.resolve_engine(None) == "tile" and L.resolve_engine("tma") == "tma"
-    monkeypatch.setenv(L.ENGINE_ENV, "fast")
-    with pytest.raises(ArgumentError, match=L.ENGINE_ENV):
-        L.resolve_engine(None)
-    with pytest.raises(ArgumentError, match="engine"):
-        L.KernelKnobs(engine="mma")
-    # The engine is no longer a MoEConfig field: $MOK_RT_GEMM_ENGINE is the one knob.
-    with pytest.raises(TypeError, match="gemm_engine"):
-        mok.MoEConfig(hidden=64, intermediate=64, num_experts=2, top_k=1, gemm_engine="tma")
-    assert not hasattr(mok.MoEConfig(hidden=64, intermediate=64, num_experts=2, top_k=1), "gemm_engine")
-
-
-def test_task_counts_per_engine():
+def test_task_counts():
     d = L.LayerDims(capacity_rows=16384 * 8 + 128 * 128, **QWEN)
     mb, tb = d.max_blocks, d.token_blocks
     cb = tb * P.combine_parts(tb)  # combine tasks
-    # tile: gate|up tiles of 64 columns, N tiles of 128.
-    assert L.forward_task_count(d) == mb + mb * 12 + mb * 16 + cb
-    # tma: gate|up tiles of 128 columns (768 / 128 = 6), N tiles of 256 (2048 / 256 = 8).
-    assert L.forward_task_count(d, engine="tma") == mb + mb * 6 + mb * 8 + cb
+    # gate|up tiles of 128 columns (768 / 128 = 6), N tiles of 256 (2048 / 256 = 8).
+    assert L.forward_task_count(d) == mb + mb * 6 + mb * 8 + cb
     E = 128
-    assert L.backward_task_count(d, engine="tma") == (mb + tb + mb * 3 + mb * 8 + E * 16 * 3 + E * 2 * 6 * 8 + cb)
+    assert L.backward_task_count(d) == (mb + tb + mb * 3 + mb * 8 + E * 16 * 3 + E * 2 * 6 * 8 + cb)
     # Ragged widths round up: I = 192 -> 2 gate|up tiles, 1 dA tile; H = 320 -> 2 N tiles.
     r = _dims()
     si_t, si_r = 2, 3   # I_s = 320: 256-wide tiles, 128-row tiles
     want = (r.max_blocks + r.token_blocks + r.token_blocks * si_t + r.max_blocks * 1 + r.token_blocks * 2
             + r.max_blocks * 2 + 5 * 3 * 1 + 5 * 2 * 2 * 2 + (3 * si_t + 2 * si_r * 2) + r.token_blocks * P.combine_parts(r.token_blocks))
-    assert L.backward_task_count(r, engine="tma") == want
-    with pytest.raises(ArgumentError, match="engine"):
-        L.forward_task_count(d, engine="mma")
+    assert L.backward_task_count(r) == want

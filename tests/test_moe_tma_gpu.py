@@ -1,12 +1,8 @@
-"""The warp-specialised TMA + wgmma megakernels (cuda_src/moe/moe_layer_tma.cu, engine "tma") against
-the float64 reference, through the same harness as tests/test_moe_kernel_gpu.py (NaN-poisoned
-outputs, fresh random inputs, bitwise determinism), independently of $MOK_RT_GEMM_ENGINE.
-
-The whole GPU suite runs on the default engine ("tma"; MOK_RT_GEMM_ENGINE=tile selects the other,
-scripts/gpu_x2.sh runs both); this file pins the cases that matter for it: gate|up tiles of 128 columns with a half-empty last one,
-256-wide N tiles past H and I, the dX map switch at k = I, MN-major wgrads with K not a multiple
-of 64, one and three CTAs, and agreement with the "tile" engine.  Prints ENGINE lines (ms per
-launch of each engine) at a mid-size shape.
+"""The TMA + wgmma megakernels (cuda_src/moe/moe_layer.cu) against the float64 reference, through
+the same harness as tests/test_moe_kernel_gpu.py (NaN-poisoned outputs, fresh random inputs,
+bitwise determinism): gate|up tiles of 128 columns with a half-empty last one, 256-wide N tiles
+past H and I, the dX map switch at k = I, MN-major wgrads with K not a multiple of 64, one and
+three CTAs.  Prints a TIMING line (ms per launch) at a mid-size shape.
 """
 from __future__ import annotations
 
@@ -22,8 +18,7 @@ from mok_rt.kernels.moe_launch import KernelKnobs  # noqa: E402
 from test_moe_kernel_gpu import (CASES, TOL, Problem, _assert_bitwise_equal, _check_backward,  # noqa: E402
                                  _check_forward, _host_bf16, _rel_err)
 
-TMA = KernelKnobs(engine="tma")
-TILE = KernelKnobs(engine="tile")
+TMA = KernelKnobs()
 FWD_NAMES = ["out", "x_routed", "gu", "act", "y_slot"]
 BWD_NAMES = ["dx", "d_topk_weights", "dw_gate", "dw_up", "dw_down"]
 SHARED_FWD = ["sgu", "sact"]
@@ -74,10 +69,10 @@ def test_tma_few_ctas_context_only_and_accumulate(stream):
     pb = Problem(**TMA_CASES["ragged"])
     full = pb.forward(stream, knobs=TMA)
     for n_ctas in (1, 3):
-        other = pb.forward(stream, knobs=KernelKnobs(engine="tma", max_ctas=n_ctas))
+        other = pb.forward(stream, knobs=KernelKnobs(max_ctas=n_ctas))
         _assert_bitwise_equal(full, other, _names(pb, FWD_NAMES, SHARED_FWD))
     bwd = pb.backward(stream, full, knobs=TMA)
-    one = pb.backward(stream, full, knobs=KernelKnobs(engine="tma", max_ctas=1))
+    one = pb.backward(stream, full, knobs=KernelKnobs(max_ctas=1))
     _assert_bitwise_equal(bwd, one, _names(pb, BWD_NAMES, SHARED_BWD))
 
     ctx_only = pb.forward(stream, context_only=True, knobs=TMA)
@@ -104,27 +99,10 @@ def test_tma_zero_tokens_and_capacity_error(stream):
     assert int(cp.asnumpy(pb.err)[0]) == 2   # kErrCapacity
 
 
-def test_engines_agree(stream):
-    """Both engines compute the same layer: results within rounding of each other."""
-    pb = Problem(**TMA_CASES["ragged"])
-    f_tile, f_tma = pb.forward(stream, knobs=TILE), pb.forward(stream, knobs=TMA)
-    for n in ("out", "y_slot", "act"):
-        got, want = _host_bf16(f_tma[n]), _host_bf16(f_tile[n])
-        # Rows past the used row blocks stay poisoned (NaN) in both: the same rows must be written.
-        written = ~np.isnan(want).all(axis=-1)
-        assert np.array_equal(written, ~np.isnan(got).all(axis=-1)), n
-        assert written.any(), n
-        assert _rel_err(got[written], want[written]) <= TOL / 2, n
-    b_tile, b_tma = pb.backward(stream, f_tile, knobs=TILE), pb.backward(stream, f_tile, knobs=TMA)
-    assert _rel_err(_host_bf16(b_tma["dx"]), _host_bf16(b_tile["dx"])) <= TOL / 2
-    for n in ["d_topk_weights", "dw_gate", "dw_up", "dw_down"] + SHARED_BWD:
-        assert _rel_err(cp.asnumpy(b_tma[n]), cp.asnumpy(b_tile[n])) <= TOL / 2, n
-
-
-def test_engine_timing(stream):
-    """ENGINE <name> fwd <ms> bwd <ms>: a mid-size shape (qwen3-like widths, fewer tokens)."""
+def test_timing(stream):
+    """TIMING fwd <ms> bwd <ms>: a mid-size shape (qwen3-like widths, fewer tokens)."""
     pb = Problem(seed=21, tokens=2048, hidden=2048, inter=768, experts=16, top_k=8, shared_inter=0, limit=None)
-    for name, knobs in (("tile", TILE), ("tma", TMA)):
+    for knobs in (TMA,):
         fwd = pb.forward(stream, knobs=knobs)
         bwd = pb.backward(stream, fwd, knobs=knobs)
         _check_backward(pb, bwd)
@@ -138,4 +116,4 @@ def test_engine_timing(stream):
             t_f.append(t1 - t0)
             t_b.append(t2 - t1)
         # Includes buffer allocation and NaN poisoning (the harness's), so an upper bound.
-        print(f"ENGINE {name} fwd {1e3 * min(t_f):.2f} ms bwd {1e3 * min(t_b):.2f} ms (upper bounds)")
+        print(f"TIMING fwd {1e3 * min(t_f):.2f} ms bwd {1e3 * min(t_b):.2f} ms (upper bounds)")

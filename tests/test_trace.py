@@ -1,7 +1,8 @@
-"""Per-task timelines (mok_rt/_trace.py) without a GPU: the plan phase tables, record decoding,
+"""Per-task timelines (mok_rt/kernels/trace.py) without a GPU: the plan phase tables, record decoding,
 statistics and Chrome events, the parameter-struct field, and the reference backend."""
 from __future__ import annotations
 
+import ctypes
 import json
 
 import numpy as np
@@ -23,51 +24,20 @@ def _cdiv(a, b):
     return -(-a // b)
 
 
-@pytest.mark.parametrize("engine", L.ENGINES)
-@pytest.mark.parametrize("Is", [0, 384])
-@pytest.mark.parametrize("push", [0, 8])
-@pytest.mark.parametrize("T", [0, 1, 1000])
-def test_phase_tables_add_up_to_the_plans(engine, Is, push, T):
-    # The closed forms the kernels' plans compute (forward_tasks.cuh / backward_tasks.cuh).
-    d = _dims(T=T, Is=Is)
-    tile_n = P.TMA_TILE_N if engine == "tma" else P.TILE_N
-    gu_cols = P.TMA_GATE_UP_COLS if engine == "tma" else P.GATE_UP_COLS
-    tb, mb, h_t = d.token_blocks, d.max_blocks, _cdiv(d.hidden, tile_n)
-    cp = P.combine_parts(tb)  # combine tasks per token block
-    gu, sgu = _cdiv(d.intermediate, gu_cols), _cdiv(Is, gu_cols)
-    for ctx_only in (False, True):
-        want = ((push + 2 if push else 0) + mb + tb * sgu + mb * gu + (tb * h_t if Is and not ctx_only else 0)
-                + mb * h_t + (0 if ctx_only and not push else tb * cp))
-        phases = L.forward_phases(d, context_only=ctx_only, push_tasks=push, engine=engine)
-        assert sum(n for _, n in phases) == want == L.forward_task_count(
-            d, context_only=ctx_only, push_tasks=push, engine=engine)
-        assert len({n for n, _ in phases}) == len(phases)
-    i_t, si_t = _cdiv(d.intermediate, tile_n), _cdiv(Is, tile_n)
-    h_r, i_r, si_r = _cdiv(d.hidden, 128), _cdiv(d.intermediate, 128), _cdiv(Is, 128)
-    want = ((push + 2 if push else 0) + mb + tb + (tb * si_t if Is else 0) + mb * i_t + (tb * h_t if Is else 0)
-            + mb * h_t + d.local_experts * h_r * i_t + d.local_experts * 2 * i_r * h_t
-            + (h_r * si_t + 2 * si_r * h_t if Is else 0) + tb * cp)
-    assert sum(n for _, n in L.backward_phases(d, push_tasks=push, engine=engine)) == want
-
-
-def test_phase_order_follows_the_plans():
-    d = _dims(Is=256)
-    assert [n for n, _ in L.forward_phases(d)] == [
-        "dispatch", "shared_gate_up", "routed_gate_up", "shared_down", "routed_down", "down_notify", "combine"]
-    # With EP the shared expert's gate|up runs while the rows travel, before the dispatch.
-    assert [n for n, _ in L.forward_phases(d, push_tasks=4)][:4] == ["push", "push_notify", "shared_gate_up",
-                                                                     "dispatch"]
-    assert [n for n, _ in L.backward_phases(d, push_tasks=4)][:5] == ["push", "push_notify", "d_weights",
-                                                                      "shared_da", "dispatch"]
-    assert [n for n, _ in L.backward_phases(d)][-1] == "combine"
+def test_phase_tables_come_from_the_plans():
+    d = _dims(T=1000, Is=384)
+    for plan in (L.forward_plan(d), L.backward_plan(d, push_tasks=8)):
+        table = plan.phase_table()
+        assert sum(n for _, n in table) == plan.total
+        assert [n for n, _ in table] == [ph.name for ph in plan.phases]
 
 
 def test_trace_pointer_follows_the_error_word_in_both_structs():
     for s in (P.MoEForwardParams, P.MoEBackwardParams):
         assert s.trace.offset == s.err.offset + 8 and s.dims.offset == s.trace.offset + 8
-    # The record count travels too: the kernels trace only when it equals their plan's task count.
-    assert P.MoEForwardParams.trace_tasks.offset == P.MoEForwardParams.context_only.offset + 4
-    assert P.MoEBackwardParams.trace_tasks.offset == P.MoEBackwardParams.accumulate.offset + 4
+    # One record per task of the plan that travels in the same struct.
+    assert P.MoEForwardParams.plan.offset == P.MoEForwardParams.dims.offset + ctypes.sizeof(P.MoEDims)
+    assert P.MoEBackwardParams.plan.offset == P.MoEBackwardParams.dims.offset + ctypes.sizeof(P.MoEDims)
 
 
 _PHASES = (("dispatch", 2), ("routed_gate_up", 3), ("empty", 0), ("combine", 1))
@@ -86,7 +56,7 @@ def test_decode_spans_statistics_and_chrome_events(tmp_path):
                     (base + 1_500, base + 1_500, base + 8_000, 3, 7),
                     (base + 8_000, base + 8_000, base + 10_000, 4, 7),
                     (base + 9_000, base + 9_500, 0, 5, 3)])               # never finished
-    t = LaunchTrace.decode(rec, kind="forward", engine="tma", phases=_PHASES, rank=1, device_id=0)
+    t = LaunchTrace.decode(rec, kind="forward", phases=_PHASES, rank=1, device_id=0)
     assert t.unfinished == 1 and len(t.spans) == 5
     assert [s.task for s in t.spans] == [0, 1, 3, 2, 4]
     assert {s.task: s.phase for s in t.spans} == {0: "dispatch", 1: "dispatch", 2: "routed_gate_up",
@@ -116,12 +86,12 @@ def test_decode_spans_statistics_and_chrome_events(tmp_path):
 
 def test_decode_rejects_records_that_do_not_fit_the_plan():
     with pytest.raises(ValueError, match="records for a plan of 6"):
-        LaunchTrace.decode(np.zeros((5, 4), np.uint64), kind="forward", engine="tile", phases=_PHASES)
+        LaunchTrace.decode(np.zeros((5, 4), np.uint64), kind="forward", phases=_PHASES)
     bad = np.zeros((6, 4), np.uint64)
     bad[0] = (1, 1, 2, (6 << 32) | 0)
     with pytest.raises(ValueError, match="task 6"):
-        LaunchTrace.decode(bad, kind="forward", engine="tile", phases=_PHASES)
-    empty = LaunchTrace.decode(np.zeros((6, 4), np.uint64), kind="backward", engine="tile", phases=_PHASES)
+        LaunchTrace.decode(bad, kind="forward", phases=_PHASES)
+    empty = LaunchTrace.decode(np.zeros((6, 4), np.uint64), kind="backward", phases=_PHASES)
     assert empty.spans == [] and empty.span_us == 0.0 and "0 tasks" in empty.summary()
 
 

@@ -3,7 +3,7 @@
 //
 // Facts relied on (PTX ISA "cp.async.bulk.tensor", CUDA driver cuTensorMapEncodeTiled):
 //   * The tensor map (CUtensorMap, 128 bytes, 64-byte aligned) is encoded on the host
-//     (mok_rt/_tensormap.py) and reaches the kernel as a member of its `const __grid_constant__`
+//     (mok_rt/runtime/tensormap.py) and reaches the kernel as a member of its `const __grid_constant__`
 //     parameter struct; the instruction takes the map's generic address.  (A map in global
 //     memory would need a fence.proxy.tensormap acquire after it is written.)
 //   * Coordinates are element indices, innermost dimension first; elements outside the tensor

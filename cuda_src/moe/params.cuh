@@ -1,9 +1,11 @@
 // Parameter structs of the fused MoE forward/backward kernels (one GPU, or one rank of an
 // expert-parallel group: MoEPeers).
-// Mirrored field for field by mok_rt/_moe_params.py: change both together (sizes are asserted
-// on both sides).  All pointers are device pointers; every struct is 8-byte aligned with
+// Mirrored field for field by mok_rt/kernels/moe_params.py (its buffer table names every pointer field):
+// change both together.  Sizes and offsets are asserted on both sides with the same numbers
+// (_moe_params.LAYOUT).  All pointers are device pointers; every struct is 8-byte aligned with
 // pointers first, then 32-bit fields, so the C and ctypes layouts agree without packing rules.
 #pragma once
+#include <stddef.h>
 #include <stdint.h>
 #include <cuda_bf16.h>
 
@@ -23,7 +25,8 @@ struct MoESchedule {
   const int* route_row;      // [T * k] row of each route in its destination's row space
   const int* route_rank;     // [T * k] destination rank of each route (read only with expert parallelism)
 };
-static_assert(sizeof(MoESchedule) == 8 * 8, "MoESchedule layout: update mok_rt/_moe_params.py");
+static_assert(sizeof(MoESchedule) == 8 * 8, "MoESchedule layout: update mok_rt/kernels/moe_params.py");
+static_assert(offsetof(MoESchedule, route_rank) == 56, "MoESchedule layout");
 
 // Host-known sizes and options shared by both kernels.
 struct MoEDims {
@@ -41,17 +44,19 @@ struct MoEDims {
   float swiglu_limit;
   int pad_;
 };
-static_assert(sizeof(MoEDims) == 8 + 12 * 4, "MoEDims layout: update mok_rt/_moe_params.py");
+static_assert(sizeof(MoEDims) == 8 + 12 * 4, "MoEDims layout: update mok_rt/kernels/moe_params.py");
+static_assert(offsetof(MoEDims, tokens) == 8 && offsetof(MoEDims, swiglu_limit) == 48, "MoEDims layout");
 
 struct MoEWeights {
   const bf16* w_gate;   // [E_l, I, H]
   const bf16* w_up;     // [E_l, I, H]
   const bf16* w_down;   // [E_l, H, I]
-  const bf16* ws_gate;  // [I_s, H]   (null when I_s = 0)
-  const bf16* ws_up;    // [I_s, H]
-  const bf16* ws_down;  // [H, I_s]
+  const bf16* shared_gate;  // [I_s, H]   (null when I_s = 0)
+  const bf16* shared_up;    // [I_s, H]
+  const bf16* shared_down;  // [H, I_s]
 };
-static_assert(sizeof(MoEWeights) == 6 * 8, "MoEWeights layout: update mok_rt/_moe_params.py");
+static_assert(sizeof(MoEWeights) == 6 * 8, "MoEWeights layout: update mok_rt/kernels/moe_params.py");
+static_assert(offsetof(MoEWeights, shared_gate) == 24, "MoEWeights layout");
 
 // Forward context: written by the forward, read by the backward.
 struct MoEContext {
@@ -62,7 +67,8 @@ struct MoEContext {
   bf16* sgu;       // [T, 2I_s] shared expert gate | up
   bf16* sact;      // [T, I_s] shared expert activation
 };
-static_assert(sizeof(MoEContext) == 6 * 8, "MoEContext layout: update mok_rt/_moe_params.py");
+static_assert(sizeof(MoEContext) == 6 * 8, "MoEContext layout: update mok_rt/kernels/moe_params.py");
+static_assert(offsetof(MoEContext, sgu) == 32, "MoEContext layout");
 
 // Dependency counters, zeroed by the host (one memset) before each launch.
 struct MoEForwardCounters {
@@ -75,9 +81,10 @@ struct MoEForwardCounters {
   int* push_done;          // [1] EP: push tasks finished
   int* ctas_done;          // [1] EP: CTAs that left the task loop (the last one runs the end barrier)
 };
-static_assert(sizeof(MoEForwardCounters) == 8 * 8, "MoEForwardCounters layout: update mok_rt/_moe_params.py");
+static_assert(sizeof(MoEForwardCounters) == 8 * 8, "MoEForwardCounters layout: update mok_rt/kernels/moe_params.py");
+static_assert(offsetof(MoEForwardCounters, ctas_done) == 56, "MoEForwardCounters layout");
 
-// Expert parallelism (DESIGN.md §3 "Dispatch", "combine"): where this rank reaches every rank's
+// Expert parallelism: where this rank reaches every rank's
 // symmetric block.  Every block has the same layout (offsets below).  Peers write a block's
 // routed rows, slot rows and flags; everything else the kernels use is this rank's own memory.
 // Flags hold epochs (host-counted per launch, the same on every rank): flags[kind][s] = e means
@@ -106,7 +113,64 @@ struct MoEPeers {
   int slot_rows;                         // max_tokens * top_k
   int pad_;
 };
-static_assert(sizeof(MoEPeers) == kMaxEpRanks * 8 + 5 * 8 + 6 * 4, "MoEPeers layout: update mok_rt/_moe_params.py");
+static_assert(sizeof(MoEPeers) == kMaxEpRanks * 8 + 5 * 8 + 6 * 4, "MoEPeers layout: update mok_rt/kernels/moe_params.py");
+static_assert(sizeof(MoEPeers) == 576 && offsetof(MoEPeers, base_array) == 512 && offsetof(MoEPeers, num_ranks) == 552,
+              "MoEPeers layout");
+
+// ---- the task plan (built by the host: mok_rt/kernels/moe_plan.py) ------------------------------------
+// The task index space is a fixed sequence of phases, each a contiguous range [begin, begin + count)
+// sized from host-known bounds (max_blocks, token blocks, tile counts); tasks past the device's
+// routing counts are skipped.  The plan also holds the tile counts the task decoders need and, for
+// every dependency counter, how many signals a waiter expects (per row block in use where the
+// producer count depends on routing; the device multiplies by num_blocks or an expert's blocks).
+struct PhaseRange {
+  int begin, count;
+  __device__ __forceinline__ bool has(int task) const { return task >= begin && task < begin + count; }
+  __device__ __forceinline__ int local(int task) const { return task - begin; }
+};
+
+struct MoEForwardPlan {
+  PhaseRange push, push_notify, dispatch, shared_gu, routed_gu, shared_down, routed_down, down_notify, combine;
+  int total;                     // tasks in the launch
+  int token_blocks;
+  int gu_tiles;                  // gate|up tiles per row block (128 intermediate columns each)
+  int sgu_tiles;                 // shared gate|up tiles per token block
+  int h_tiles;                   // down tiles per row / token block (256 hidden columns each)
+  int combine_parts;             // combine tasks per token block
+  int wait_block_ready;          // block_ready[b]: dispatch tasks of the block
+  int wait_block_act_ready;      // block_act_ready[b]: gate|up tiles of the block
+  int wait_token_sact_ready;     // token_sact_ready[tb]: shared gate|up tiles of the token block
+  int wait_token_shared_done;    // token_shared_done[tb]: shared down tiles of the token block
+  int wait_down_done_per_block;  // down_done: down tiles per row block in use
+  int wait_push_done;            // push_done: push tasks
+};
+static_assert(sizeof(MoEForwardPlan) == 30 * 4, "MoEForwardPlan layout: update mok_rt/kernels/moe_params.py");
+static_assert(offsetof(MoEForwardPlan, total) == 72 && offsetof(MoEForwardPlan, wait_block_ready) == 96 &&
+                  offsetof(MoEForwardPlan, wait_push_done) == 116,
+              "MoEForwardPlan layout");
+
+struct MoEBackwardPlan {
+  PhaseRange push, push_notify, dispatch, d_weights, shared_da, routed_da, shared_dx, routed_dx, dx_notify,
+      wgrad_down, wgrad_gate_up, shared_wgrad, combine;
+  int total;
+  int token_blocks;
+  int i_tiles, si_tiles, h_tiles;        // 256-column tiles of I, I_s, H (dA, dX, wgrad columns)
+  int h_rows, i_rows, si_rows;           // 128-row tiles of H, I, I_s (wgrad rows)
+  int combine_parts;
+  int wait_block_dy_ready;               // block_dy_ready[b]: dispatch tasks of the block
+  int wait_block_dgu_ready;              // block_dgu_ready[b]: dA tiles of the block
+  int wait_expert_dy_ready_per_block;    // expert_dy_ready[e]: dispatch tasks per row block of the expert
+  int wait_expert_dgu_ready_per_block;   // expert_dgu_ready[e]: dA tiles per row block of the expert
+  int wait_token_dsgu_ready;             // token_dsgu_ready[tb]: shared dA tiles of the token block
+  int wait_token_dxs_ready;              // token_dxs_ready[tb]: shared dX tiles of the token block
+  int wait_dsgu_done;                    // dsgu_done: shared dA tiles
+  int wait_dx_done_per_block;            // dx_done: dX tiles per row block in use
+  int wait_push_done;                    // push_done: push tasks
+};
+static_assert(sizeof(MoEBackwardPlan) == 44 * 4, "MoEBackwardPlan layout: update mok_rt/kernels/moe_params.py");
+static_assert(offsetof(MoEBackwardPlan, total) == 104 && offsetof(MoEBackwardPlan, wait_block_dy_ready) == 140 &&
+                  offsetof(MoEBackwardPlan, wait_push_done) == 172,
+              "MoEBackwardPlan layout");
 
 struct MoEForwardParams {
   MoESchedule sched;
@@ -118,15 +182,19 @@ struct MoEForwardParams {
   bf16* out;                  // [T, H]
   float* shared_y;            // [T, H] scratch: shared expert output
   int* err;                   // error word int32[4]
-  unsigned long long* trace;  // null, or one TraceRec per task (trace.cuh)
+  unsigned long long* trace;  // null, or one TraceRec per task of the plan (trace.cuh)
   MoEDims dims;
+  MoEForwardPlan plan;
   int context_only;           // 1: build the context only (no shared down, no output)
-  int trace_tasks;            // records behind `trace` (the host's count of the plan's tasks)
+  int pad_;
   MoEPeers peers;
 };
-static_assert(sizeof(MoEForwardParams) ==
-                  8 * 8 + 6 * 8 + 6 * 8 + 8 * 8 + 6 * 8 + sizeof(MoEDims) + 8 + sizeof(MoEPeers),
-              "MoEForwardParams layout: update mok_rt/_moe_params.py");
+static_assert(sizeof(MoEForwardParams) == 1032 && offsetof(MoEForwardParams, w) == 64 &&
+                  offsetof(MoEForwardParams, ctx) == 112 && offsetof(MoEForwardParams, cnt) == 160 &&
+                  offsetof(MoEForwardParams, x) == 224 && offsetof(MoEForwardParams, err) == 256 &&
+                  offsetof(MoEForwardParams, dims) == 272 && offsetof(MoEForwardParams, plan) == 328 &&
+                  offsetof(MoEForwardParams, context_only) == 448 && offsetof(MoEForwardParams, peers) == 456,
+              "MoEForwardParams layout: update mok_rt/kernels/moe_params.py");
 
 struct MoEBackwardCounters {
   int* task_next;          // [1]
@@ -141,17 +209,19 @@ struct MoEBackwardCounters {
   int* push_done;          // [1] EP: push tasks finished
   int* ctas_done;          // [1] EP: CTAs that left the task loop
 };
-static_assert(sizeof(MoEBackwardCounters) == 11 * 8, "MoEBackwardCounters layout: update mok_rt/_moe_params.py");
+static_assert(sizeof(MoEBackwardCounters) == 11 * 8, "MoEBackwardCounters layout: update mok_rt/kernels/moe_params.py");
+static_assert(offsetof(MoEBackwardCounters, ctas_done) == 80, "MoEBackwardCounters layout");
 
 struct MoEWeightGrads {  // fp32; overwritten, or added to when accumulate = 1
   float* dw_gate;   // [E_l, I, H]
   float* dw_up;     // [E_l, I, H]
   float* dw_down;   // [E_l, H, I]
-  float* dws_gate;  // [I_s, H]
-  float* dws_up;    // [I_s, H]
-  float* dws_down;  // [H, I_s]
+  float* d_shared_gate;  // [I_s, H]
+  float* d_shared_up;    // [I_s, H]
+  float* d_shared_down;  // [H, I_s]
 };
-static_assert(sizeof(MoEWeightGrads) == 6 * 8, "MoEWeightGrads layout: update mok_rt/_moe_params.py");
+static_assert(sizeof(MoEWeightGrads) == 6 * 8, "MoEWeightGrads layout: update mok_rt/kernels/moe_params.py");
+static_assert(offsetof(MoEWeightGrads, d_shared_gate) == 24, "MoEWeightGrads layout");
 
 struct MoEBackwardParams {
   MoESchedule sched;
@@ -170,28 +240,23 @@ struct MoEBackwardParams {
   bf16* dsgu;                 // [T, 2I_s] scratch: shared d gate | d up
   float* dx_shared;           // [T, H] scratch: shared expert input gradient
   int* err;                   // error word int32[4]
-  unsigned long long* trace;  // null, or one TraceRec per task (trace.cuh)
+  unsigned long long* trace;  // null, or one TraceRec per task of the plan (trace.cuh)
   MoEDims dims;
+  MoEBackwardPlan plan;
   int accumulate;             // 1: add weight gradients into the existing fp32 contents
-  int trace_tasks;            // records behind `trace` (the host's count of the plan's tasks)
+  int pad_;
   MoEPeers peers;
 };
-static_assert(sizeof(MoEBackwardParams) ==
-                  8 * 8 + 6 * 8 + 6 * 8 + 11 * 8 + 6 * 8 + 12 * 8 + sizeof(MoEDims) + 8 + sizeof(MoEPeers),
-              "MoEBackwardParams layout: update mok_rt/_moe_params.py");
+static_assert(sizeof(MoEBackwardParams) == 1208 && offsetof(MoEBackwardParams, w) == 64 &&
+                  offsetof(MoEBackwardParams, ctx) == 112 && offsetof(MoEBackwardParams, cnt) == 160 &&
+                  offsetof(MoEBackwardParams, grads) == 248 && offsetof(MoEBackwardParams, x) == 296 &&
+                  offsetof(MoEBackwardParams, err) == 376 && offsetof(MoEBackwardParams, dims) == 392 &&
+                  offsetof(MoEBackwardParams, plan) == 448 && offsetof(MoEBackwardParams, accumulate) == 624 &&
+                  offsetof(MoEBackwardParams, peers) == 632,
+              "MoEBackwardParams layout: update mok_rt/kernels/moe_params.py");
 
-// Tiling shared by the kernels and the host (mok_rt/_moe_params.py mirrors these).
+// Tiling shared by the kernels and the host (mok_rt/kernels/moe_params.py mirrors these).
 constexpr int kBlockM = 128;       // rows per row block / token block (= GEMM tile height)
-// The combines (F5, B9) run last and read k rows per token: each token block is split into
-// combine_parts(token_blocks) tasks so that the tail fills a 132-SM GPU (H100 / H200) without
-// adding tasks where one per block already does: 128+ blocks: 1 (qwen3, 16384 tokens: splitting in
-// 4 cost its forward 2.5 %), 64+: 2 (deepseek-v3, 8192 tokens), fewer: 4.  Divides kBlockM.
-// mok_rt/_moe_params.py combine_parts mirrors it.
-constexpr int kMaxCombineParts = 4;
-__host__ __device__ constexpr int combine_parts(int token_blocks) {
-  return token_blocks >= 128 ? 1 : token_blocks >= 64 ? 2 : kMaxCombineParts;
-}
-constexpr int kThreads = 256;      // threads per CTA
-constexpr int kGateUpCols = 64;    // SwiGLU columns per fused gate|up forward tile
+constexpr int kThreads = 256;      // worker threads per CTA (the two consumer warpgroups)
 
 }  // namespace mok

@@ -1,4 +1,4 @@
-// Parameters of the routing-schedule kernels (mirrored by mok_rt/_schedule_params.py).
+// Parameters of the routing-schedule kernels (mirrored by mok_rt/kernels/schedule_params.py).
 #pragma once
 #include <stdint.h>
 

@@ -88,5 +88,5 @@ def backward(ws, ctx: Context, d_out, *, dw: ExpertWeights | None = None, dw_sha
     routed = dw if dw is not None else ExpertWeights(g["dw_gate"], g["dw_up"], g["dw_down"])
     shared = None
     if rank.config.has_shared:
-        shared = dw_shared if dw_shared is not None else ExpertWeights(g["dws_gate"], g["dws_up"], g["dws_down"])
+        shared = dw_shared if dw_shared is not None else ExpertWeights(g["d_shared_gate"], g["d_shared_up"], g["d_shared_down"])
     return Gradients(dx=g["dx"], d_topk_weights=g["d_topk_weights"], dw=routed, dw_shared=shared)

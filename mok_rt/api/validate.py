@@ -19,7 +19,7 @@ __all__ = ["LayerArgs", "import_layer_args", "import_ids", "import_d_out", "impo
 _CUDA_FLOAT = (dtypes.bfloat16,)
 _ORACLE_FLOAT = (dtypes.bfloat16, dtypes.float32, dtypes.float64)
 _IDS = (dtypes.int32, dtypes.int64)
-GRAD_NAMES = ("dw_gate", "dw_up", "dw_down", "dws_gate", "dws_up", "dws_down")
+GRAD_NAMES = ("dw_gate", "dw_up", "dw_down", "d_shared_gate", "d_shared_up", "d_shared_down")
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ Every buffer a call writes is allocated per call from the device's stream-ordere
 (so a workspace can serve several layers, and a context lives exactly as long as the caller keeps
 it); nothing here waits for the GPU or reads a routing-dependent count.  With expert parallelism
 (``ep``: a :class:`mok_rt.dist.ep.EPRank`) the rows that travel between ranks go through the
-workspace's symmetric heap instead (see _ep.py); everything else stays per call and local.
+workspace's symmetric heap instead (see ep.py); everything else stays per call and local.
 """
 from __future__ import annotations
 
@@ -19,12 +19,10 @@ from mok_rt.kernels import trace as _trace
 from mok_rt.interop import dtypes
 from mok_rt.runtime.errorword import ErrorWord, device_error
 from mok_rt.runtime.device import activate
-from mok_rt.errors import ArgumentError
 from mok_rt.runtime.launch import multiprocessor_count
 from mok_rt.kernels.schedule import build_schedule, build_schedule_ep
 from mok_rt.interop.tensor import Tensor
 
-_WEIGHT_GRADS = ("dw_gate", "dw_up", "dw_down", "dws_gate", "dws_up", "dws_down")
 _MAX_PENDING_TRACES = 64   # traced launches kept until take_traces() (the oldest are dropped)
 
 
@@ -45,21 +43,20 @@ class CudaBackend:
         self.device_id = ws.device_id
         activate(self.device_id)
         max_ctas = None
-        engine = L.resolve_engine(None)
         if ep is None:
             self.error = ErrorWord(self.device_id)
         else:
             self.error = ep.error   # the heap's, one per local rank
             from mok_rt.kernels.schedule import prepare
             prepare(self.device_id, cfg.num_experts)
-            L.prepare(self.device_id, engine=engine)
+            L.prepare(self.device_id)
             share = ep.shared.ranks_sharing_gpu(ep.rank)
             if share > 1:
                 # Ranks sharing a GPU split its SMs, so that all their persistent grids are resident
                 # at once (a rank waiting for a peer that cannot start would only time out).
                 max_ctas = max(1, multiprocessor_count(self.device_id) * cfg.ctas_per_sm // share)
         self.knobs = L.KernelKnobs(ctas_per_sm=cfg.ctas_per_sm, max_ctas=max_ctas,
-                                   timeout_ns=int(cfg.timeout_s * 1e9), engine=engine)
+                                   timeout_ns=int(cfg.timeout_s * 1e9))
         self._streams: dict[int, object] = {}   # streams with mok_rt work since the last synchronize
         # Workspace(trace=True): (kind, phases, records) of the latest launches not yet taken.
         self._traces: collections.deque[tuple[str, tuple, Tensor]] = collections.deque(maxlen=_MAX_PENDING_TRACES)
@@ -105,14 +102,13 @@ class CudaBackend:
             self.ep.shared.health.check(self.ep.rank)
 
     # -- traces (Workspace(trace=True)) --------------------------------------------------------------
-    def _trace_buffer(self, kind: str, phases, stream) -> int:
-        """Zeroed records for one launch (0: tracing is off)."""
+    def _trace_buffer(self, kind: str, plan, stream) -> int:
+        """Zeroed records for one launch, one per task of its plan (0: tracing is off)."""
         if not self.ws.trace:
             return 0
-        n = sum(c for _, c in phases)
-        buf = self._bytes(max(n, 1) * _trace.RECORD_BYTES, stream, poison=False)
+        buf = self._bytes(max(plan.total, 1) * _trace.RECORD_BYTES, stream, poison=False)
         buf.fill_bytes(0, stream=stream)
-        self._traces.append((kind, tuple(phases), buf))
+        self._traces.append((kind, plan.phase_table(), buf))
         return buf.ptr
 
     def take_traces(self) -> list:
@@ -122,7 +118,7 @@ class CudaBackend:
         self._sync_streams()
         rank = 0 if self.ep is None else self.ep.rank
         out = [_trace.LaunchTrace.decode(buf.to_numpy().view(np.uint64)[:4 * sum(c for _, c in phases)],
-                                         kind=kind, engine=self.knobs.engine, phases=phases, rank=rank,
+                                         kind=kind, phases=phases, rank=rank,
                                          device_id=self.device_id)
                for kind, phases, buf in self._traces]
         self._traces.clear()   # only once every launch decoded: an error keeps them for another try
@@ -173,27 +169,26 @@ class CudaBackend:
         self._used(stream)
         T = sched.tokens
         dims = self._dims(T)
+        peers = None if self.ep is None else self.ep.peers(T)
+        plan = L.forward_plan(dims, context_only=context_only, push_tasks=0 if peers is None else peers.push_tasks)
         sizes = L.forward_buffer_bytes(dims)
-        H = dims.hidden
-        ctx_names = ("x_routed", "gu", "act", "y_slot", "sgu", "sact")
-        bufs = {n: self._bytes(sizes[n], stream) for n in ctx_names}
-        out = None if context_only else self._empty((T, H), dtypes.bfloat16, stream)
-        shared_y = self._bytes(sizes["shared_y"], stream, poison=False)
-        counters = self._bytes(sizes["counters"], stream, poison=False)
+        # The buffers the launch writes, by role (_moe_params.FORWARD_BUFFERS): the context is owned
+        # by the returned state, `out` is returned, the scratch lives as long as the launch.
+        roles = {b.name: b.role for b in P.FORWARD_BUFFERS}
+        bufs = {n: self._bytes(sizes[n], stream) for n in sizes if roles[n] == "context"}
+        out = None if context_only else self._empty((T, dims.hidden), dtypes.bfloat16, stream)
+        scratch = {n: self._bytes(sizes[n], stream, poison=False) for n in sizes
+                   if roles[n] in ("scratch", "counters")}
         ptr = lambda v: 0 if v is None else v.ptr  # noqa: E731
         fb = L.ForwardBuffers(
             x=args.x.ptr, topk_weights=ptr(args.topk_weights), w_gate=args.w_gate.ptr, w_up=args.w_up.ptr,
-            w_down=args.w_down.ptr, out=ptr(out), counters=counters.ptr, shared_y=shared_y.ptr,
-            ws_gate=ptr(args.shared_gate), ws_up=ptr(args.shared_up), ws_down=ptr(args.shared_down),
-            **{n: bufs[n].ptr for n in ctx_names})
-        peers = None if self.ep is None else self.ep.peers(T)
-        trace = self._trace_buffer("recompute" if context_only else "forward", L.forward_phases(
-            dims, context_only=context_only, push_tasks=0 if peers is None else peers.push_tasks,
-            engine=self.knobs.engine), stream)
+            w_down=args.w_down.ptr, shared_gate=ptr(args.shared_gate), shared_up=ptr(args.shared_up),
+            shared_down=ptr(args.shared_down), out=ptr(out), **{n: v.ptr for n, v in {**bufs, **scratch}.items()})
+        trace = self._trace_buffer("recompute" if context_only else "forward", plan, stream)
         L.launch_forward(fb, self._sched_bufs(sched), dims, stream=stream, err_ptr=self.error.device_ptr,
                          device_id=self.device_id, knobs=self.knobs, context_only=context_only, peers=peers,
                          trace_ptr=trace)
-        state = _ForwardState(dims=dims, bufs=bufs, keep=(args, shared_y, counters))
+        state = _ForwardState(dims=dims, bufs=bufs, keep=(args, scratch))
         return out, state
 
     def forward(self, sched, args, *, stream):
@@ -203,48 +198,43 @@ class CudaBackend:
         return self._run_forward(sched, args, stream, context_only=True)[1]
 
     def backward(self, sched, state: _ForwardState, dout, args, *, out, accumulate, stream):
-        """Gradients by name (dx, d_topk_weights, dw_gate ... dws_down); ``out``: validated
-        caller buffers by name (None: allocate)."""
+        """Gradients by kernel name (dx, d_topk_weights, dw_gate ... d_shared_down); ``out``:
+        the caller's validated buffers by the same names (None: allocate)."""
         self._check_usable()
         self._used(stream)
         dims = state.dims
-        cfg = self.ws.config
-        T, H, I, Is, El, k = dims.tokens, dims.hidden, dims.intermediate, dims.shared_intermediate, \
-            dims.local_experts, dims.top_k
+        T, H, k = dims.tokens, dims.hidden, dims.top_k
         sizes = L.backward_buffer_bytes(dims)
-        shapes = {"dw_gate": (El, I, H), "dw_up": (El, I, H), "dw_down": (El, H, I),
-                  "dws_gate": (Is, H), "dws_up": (Is, H), "dws_down": (H, Is)}
-        grads, returned = {}, {}
-        for n in _WEIGHT_GRADS:
-            if n.startswith("dws") and not cfg.has_shared:
-                grads[n], returned[n] = None, None
+        grads = {}
+        for b in P.BACKWARD_BUFFERS:   # the weight gradients: the caller's (accumulate / out=) or new
+            if b.struct != "grads":
                 continue
-            grads[n] = out[n] if out[n] is not None else self._empty(shapes[n], dtypes.float32, stream)
-            returned[n] = grads[n]
+            if sizes[b.name] == 0:
+                grads[b.name] = None
+                continue
+            given = out.get(b.name)
+            grads[b.name] = given if given is not None else self._empty(b.shape(dims), dtypes.float32, stream)
         dx = self._empty((T, H), dtypes.bfloat16, stream)
         dtw = self._empty((T, k), dtypes.float32, stream)
-        # With EP the rows that travel (dy_routed in, dx_slot back) live in the symmetric heap.
-        travel = () if self.ep is None else ("dy_routed", "dx_slot")
-        scratch = {n: self._bytes(sizes[n], stream, poison=False)
-                   for n in ("dy_routed", "dgu", "dx_slot", "dsgu", "dx_shared", "counters") if n not in travel}
+        # Scratch per launch; with EP the rows that travel (role "heap": dy_routed in, dx_slot back)
+        # live in the symmetric heap.
+        roles = {b.name: b.role for b in P.BACKWARD_BUFFERS}
         heap_rows = {} if self.ep is None else {"dy_routed": self.ep.routed_ptr(), "dx_slot": self.ep.slot_ptr()}
+        scratch = {n: self._bytes(sizes[n], stream, poison=False) for n in sizes
+                   if roles[n] in ("scratch", "counters") or (roles[n] == "heap" and n not in heap_rows)}
         ptr = lambda v: 0 if v is None else v.ptr  # noqa: E731
         b = state.bufs
         bb = L.BackwardBuffers(
             d_out=dout.ptr, x=args.x.ptr, topk_weights=args.topk_weights.ptr, w_gate=args.w_gate.ptr,
-            w_up=args.w_up.ptr, w_down=args.w_down.ptr, x_routed=b["x_routed"].ptr, gu=b["gu"].ptr,
-            act=b["act"].ptr, y_slot=b["y_slot"].ptr, dx=dx.ptr, d_topk_weights=dtw.ptr,
-            dw_gate=grads["dw_gate"].ptr, dw_up=grads["dw_up"].ptr, dw_down=grads["dw_down"].ptr,
-            ws_gate=ptr(args.shared_gate), ws_up=ptr(args.shared_up), ws_down=ptr(args.shared_down), sgu=ptr(b.get("sgu")),
-            sact=ptr(b.get("sact")), dws_gate=ptr(grads["dws_gate"]), dws_up=ptr(grads["dws_up"]),
-            dws_down=ptr(grads["dws_down"]), **{n: scratch[n].ptr for n in scratch}, **heap_rows)
-        if not cfg.has_shared:
-            bb = L.BackwardBuffers(**{**bb.__dict__, "sgu": 0, "sact": 0})
+            w_up=args.w_up.ptr, w_down=args.w_down.ptr, shared_gate=ptr(args.shared_gate), shared_up=ptr(args.shared_up),
+            shared_down=ptr(args.shared_down), dx=dx.ptr, d_topk_weights=dtw.ptr,
+            **{n: (v.ptr if v.nbytes else 0) for n, v in b.items()}, **{n: ptr(v) for n, v in grads.items()},
+            **{n: v.ptr for n, v in scratch.items()}, **heap_rows)
         peers = None if self.ep is None else self.ep.peers(T)
-        trace = self._trace_buffer("backward", L.backward_phases(
-            dims, push_tasks=0 if peers is None else peers.push_tasks, engine=self.knobs.engine), stream)
+        plan = L.backward_plan(dims, push_tasks=0 if peers is None else peers.push_tasks)
+        trace = self._trace_buffer("backward", plan, stream)
         L.launch_backward(bb, self._sched_bufs(sched), dims, stream=stream, err_ptr=self.error.device_ptr,
                           device_id=self.device_id, knobs=self.knobs, accumulate=accumulate, peers=peers,
                           trace_ptr=trace)
         dx._owner = (dx._owner, scratch, args, dout)   # keep inputs and scratch alive with the result
-        return dict(dx=dx, d_topk_weights=dtw, **returned)
+        return dict(dx=dx, d_topk_weights=dtw, **grads)

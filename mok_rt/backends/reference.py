@@ -19,6 +19,10 @@ from mok_rt.errors import ArgumentError, ExpertIdError
 from mok_rt.interop.tensor import Tensor, _host_array
 
 
+# The weight gradients by the kernels' names (what api/validate.py hands in, what the API reads).
+GRAD_NAMES = ("dw_gate", "dw_up", "dw_down", "d_shared_gate", "d_shared_up", "d_shared_down")
+
+
 class _RefSchedule:
     def __init__(self, ids: np.ndarray, layout):
         self.ids = ids
@@ -109,8 +113,8 @@ class ReferenceBackend:
         x_dtype, tw_dtype = args.x.dtype.numpy, args.topk_weights.dtype.numpy
         result = {"dx": Tensor.from_numpy(np.ascontiguousarray(g.dx.astype(x_dtype))),
                   "d_topk_weights": Tensor.from_numpy(np.ascontiguousarray(g.d_topk_weights.astype(tw_dtype)))}
-        for name in ("dw_gate", "dw_up", "dw_down", "dws_gate", "dws_up", "dws_down"):
-            val = getattr(g, name)
+        for name, ref_name in zip(GRAD_NAMES, ("dw_gate", "dw_up", "dw_down", "dws_gate", "dws_up", "dws_down")):
+            val = getattr(g, ref_name)
             view = out.get(name)
             if val is None or view is None:
                 result[name] = None if val is None else Tensor.from_numpy(np.ascontiguousarray(val.astype(np.float32)))
@@ -130,10 +134,10 @@ class ReferenceBackend:
         shapes = {"dw_gate": (El, I, H), "dw_up": (El, I, H), "dw_down": (El, H, I)}
         if cfg.has_shared:
             Is = cfg.shared_intermediate
-            shapes.update(dws_gate=(Is, H), dws_up=(Is, H), dws_down=(H, Is))
+            shapes.update(d_shared_gate=(Is, H), d_shared_up=(Is, H), d_shared_down=(H, Is))
         result = {"dx": self._nan((T, H), args.x.dtype.numpy),
                   "d_topk_weights": self._nan((T, cfg.top_k), args.topk_weights.dtype.numpy)}
-        for name in ("dw_gate", "dw_up", "dw_down", "dws_gate", "dws_up", "dws_down"):
+        for name in GRAD_NAMES:
             if name not in shapes:
                 result[name] = None
             elif out.get(name) is None:

@@ -1,14 +1,8 @@
 """Launching the fused MoE forward/backward kernels on one GPU, or as one rank of an
 expert-parallel group (``peers=PeerSpec(...)``).
 
-Two GEMM engines, same tasks, counters and buffers (``KernelKnobs.engine``):
-  "tma"   cuda_src/moe/moe_layer_tma.cu: 384 threads, a TMA producer warp + 2 wgmma worker
-          warpgroups, epilogues from registers; needs a tensor map per operand (_moe_maps.py)
-          (the default: 1.2-1.4x faster than "tile" on H200, bench/NOTES.md).
-  "tile"  cuda_src/moe/moe_layer.cu: 256 threads, cp.async into a swizzled ring + wgmma, C staged
-          through shared memory for the epilogues.
-The default is "tma" unless $MOK_RT_GEMM_ENGINE names the other one (how the GPU test suite runs
-against both without changing a test).
+The kernels (cuda_src/moe/moe_layer.cu): 384 threads, a TMA producer warp + 2 wgmma worker
+warpgroups, epilogues from registers; a tensor map per operand view (moe_maps.py).
 
 The caller (the Workspace) owns every buffer; this module only checks the plain facts it can
 see (sizes, alignment, null pointers), fills the parameter structs, zeroes the dependency
@@ -26,61 +20,36 @@ Typical use::
 from __future__ import annotations
 
 import math
-import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, make_dataclass
 
 from mok_rt.kernels import moe_maps as _moe_maps
 from mok_rt.kernels import moe_params as P
+from mok_rt.kernels import moe_plan as _moe_plan
 from mok_rt.runtime.driver import call, driver
 from mok_rt.runtime.cubins import Kernel, get_kernel
 from mok_rt.errors import ArgumentError, MokError
 from mok_rt.runtime.launch import launch, multiprocessor_count, stream_handle
 
 __all__ = [
-    "LayerDims", "ScheduleBuffers", "ForwardBuffers", "BackwardBuffers", "KernelKnobs", "PeerSpec", "ENGINES",
-    "resolve_engine",
-    "forward_buffer_bytes", "backward_buffer_bytes", "forward_phases", "backward_phases", "forward_task_count",
+    "LayerDims", "ScheduleBuffers", "ForwardBuffers", "BackwardBuffers", "KernelKnobs", "PeerSpec",
+    "forward_buffer_bytes", "backward_buffer_bytes", "forward_plan", "backward_plan", "forward_task_count",
     "backward_task_count",
     "launch_forward", "launch_backward",
 ]
 
-_BF16, _F32, _I32 = 2, 4, 4
-ENGINES = ("tile", "tma")
-ENGINE_ENV = "MOK_RT_GEMM_ENGINE"
+_I32 = 4
 
 
 @dataclass(frozen=True)
-class _Engine:
+class _Kernels:
     cubin: str
     forward: str
     backward: str
     threads: int
     smem_bytes: int
-    tile_n: int          # dA / dX / down / wgrad tile width
-    gate_up_cols: int    # intermediate columns per fused gate|up tile
-    maps: bool           # parameter struct starts with tensor maps
 
 
-_ENGINE_SPECS = {
-    "tile": _Engine("moe_layer", "moe_forward", "moe_backward", P.THREADS, P.SMEM_BYTES, P.TILE_N,
-                    P.GATE_UP_COLS, False),
-    "tma": _Engine("moe_layer_tma", "moe_forward_tma", "moe_backward_tma", P.TMA_THREADS, P.TMA_SMEM_BYTES,
-                   P.TMA_TILE_N, P.TMA_GATE_UP_COLS, True),
-}
-
-
-def _check_engine(name: str, v) -> str:
-    if v not in ENGINES:
-        raise ArgumentError(name, f"expected one of {ENGINES}, got {v!r}")
-    return v
-
-
-def resolve_engine(engine: str | None) -> str:
-    """``engine``, or (None) $MOK_RT_GEMM_ENGINE, or "tma"."""
-    if engine is not None:
-        return _check_engine("engine", engine)
-    env = os.environ.get(ENGINE_ENV)
-    return _check_engine(ENGINE_ENV, env) if env else "tma"
+_KERNELS = _Kernels("moe_layer", "moe_forward", "moe_backward", P.THREADS, P.SMEM_BYTES)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -96,7 +65,7 @@ def _int(name: str, v, *, minimum: int = 0, multiple: int = 1) -> int:
 
 @dataclass(frozen=True)
 class LayerDims:
-    """Host-known sizes of one launch (DESIGN.md §2 names): T, H, I, k, E_l, capacity, I_s."""
+    """Host-known sizes of one launch: T, H, I, k, E_l, capacity, I_s."""
 
     tokens: int                 # T (0 allowed)
     hidden: int                 # H, multiple of 64
@@ -142,89 +111,35 @@ class LayerDims:
             swiglu_limit=float(self.swiglu_limit) if self.swiglu_limit is not None else 0.0, pad_=0)
 
 
-@dataclass(frozen=True)
-class ScheduleBuffers:
-    """Device pointers of the routing schedule (int32 arrays; see params.cuh MoESchedule); the
-    schedule's block_m must be BLOCK_M (128)."""
-
-    expert_count: int    # [E_l]
-    expert_offset: int   # [E_l + 1]
-    num_blocks: int      # [1]
-    block_expert: int    # [max_blocks]
-    row_src_rank: int    # [max_rows]
-    row_slot: int        # [max_rows]
-    route_row: int       # [T * k]
-    route_rank: int = 0  # [T * k] (read only with expert parallelism)
+def _buffers_class(name: str, table, doc: str):
+    """A frozen dataclass with one int field (a device pointer, default 0) per buffer of ``table``:
+    an unknown name is a TypeError, a missing one a null pointer (refused by the launch checks)."""
+    cls = make_dataclass(name, [(b.name, int, field(default=0)) for b in table], frozen=True, kw_only=True)
+    cls.__doc__ = doc
+    cls.__module__ = __name__
+    return cls
 
 
-@dataclass(frozen=True)
-class ForwardBuffers:
-    """Device pointers for moe_forward.  Shared-expert fields stay 0 when I_s = 0."""
+_SCHEDULE_TABLE = tuple(b for b in P.FORWARD_BUFFERS if b.role == "schedule")
+_FORWARD_TABLE = tuple(b for b in P.FORWARD_BUFFERS if b.role != "schedule")
+_BACKWARD_TABLE = tuple(b for b in P.BACKWARD_BUFFERS if b.role != "schedule")
 
-    x: int               # [T, H] bf16
-    topk_weights: int    # [T, k] f32
-    w_gate: int          # [E_l, I, H] bf16
-    w_up: int            # [E_l, I, H] bf16
-    w_down: int          # [E_l, H, I] bf16
-    x_routed: int        # context [max_rows, H] bf16
-    gu: int              # context [max_rows, 2I] bf16
-    act: int             # context [max_rows, I] bf16
-    y_slot: int          # context [T*k, H] bf16
-    out: int             # [T, H] bf16 (unused when context_only)
-    counters: int        # scratch, forward_buffer_bytes(dims)["counters"] bytes
-    ws_gate: int = 0     # [I_s, H] bf16
-    ws_up: int = 0       # [I_s, H] bf16
-    ws_down: int = 0     # [H, I_s] bf16
-    sgu: int = 0         # context [T, 2I_s] bf16
-    sact: int = 0        # context [T, I_s] bf16
-    shared_y: int = 0    # scratch [T, H] f32
-
-
-@dataclass(frozen=True)
-class BackwardBuffers:
-    """Device pointers for moe_backward.  Shared-expert fields stay 0 when I_s = 0."""
-
-    d_out: int           # [T, H] bf16
-    x: int               # [T, H] bf16 (read only with a shared expert)
-    topk_weights: int    # [T, k] f32
-    w_gate: int
-    w_up: int
-    w_down: int
-    x_routed: int        # forward context
-    gu: int
-    act: int
-    y_slot: int
-    dx: int              # [T, H] bf16
-    d_topk_weights: int  # [T, k] f32
-    dw_gate: int         # [E_l, I, H] f32
-    dw_up: int           # [E_l, I, H] f32
-    dw_down: int         # [E_l, H, I] f32
-    dy_routed: int       # scratch [max_rows, H] bf16
-    dgu: int             # scratch [max_rows, 2I] bf16
-    dx_slot: int         # scratch [T*k, H] bf16
-    counters: int        # scratch, backward_buffer_bytes(dims)["counters"] bytes
-    ws_gate: int = 0
-    ws_up: int = 0
-    ws_down: int = 0
-    sgu: int = 0         # forward context
-    sact: int = 0
-    dws_gate: int = 0    # [I_s, H] f32
-    dws_up: int = 0      # [I_s, H] f32
-    dws_down: int = 0    # [H, I_s] f32
-    dsgu: int = 0        # scratch [T, 2I_s] bf16
-    dx_shared: int = 0   # scratch [T, H] f32
+ScheduleBuffers = _buffers_class("ScheduleBuffers", _SCHEDULE_TABLE, """Device pointers of the routing schedule
+    (int32 arrays, _moe_params.FORWARD_BUFFERS role "schedule"); the schedule's block_m must be BLOCK_M.""")
+ForwardBuffers = _buffers_class("ForwardBuffers", _FORWARD_TABLE, """Device pointers for moe_forward, one per
+    buffer of _moe_params.FORWARD_BUFFERS (shapes and roles there); 0 where the buffer has 0 bytes.""")
+BackwardBuffers = _buffers_class("BackwardBuffers", _BACKWARD_TABLE, """Device pointers for moe_backward, one per
+    buffer of _moe_params.BACKWARD_BUFFERS (shapes and roles there); 0 where the buffer has 0 bytes.""")
 
 
 @dataclass(frozen=True)
 class KernelKnobs:
     """ctas_per_sm: persistent CTAs per SM (None: as many as fit); max_ctas caps the grid;
-    timeout_ns: how long a dependency wait may last before the kernel reports kErrTimeout;
-    engine: "tma" or "tile" (None: $MOK_RT_GEMM_ENGINE, else "tma"; see the module doc)."""
+    timeout_ns: how long a dependency wait may last before the kernel reports kErrTimeout."""
 
     ctas_per_sm: int | None = None
     max_ctas: int | None = None
     timeout_ns: int = 10_000_000_000
-    engine: str | None = None
 
     def __post_init__(self):
         if self.ctas_per_sm is not None:
@@ -232,8 +147,6 @@ class KernelKnobs:
         if self.max_ctas is not None:
             _int("max_ctas", self.max_ctas, minimum=1)
         _int("timeout_ns", self.timeout_ns, minimum=1)
-        if self.engine is not None:
-            _check_engine("engine", self.engine)
 
 
 @dataclass(frozen=True)
@@ -295,156 +208,98 @@ def _no_peers() -> P.MoEPeers:
     return s
 
 
-# ---- sizes ------------------------------------------------------------------------------------
+# ---- sizes and plans -------------------------------------------------------------------------
 
-def _forward_counter_words(d: LayerDims) -> int:
-    return 4 + 2 * d.max_blocks + 2 * d.token_blocks
+def forward_plan(dims: LayerDims, *, context_only: bool = False, push_tasks: int = 0) -> _moe_plan.Plan:
+    """The forward's task plan (mok_rt/kernels/moe_plan.py); ``push_tasks`` > 0 with expert parallelism."""
+    return _moe_plan.forward_plan(dims, context_only=context_only, push_tasks=push_tasks)
 
 
-def _backward_counter_words(d: LayerDims) -> int:
-    return 5 + 2 * d.max_blocks + 2 * d.local_experts + 2 * d.token_blocks
+def backward_plan(dims: LayerDims, *, push_tasks: int = 0) -> _moe_plan.Plan:
+    """The backward's task plan (mok_rt/kernels/moe_plan.py)."""
+    return _moe_plan.backward_plan(dims, push_tasks=push_tasks)
+
+
+def _written_bytes(table, dims: LayerDims, counter_words: int) -> dict[str, int]:
+    return {b.name: (counter_words * _I32 if b.role == "counters" else b.nbytes(dims))
+            for b in table if b.role in ("context", "output", "scratch", "heap", "counters")}
 
 
 def forward_buffer_bytes(dims: LayerDims) -> dict[str, int]:
-    """Bytes of every buffer moe_forward writes (context, output, scratch); 0 = not needed."""
-    d = dims
-    T, H, I, Is, R = d.tokens, d.hidden, d.intermediate, d.shared_intermediate, d.capacity_rows
-    return {
-        "x_routed": R * H * _BF16,
-        "gu": R * 2 * I * _BF16,
-        "act": R * I * _BF16,
-        "y_slot": T * d.top_k * H * _BF16,
-        "sgu": T * 2 * Is * _BF16,
-        "sact": T * Is * _BF16,
-        "out": T * H * _BF16,
-        "shared_y": T * H * _F32 if Is else 0,
-        "counters": _forward_counter_words(d) * _I32,
-    }
+    """Bytes of every buffer moe_forward writes (context, output, scratch, counters); 0 = not needed."""
+    return _written_bytes(_FORWARD_TABLE, dims, forward_plan(dims).counter_words)
 
 
 def backward_buffer_bytes(dims: LayerDims) -> dict[str, int]:
-    """Bytes of every buffer moe_backward writes (gradients and scratch); 0 = not needed."""
-    d = dims
-    T, H, I, Is, R, E = d.tokens, d.hidden, d.intermediate, d.shared_intermediate, d.capacity_rows, d.local_experts
-    return {
-        "dx": T * H * _BF16,
-        "d_topk_weights": T * d.top_k * _F32,
-        "dw_gate": E * I * H * _F32,
-        "dw_up": E * I * H * _F32,
-        "dw_down": E * H * I * _F32,
-        "dws_gate": Is * H * _F32,
-        "dws_up": Is * H * _F32,
-        "dws_down": H * Is * _F32,
-        "dy_routed": R * H * _BF16,
-        "dgu": R * 2 * I * _BF16,
-        "dx_slot": T * d.top_k * H * _BF16,
-        "dsgu": T * 2 * Is * _BF16,
-        "dx_shared": T * H * _F32 if Is else 0,
-        "counters": _backward_counter_words(d) * _I32,
-    }
+    """Bytes of every buffer moe_backward writes (gradients, scratch, counters); 0 = not needed."""
+    return _written_bytes(_BACKWARD_TABLE, dims, backward_plan(dims).counter_words)
 
 
-def forward_phases(dims: LayerDims, *, context_only: bool = False, push_tasks: int = 0,
-                   engine: str = "tile") -> tuple[tuple[str, int], ...]:
-    """The forward's task index space as (phase, task count) in plan order: the mirror of
-    ForwardPlan::make (forward_tasks.cuh) with the engine's tile widths; ``push_tasks`` > 0 with
-    expert parallelism.  Task t belongs to the phase whose range holds t (trace labels)."""
-    d, eng = dims, _ENGINE_SPECS[_check_engine("engine", engine)]
-    tb, mb, h_tiles = d.token_blocks, d.max_blocks, _ceil_div(d.hidden, eng.tile_n)
-    gu, sgu = _ceil_div(d.intermediate, eng.gate_up_cols), _ceil_div(d.shared_intermediate, eng.gate_up_cols)
-    shared = d.shared_intermediate > 0
-    ep = push_tasks > 0
-    lead = [("push", push_tasks), ("push_notify", 1), ("shared_gate_up", tb * sgu if shared else 0),
-            ("dispatch", mb)] if ep else [("dispatch", mb), ("shared_gate_up", tb * sgu if shared else 0)]
-    return tuple(lead + [("routed_gate_up", mb * gu),
-                         ("shared_down", tb * h_tiles if shared and not context_only else 0),
-                         ("routed_down", mb * h_tiles), ("down_notify", 1 if ep else 0),
-                         ("combine", 0 if context_only and not ep else tb * P.combine_parts(tb))])
+def forward_task_count(dims: LayerDims, *, context_only: bool = False, push_tasks: int = 0) -> int:
+    """Size of the forward task index space."""
+    return forward_plan(dims, context_only=context_only, push_tasks=push_tasks).total
 
 
-def backward_phases(dims: LayerDims, *, push_tasks: int = 0, engine: str = "tile") -> tuple[tuple[str, int], ...]:
-    """The backward's task index space as (phase, task count): mirror of BackwardPlan::make."""
-    d, eng = dims, _ENGINE_SPECS[_check_engine("engine", engine)]
-    tb, mb = d.token_blocks, d.max_blocks
-    i_t, si_t, h_t = (_ceil_div(v, eng.tile_n) for v in (d.intermediate, d.shared_intermediate, d.hidden))
-    i_r, si_r, h_r = (_ceil_div(v, P.BLOCK_M) for v in (d.intermediate, d.shared_intermediate, d.hidden))
-    shared = d.shared_intermediate > 0
-    ep = push_tasks > 0
-    local = [("d_weights", tb), ("shared_da", tb * si_t if shared else 0)]
-    lead = ([("push", push_tasks), ("push_notify", 1), *local, ("dispatch", mb)] if ep
-            else [("dispatch", mb), *local])
-    return tuple(lead + [("routed_da", mb * i_t), ("shared_dx", tb * h_t if shared else 0),
-                         ("routed_dx", mb * h_t), ("dx_notify", 1 if ep else 0),
-                         ("wgrad_down", d.local_experts * h_r * i_t),
-                         ("wgrad_gate_up", d.local_experts * 2 * i_r * h_t),
-                         ("shared_wgrad", h_r * si_t + 2 * si_r * h_t if shared else 0),
-                         ("combine", tb * P.combine_parts(tb))])
-
-
-def forward_task_count(dims: LayerDims, *, context_only: bool = False, push_tasks: int = 0,
-                       engine: str = "tile") -> int:
-    """Size of the forward task index space (see forward_phases)."""
-    return sum(n for _, n in forward_phases(dims, context_only=context_only, push_tasks=push_tasks, engine=engine))
-
-
-def backward_task_count(dims: LayerDims, *, push_tasks: int = 0, engine: str = "tile") -> int:
-    """Size of the backward task index space (see backward_phases)."""
-    return sum(n for _, n in backward_phases(dims, push_tasks=push_tasks, engine=engine))
+def backward_task_count(dims: LayerDims, *, push_tasks: int = 0) -> int:
+    """Size of the backward task index space."""
+    return backward_plan(dims, push_tasks=push_tasks).total
 
 
 # ---- launching --------------------------------------------------------------------------------
 
-_SHARED_ONLY = frozenset({"ws_gate", "ws_up", "ws_down", "sgu", "sact", "shared_y", "dws_gate", "dws_up",
-                          "dws_down", "dsgu", "dx_shared"})
-# Token-sized buffers may be empty (T = 0): the kernels never touch them then.
-_TOKEN_SIZED = frozenset({"x", "topk_weights", "out", "y_slot", "d_out", "dx", "d_topk_weights", "dx_slot",
-                          "route_row", "sgu", "sact", "shared_y", "dsgu", "dx_shared"})
-
-
-def _check_pointers(obj, dims: LayerDims, *, align: int, unused: frozenset = frozenset()) -> None:
+def _check_pointers(obj, table, dims: LayerDims, *, align: int, unused: frozenset = frozenset()) -> None:
     """Every pointer an int, aligned (16 bytes for data: the kernels move 16-byte vectors), and
-    non-null unless the buffer is unused (no shared expert, or T = 0)."""
-    no_shared = dims.shared_intermediate == 0
-    for f in fields(obj):
-        v = getattr(obj, f.name)
+    non-null unless the buffer has 0 bytes (no shared expert, T = 0) or is unused."""
+    for b in table:
+        v = getattr(obj, b.name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ArgumentError(f.name, f"expected a device pointer (int), got {v!r}")
+            raise ArgumentError(b.name, f"expected a device pointer (int), got {v!r}")
         if v % align:
-            raise ArgumentError(f.name, f"device pointer {v:#x} is not {align}-byte aligned")
-        if v == 0 and f.name not in unused and not (no_shared and f.name in _SHARED_ONLY) \
-                and not (dims.tokens == 0 and f.name in _TOKEN_SIZED):
-            raise ArgumentError(f.name, "null device pointer")
-
-
-def _dims_struct(dims: LayerDims, knobs: KernelKnobs) -> P.MoEDims:
-    return dims._struct(knobs.timeout_ns)
+            raise ArgumentError(b.name, f"device pointer {v:#x} is not {align}-byte aligned")
+        empty = b.role != "counters" and b.nbytes(dims) == 0
+        if v == 0 and not empty and b.name not in unused:
+            raise ArgumentError(b.name, "null device pointer")
 
 
 def _fill(struct, values: dict[str, int]) -> None:
-    for name, _ in struct._fields_:
-        if name in values:
-            setattr(struct, name, int(values[name]))
+    """Sets every pointer field of ``struct`` from ``values``; a name that is not a field, or a
+    field without a value, is a bug and raises."""
+    names = {n for n, _ in struct._fields_ if not n.endswith("_")}
+    if set(values) != names:
+        raise KeyError(f"{type(struct).__name__}: unknown {sorted(set(values) - names)}, "
+                       f"missing {sorted(names - set(values))}")
+    for name, v in values.items():
+        setattr(struct, name, int(v))
 
 
-def _schedule_struct(sched: ScheduleBuffers) -> P.MoESchedule:
-    s = P.MoESchedule()
-    _fill(s, {f.name: getattr(sched, f.name) for f in fields(sched)})
-    return s
+def _struct_values(bufs, table, struct: str) -> dict[str, int]:
+    return {b.name: getattr(bufs, b.name) for b in table if b.struct == struct}
 
 
-def _carve(base: int, sizes: list[tuple[str, int]]) -> dict[str, int]:
-    """Consecutive int32 sub-arrays of one counter allocation."""
-    out, at = {}, base
-    for name, words in sizes:
-        out[name] = at
-        at += words * _I32
-    return out
+def _params(cls, bufs, table, sched: ScheduleBuffers, plan: _moe_plan.Plan, dims: LayerDims, knobs: KernelKnobs,
+            peers: PeerSpec | None, err_ptr: int, trace_ptr: int):
+    """The parameter struct: every pointer from the buffer table, the counters from the plan's
+    layout, the plan, dims and peers."""
+    p = cls()
+    _fill(p.sched, _struct_values(sched, _SCHEDULE_TABLE, "sched"))
+    _fill(p.w, _struct_values(bufs, table, "w"))
+    _fill(p.ctx, _struct_values(bufs, table, "ctx"))
+    _fill(p.cnt, plan.counter_pointers(bufs.counters))
+    if hasattr(p, "grads"):
+        _fill(p.grads, _struct_values(bufs, table, "grads"))
+    for name, v in _struct_values(bufs, table, "").items():
+        setattr(p, name, int(v))
+    p.err, p.trace = err_ptr, trace_ptr
+    p.dims = dims._struct(knobs.timeout_ns)
+    p.plan = plan.struct()
+    p.peers = _no_peers() if peers is None else peers._struct()
+    return p
 
 
 _fit_cache: dict[tuple[int, int], int] = {}
 
 
-def _ctas_that_fit(kernel: Kernel, device_id: int, eng: _Engine) -> int:
+def _ctas_that_fit(kernel: Kernel, device_id: int, eng: _Kernels) -> int:
     key = (kernel.address, device_id)
     if key not in _fit_cache:
         try:
@@ -459,7 +314,7 @@ def _ctas_that_fit(kernel: Kernel, device_id: int, eng: _Engine) -> int:
     return _fit_cache[key]
 
 
-def _grid(kernel: Kernel, device_id: int, knobs: KernelKnobs, num_tasks: int, eng: _Engine) -> int:
+def _grid(kernel: Kernel, device_id: int, knobs: KernelKnobs, num_tasks: int, eng: _Kernels) -> int:
     per_sm = knobs.ctas_per_sm or _ctas_that_fit(kernel, device_id, eng)
     grid = multiprocessor_count(device_id) * per_sm
     if knobs.max_ctas is not None:
@@ -471,32 +326,30 @@ def _zero_counters(ptr: int, words: int, stream) -> None:
     call("cuMemsetD32Async", driver.CUdeviceptr(ptr), 0, words, driver.CUstream(stream_handle(stream)))
 
 
-def _check_launch(bufs, sched: ScheduleBuffers, dims: LayerDims, peers: PeerSpec | None, err_ptr: int, *,
+def _check_launch(bufs, table, sched: ScheduleBuffers, dims: LayerDims, peers: PeerSpec | None, err_ptr: int, *,
                   unused: frozenset = frozenset()) -> None:
     """What both launches check before touching the device."""
-    _check_pointers(bufs, dims, align=16, unused=unused)
-    _check_pointers(sched, dims, align=4, unused=frozenset({"route_rank"}))
+    _check_pointers(bufs, table, dims, align=16, unused=unused)
+    _check_pointers(sched, _SCHEDULE_TABLE, dims, align=4, unused=frozenset({"route_rank"}))
     _check_peers(peers, sched, dims)
     if not err_ptr:
         raise ArgumentError("err_ptr", "null error word")
 
 
-def _launch_megakernel(p, bufs, dims: LayerDims, eng: _Engine, *, backward: bool, num_tasks: int, trace_ptr: int,
-                       counter_words: int, stream, device_id: int, knobs: KernelKnobs) -> None:
-    """The common tail of both launches: trace size, the TMA engine's tensor maps, the memset of
-    the dependency counters (they start every launch at zero), then the launch unless there is
-    no task (a forward with T = 0; a backward always has weight-gradient tasks)."""
-    p.trace_tasks = num_tasks if trace_ptr else 0
-    params = p
-    if eng.maps:
-        params = P.MoEBackwardTmaParams() if backward else P.MoEForwardTmaParams()
-        params.p = p
-        _moe_maps.encode_maps(_moe_maps.map_specs(bufs, dims, backward=backward), params.maps)
-    _zero_counters(bufs.counters, counter_words, stream)
-    if num_tasks == 0:
+def _launch_megakernel(p, bufs, dims: LayerDims, plan: _moe_plan.Plan, *, backward: bool, stream, device_id: int,
+                       knobs: KernelKnobs) -> None:
+    """The common tail of both launches: the tensor maps, the memset of the dependency counters
+    (they start every launch at zero), then the launch unless there is no task (a forward with
+    T = 0; a backward always has weight-gradient tasks)."""
+    eng = _KERNELS
+    params = P.MoEBackwardTmaParams() if backward else P.MoEForwardTmaParams()
+    params.p = p
+    _moe_maps.encode_maps(_moe_maps.map_specs(bufs, dims, backward=backward), params.maps)
+    _zero_counters(bufs.counters, plan.counter_words, stream)
+    if plan.total == 0:
         return
     kernel = get_kernel(eng.cubin, eng.backward if backward else eng.forward, device_id)
-    launch(kernel, grid=_grid(kernel, device_id, knobs, num_tasks, eng), block=eng.threads, params=params,
+    launch(kernel, grid=_grid(kernel, device_id, knobs, plan.total, eng), block=eng.threads, params=params,
            stream=stream, device_id=device_id, shared_mem=eng.smem_bytes)
 
 
@@ -522,34 +375,16 @@ def launch_forward(bufs: ForwardBuffers, sched: ScheduleBuffers, dims: LayerDims
     Writes the context (x_routed, gu, act, y_slot, sgu, sact) and, unless ``context_only``,
     ``out``.  ``err_ptr``: the device error word (int32[4]); the caller checks it after syncing.
     With ``peers`` (expert parallelism) every rank of the group must launch its forward.
-    ``trace_ptr``: 0, or device memory for one 32-byte record per task (forward_task_count),
-    zeroed by the caller (mok_rt/_trace.py).
+    ``trace_ptr``: 0, or device memory for one 32-byte record per task of the plan
+    (forward_plan(...).total), zeroed by the caller (mok_rt/kernels/trace.py).
     """
     # A context-only launch (recompute) writes no output and never reads the routing weights.
-    _check_launch(bufs, sched, dims, peers, err_ptr,
+    _check_launch(bufs, _FORWARD_TABLE, sched, dims, peers, err_ptr,
                   unused=frozenset({"out", "topk_weights", "shared_y"}) if context_only else frozenset())
-    d = dims
-    cnt = _carve(bufs.counters, [("task_next", 1), ("down_done", 1), ("block_ready", d.max_blocks),
-                                 ("block_act_ready", d.max_blocks), ("token_sact_ready", d.token_blocks),
-                                 ("token_shared_done", d.token_blocks), ("push_done", 1), ("ctas_done", 1)])
-    engine = resolve_engine(knobs.engine)
-    eng = _ENGINE_SPECS[engine]
-    p = P.MoEForwardParams()
-    p.sched = _schedule_struct(sched)
-    _fill(p.w, {n: getattr(bufs, n) for n in ("w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down")})
-    _fill(p.ctx, {n: getattr(bufs, n) for n in ("x_routed", "gu", "act", "y_slot", "sgu", "sact")})
-    _fill(p.cnt, cnt)
-    _fill(p, {"x": bufs.x, "topk_weights": bufs.topk_weights, "out": bufs.out, "shared_y": bufs.shared_y,
-              "err": err_ptr})
-    p.trace = trace_ptr
-    p.dims = _dims_struct(d, knobs)
+    plan = forward_plan(dims, context_only=bool(context_only), push_tasks=0 if peers is None else peers.push_tasks)
+    p = _params(P.MoEForwardParams, bufs, _FORWARD_TABLE, sched, plan, dims, knobs, peers, err_ptr, trace_ptr)
     p.context_only = int(bool(context_only))
-    p.peers = _no_peers() if peers is None else peers._struct()
-
-    num_tasks = forward_task_count(d, context_only=bool(context_only),
-                                   push_tasks=0 if peers is None else peers.push_tasks, engine=engine)
-    _launch_megakernel(p, bufs, d, eng, backward=False, num_tasks=num_tasks, trace_ptr=trace_ptr,
-                       counter_words=_forward_counter_words(d), stream=stream, device_id=device_id, knobs=knobs)
+    _launch_megakernel(p, bufs, dims, plan, backward=False, stream=stream, device_id=device_id, knobs=knobs)
 
 
 def launch_backward(bufs: BackwardBuffers, sched: ScheduleBuffers, dims: LayerDims, *, stream, err_ptr: int,
@@ -560,44 +395,22 @@ def launch_backward(bufs: BackwardBuffers, sched: ScheduleBuffers, dims: LayerDi
     Writes dx, d_topk_weights and the fp32 weight gradients (added to their contents when
     ``accumulate``).  Needs the forward context of the same schedule and inputs.  With ``peers``
     the dy_routed / dx_slot pointers must be this rank's routed / slot rows in its block.
-    ``trace_ptr``: as for launch_forward (backward_task_count records).
+    ``trace_ptr``: as for launch_forward (backward_plan(...).total records).
     """
-    _check_launch(bufs, sched, dims, peers, err_ptr)
-    d = dims
-    cnt = _carve(bufs.counters, [("task_next", 1), ("dx_done", 1), ("dsgu_done", 1),
-                                 ("block_dy_ready", d.max_blocks), ("block_dgu_ready", d.max_blocks),
-                                 ("expert_dy_ready", d.local_experts), ("expert_dgu_ready", d.local_experts),
-                                 ("token_dsgu_ready", d.token_blocks), ("token_dxs_ready", d.token_blocks),
-                                 ("push_done", 1), ("ctas_done", 1)])
-    engine = resolve_engine(knobs.engine)
-    eng = _ENGINE_SPECS[engine]
-    p = P.MoEBackwardParams()
-    p.sched = _schedule_struct(sched)
-    _fill(p.w, {n: getattr(bufs, n) for n in ("w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down")})
-    _fill(p.ctx, {"x_routed": bufs.x_routed, "gu": bufs.gu, "act": bufs.act, "y_slot": bufs.y_slot,
-                  "sgu": bufs.sgu, "sact": bufs.sact})
-    _fill(p.cnt, cnt)
-    _fill(p.grads, {n: getattr(bufs, n) for n in ("dw_gate", "dw_up", "dw_down", "dws_gate", "dws_up", "dws_down")})
-    _fill(p, {n: getattr(bufs, n) for n in ("x", "topk_weights", "d_out", "dx", "d_topk_weights", "dy_routed",
-                                            "dgu", "dx_slot", "dsgu", "dx_shared")})
-    p.err = err_ptr
-    p.trace = trace_ptr
-    p.dims = _dims_struct(d, knobs)
+    _check_launch(bufs, _BACKWARD_TABLE, sched, dims, peers, err_ptr)
+    plan = backward_plan(dims, push_tasks=0 if peers is None else peers.push_tasks)
+    p = _params(P.MoEBackwardParams, bufs, _BACKWARD_TABLE, sched, plan, dims, knobs, peers, err_ptr, trace_ptr)
     p.accumulate = int(bool(accumulate))
-    p.peers = _no_peers() if peers is None else peers._struct()
-
-    num_tasks = backward_task_count(d, push_tasks=0 if peers is None else peers.push_tasks, engine=engine)
-    _launch_megakernel(p, bufs, d, eng, backward=True, num_tasks=num_tasks, trace_ptr=trace_ptr,
-                       counter_words=_backward_counter_words(d), stream=stream, device_id=device_id, knobs=knobs)
+    _launch_megakernel(p, bufs, dims, plan, backward=True, stream=stream, device_id=device_id, knobs=knobs)
 
 
-def prepare(device_id: int, *, engine: str | None = None) -> None:
-    """Load both megakernels of the engine on ``device_id`` and set their launch attributes now.
+def prepare(device_id: int) -> None:
+    """Load both megakernels on ``device_id`` and set their launch attributes now.
     Expert parallelism needs this before the first launch: loading a module or changing a
     kernel's attributes may wait for the device's running kernels, and a rank's kernel may
     already be spinning for a peer whose launch would then wait behind it."""
     from mok_rt.runtime.launch import _ensure_shared_memory
-    eng = _ENGINE_SPECS[resolve_engine(engine)]
+    eng = _KERNELS
     for name in (eng.forward, eng.backward):
         kernel = get_kernel(eng.cubin, name, device_id)
         _ctas_that_fit(kernel, device_id, eng)

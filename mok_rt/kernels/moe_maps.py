@@ -20,7 +20,7 @@ from mok_rt.runtime.tensormap import Major, TensorMapSpec, encode, gemm_operand
 __all__ = ["map_specs", "encode_maps"]
 
 _A_ROWS = P.BLOCK_M          # box height of an A operand and of each half of a gate|up B
-_B_ROWS = P.TMA_TILE_N       # box height of a whole K-major B tile
+_B_ROWS = P.TILE_N       # box height of a whole K-major B tile
 
 
 def _view(address: int, major: Major, rows: int, k: int, box_rows: int, groups: int = 1) -> TensorMapSpec | None:
@@ -46,9 +46,9 @@ def map_specs(bufs, dims, *, backward: bool) -> dict[str, TensorMapSpec | None]:
             "w_gate_k": _view(b.w_gate, K, I, H, _A_ROWS, E),
             "w_up_k": _view(b.w_up, K, I, H, _A_ROWS, E),
             "w_down_k": _view(b.w_down, K, H, I, _B_ROWS, E),
-            "ws_gate_k": _view(b.ws_gate, K, Is, H, _A_ROWS),
-            "ws_up_k": _view(b.ws_up, K, Is, H, _A_ROWS),
-            "ws_down_k": _view(b.ws_down, K, H, Is, _B_ROWS),
+            "shared_gate_k": _view(b.shared_gate, K, Is, H, _A_ROWS),
+            "shared_up_k": _view(b.shared_up, K, Is, H, _A_ROWS),
+            "shared_down_k": _view(b.shared_down, K, H, Is, _B_ROWS),
         }
         names = P.FORWARD_MAP_NAMES
     else:
@@ -59,12 +59,12 @@ def map_specs(bufs, dims, *, backward: bool) -> dict[str, TensorMapSpec | None]:
             "dsgu_k": _view(b.dsgu, K, T, 2 * Is, _A_ROWS),
             # B of dA: w_down[e] is [H, I] = (k = h, n = i) with n contiguous.
             "w_down_mn": _view(b.w_down, MN, I, H, _B_ROWS, E),
-            "ws_down_mn": _view(b.ws_down, MN, Is, H, _B_ROWS),
+            "shared_down_mn": _view(b.shared_down, MN, Is, H, _B_ROWS),
             # B of dX: w_gate[e] / w_up[e] are [I, H] = (k = i, n = h).
             "w_gate_mn": _view(b.w_gate, MN, H, I, _B_ROWS, E),
             "w_up_mn": _view(b.w_up, MN, H, I, _B_ROWS, E),
-            "ws_gate_mn": _view(b.ws_gate, MN, H, Is, _B_ROWS),
-            "ws_up_mn": _view(b.ws_up, MN, H, Is, _B_ROWS),
+            "shared_gate_mn": _view(b.shared_gate, MN, H, Is, _B_ROWS),
+            "shared_up_mn": _view(b.shared_up, MN, H, Is, _B_ROWS),
             # wgrads: K = rows (routed row space, or tokens for the shared expert).
             "dy_routed_mn": _view(b.dy_routed, MN, H, R, _A_ROWS),
             "act_mn": _view(b.act, MN, I, R, _B_ROWS),

@@ -1,20 +1,19 @@
-"""Per-task timelines of the MoE megakernels (``Workspace(trace=True)``; cuda_src/moe/trace.cuh).
+"""Per-task timelines of the MoE megakernels (``Workspace(trace=True)``; cuda_src/moe/tasks/trace.cuh).
 
 Every launch of a traced workspace gets one 32-byte record per task of its plan, zeroed before
 the launch: when the task was grabbed, when its waits were done, when its work was done, and
 (plan task << 32 | SM id).  :class:`LaunchTrace` decodes them with the plan's phase table
-(``_moe_launch.forward_phases`` / ``backward_phases``) into :class:`TaskSpan` s, answers the
+(``_moe_plan.Plan.phase_table()``) into :class:`TaskSpan` s, answers the
 questions a profile needs (busy and waiting time per phase, how long SMs sat idle at the end)
 and writes Chrome trace events (chrome://tracing, https://ui.perfetto.dev), one row per SM.
 
-"ready" is when the task's work starts: in the TMA kernel, when the workers take it (the producer
-grabbed it earlier and did its dependency waits, while the workers still ran the task before);
-in the one-engine kernel it equals "grab" (its waits are inside the task, so they count as busy).
-Busy intervals [ready, end] of one SM never overlap; waits [grab, ready] of the TMA kernel overlap
+"ready" is when the task's work starts: when the workers take it (the producer grabbed it earlier
+and did its dependency waits, while the workers still ran the task before).
+Busy intervals [ready, end] of one SM never overlap; waits [grab, ready] overlap
 the previous task's busy interval (the producer runs ahead), so the Chrome trace draws them on a
 separate row per SM.
 "end" is stamped by worker 0 after the task's body: for tasks that signal counters that is after
-a barrier of all workers; the TMA kernel's weight-gradient tiles signal nothing, so their "end" is
+a barrier of all workers; the weight-gradient tiles signal nothing, so their "end" is
 when worker 0's warpgroup finished its stores (the other warpgroup may still be storing).
 """
 from __future__ import annotations
@@ -56,7 +55,6 @@ class LaunchTrace:
     """The decoded records of one launch.  ``unfinished``: tasks without an end (the launch
     stopped on an error, or a skipped task of a rank that timed out)."""
     kind: str                       # "forward", "recompute" (context only) or "backward"
-    engine: str
     rank: int
     device_id: int
     phases: tuple[tuple[str, int], ...]
@@ -64,7 +62,7 @@ class LaunchTrace:
     unfinished: int = 0
 
     @classmethod
-    def decode(cls, raw: np.ndarray, *, kind: str, engine: str, phases, rank: int = 0,
+    def decode(cls, raw: np.ndarray, *, kind: str, phases, rank: int = 0,
                device_id: int = 0) -> "LaunchTrace":
         """``raw``: the launch's records, uint64 [num_tasks, 4] (or flat)."""
         phases = tuple((str(n), int(c)) for n, c in phases)
@@ -78,7 +76,7 @@ class LaunchTrace:
                 starts.append(at)
                 names.append(name)
             at += count
-        out = cls(kind=kind, engine=engine, rank=rank, device_id=device_id, phases=phases)
+        out = cls(kind=kind, rank=rank, device_id=device_id, phases=phases)
         grabbed = rec[:, 0] != 0
         if not grabbed.any():
             return out
@@ -134,7 +132,7 @@ class LaunchTrace:
         return sum(span - t for t in last.values())
 
     def summary(self) -> str:
-        lines = [f"{self.kind} ({self.engine}, rank {self.rank}, device {self.device_id}): {len(self.spans)} tasks "
+        lines = [f"{self.kind} (rank {self.rank}, device {self.device_id}): {len(self.spans)} tasks "
                  f"over {len(self.sm_busy_fraction())} SMs in {self.span_us:.1f} us"
                  + (f", {self.unfinished} unfinished" if self.unfinished else ""),
                  f"  {'phase':<16}{'tasks':>7}{'busy us':>11}{'wait us':>10}{'first':>9}{'last':>9}"]
@@ -173,7 +171,7 @@ def write_chrome_trace(path, traces: list[LaunchTrace]) -> None:
     events, offset = [], 0.0
     for i, t in enumerate(traces):
         events.append({"name": "process_name", "ph": "M", "pid": i,
-                       "args": {"name": f"{i}: {t.kind} ({t.engine}, rank {t.rank})"}})
+                       "args": {"name": f"{i}: {t.kind} (rank {t.rank})"}})
         events.extend(t.chrome_events(pid=i, offset_us=offset))
         offset += t.span_us + 10.0
     with open(path, "w") as f:

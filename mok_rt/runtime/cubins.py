@@ -61,8 +61,13 @@ def _library(stem: str, target: str):
     path = CUBIN_DIR / f"{stem}.{target}.cubin"
     if not path.exists():
         raise NoCubinError(f"no cubin {path.name} in {CUBIN_DIR}")
+    return _library_at(str(path))
+
+
+@functools.lru_cache(maxsize=None)
+def _library_at(path: str):
     _driver.init()
-    data = path.read_bytes()
+    data = Path(path).read_bytes()
     # Keep the bytes referenced for the library's lifetime (the driver may read them lazily).
     lib = call("cuLibraryLoadData", data, None, None, 0, None, None, 0)
     return lib, data
@@ -101,6 +106,17 @@ def get_kernel(stem: str, name: str, device_id: int) -> Kernel:
                 f"{', '.join(targets) or 'none'}. Rebuild with `python -m mok_rt.build --target {target}` "
                 f"if your nvcc supports it."
             ) from None
+        handle = _kernel_handle(lib, name, device_id)
+    return Kernel(handle=handle, stem=stem, name=name, target=target)
+
+
+def get_kernel_at(path, name: str, device_id: int) -> Kernel:
+    """The kernel ``name`` of the cubin at ``path`` (a cubin built outside the package, e.g. by
+    the test suite's probes) for device ``device_id``."""
+    path = Path(path).resolve()
+    stem, _, target = path.name.removesuffix(".cubin").partition(".")
+    with _lock:
+        lib, _ = _library_at(str(path))
         handle = _kernel_handle(lib, name, device_id)
     return Kernel(handle=handle, stem=stem, name=name, target=target)
 

@@ -1,6 +1,5 @@
-// Backward tasks of the warp-specialised MoE kernel (moe_layer_tma.cu): the phases, counters and
-// EP behaviour of backward_tasks.cuh, with every GEMM on the TMA + wgmma pipeline and its
-// epilogue straight from registers.  Tiles are 128 x 256 (BackwardPlan with n_cols = 256):
+// The backward's task set (TmaBackward): phases in backward_bodies.cuh, every GEMM on the pipeline
+// (pipeline/pipeline.cuh) with its epilogue straight from registers.  Tiles are 128 x 256:
 //   B2/B3 dA: 256 intermediate columns; A = d_out / dy_routed (K-major), B = the down weights
 //             read MN-major; SwiGLU backward reads gu at the same (row, column).
 //   B4/B5 dX: 256 hidden columns; K = [gate | up] (2I): B switches from the gate to the up map
@@ -10,13 +9,11 @@
 //             64 rows: the rows past the expert's count are its padding rows, which are zero in
 //             dy_routed, act, dgu and x_routed (dispatch writes zeros, and zeros stay zero).
 #pragma once
-#include "moe/backward_tasks.cuh"
-#include "moe/staged_rows.cuh"
-#include "moe/tma_forward.cuh"
+#include "moe/tasks/backward_bodies.cuh"
+#include "moe/pipeline/staged_rows.cuh"
+#include "moe/tasks/forward.cuh"
 
 namespace mok {
-
-constexpr int kTmaBackwardCols = ws::kBN;  // 256
 
 enum BackwardJob : int {
   kBwdStop = 0,
@@ -36,8 +33,8 @@ enum BackwardJob : int {
 
 // SwiGLU backward epilogue: the tile holds dA for intermediate columns col0 + c (c < cols); reads
 // the saved pre-activations gu (ld 2*inter, gate | up) and writes dgu, 16 bytes at a time (dA is
-// quad-transposed to the 8-column chunk each lane then owns; see ws_pipeline.cuh).
-__device__ __forceinline__ void swiglu_bwd_epilogue_regs(const float (&acc)[ws::kAccRegs], const ws::Frag& f,
+// quad-transposed to the 8-column chunk each lane then owns; see pipeline/epilogue.cuh).
+__device__ __forceinline__ void swiglu_bwd_epilogue_regs(const float (&acc)[pipe::kAccRegs], const pipe::Frag& f,
                                                          int rows, int cols, const bf16* gu, bf16* dgu, int inter,
                                                          int col0, const SwiGLU& sw) {
 #pragma unroll
@@ -45,10 +42,10 @@ __device__ __forceinline__ void swiglu_bwd_epilogue_regs(const float (&acc)[ws::
     const int r = f.row0 + 8 * h;
     const size_t row_at = (size_t)r * 2 * inter + col0;
 #pragma unroll
-    for (int q = 0; q < ws::kGroups; ++q) {
+    for (int q = 0; q < pipe::kGroups; ++q) {
       if (32 * q >= cols) break;  // warp-uniform
       float da[8];
-      ws::group_f32(acc, q, h, da);
+      pipe::group_f32(acc, q, h, da);
       if (r >= rows) continue;
       const size_t at = row_at + f.chunk_col(q);
       float g[8], u[8], dg[8], du[8];
@@ -65,21 +62,21 @@ __device__ __forceinline__ void swiglu_bwd_epilogue_regs(const float (&acc)[ws::
 struct TmaBackward {
   const MoEBackwardMaps& maps;
   const MoEBackwardParams& p;
-  const BackwardPlan& plan;
+  const MoEBackwardPlan& plan;
   const BackwardTasks& tasks;  // the non-GEMM bodies
-  const ws::AheadOrder& order;
+  const pipe::AheadOrder& order;
   int num_blocks;
 
   // d_weights (B1) waits on nothing and nothing waits on it: on one GPU it trails, overlapping
   // GEMMs; with EP it stays with the shared dA in front, covering the rows' travel (adjacent
   // phases there).
-  __device__ static ws::AheadOrder make_order(const BackwardPlan& f, const MoEBackwardParams& p, int num_blocks) {
+  __device__ static pipe::AheadOrder make_order(const MoEBackwardPlan& f, const MoEBackwardParams& p, int num_blocks) {
     const int experts = p.dims.local_experts;
     if (f.push_notify.count > 0)
-      return ws::AheadOrder::make(PhaseRange{f.d_weights.begin, f.d_weights.count + f.shared_da.count}, f.dispatch,
+      return pipe::AheadOrder::make(PhaseRange{f.d_weights.begin, f.d_weights.count + f.shared_da.count}, f.dispatch,
                                   f.routed_da, PhaseRange{f.dispatch.begin, 0}, f.i_tiles, f.routed_dx, f.h_tiles,
                                   p.sched, experts, num_blocks);
-    return ws::AheadOrder::make(f.shared_da, f.dispatch, f.routed_da, f.d_weights, f.i_tiles, f.routed_dx, f.h_tiles,
+    return pipe::AheadOrder::make(f.shared_da, f.dispatch, f.routed_da, f.d_weights, f.i_tiles, f.routed_dx, f.h_tiles,
                                 p.sched, experts, num_blocks);
   }
 
@@ -88,23 +85,23 @@ struct TmaBackward {
   __device__ WaitCtx peer_wait_ctx() const { return ep::peer_wait_ctx(p); }
   __device__ bool ep_on() const { return ep::enabled(p.peers); }
   __device__ int plan_task(int grabbed) const { return order.map(grabbed); }
-  __device__ unsigned long long* trace() const { return trace_records(p.trace, p.trace_tasks, plan.total); }
+  __device__ unsigned long long* trace() const { return p.trace; }
   __device__ static int k_tiles_of(int k) { return ceil_div(k, wg::kBK); }
 
   // ---- producer -----------------------------------------------------------------------------------
-  __device__ int prepare(int grabbed, ws::Job& job, ws::LoadSrc& a, ws::LoadSrc& b) const {
+  __device__ int prepare(int grabbed, pipe::Job& job, pipe::LoadSrc& a, pipe::LoadSrc& b) const {
     const int task = order.map(grabbed);
-    const MoEBackwardMaps& m = ws::late(maps);
+    const MoEBackwardMaps& m = pipe::late(maps);
     const MoEDims& d = p.dims;
     const WaitCtx w = wait_ctx();
-    job = ws::Job{};
+    job = pipe::Job{};
     if (plan.push.has(task)) {
       job.kind = kBwdPush;
       job.a = plan.push.local(task);
       return 1;
     }
     if (plan.push_notify.has(task)) {
-      if (!wait_counter_thread(p.cnt.push_done, p.peers.push_tasks, w, task)) return -1;
+      if (!wait_counter_thread(p.cnt.push_done, plan.wait_push_done, w, task)) return -1;
       ep::notify_all(p.peers, kFlagBwdRows);
       return 0;
     }
@@ -114,21 +111,21 @@ struct TmaBackward {
       const int e = p.sched.block_expert[blk];
       if (!valid_expert(e, blk, d, p.err)) return -1;
       if (ep_on() && !ep::wait_all_thread(p.peers, kFlagBwdRows, -1, peer_wait_ctx(), ep::kStageBwdRows)) return -1;
-      job = ws::Job{kBwdDispatch, ws::kLoadNone, 0, blk, e};
+      job = pipe::Job{kBwdDispatch, pipe::kLoadNone, 0, blk, e};
       rows::use_ring(job, ep_on() ? 0 : rows::Stages::of(d.hidden).count);  // one GPU: staged_rows.cuh
       return 1;
     }
     if (plan.d_weights.has(task)) {
       const int tb = plan.d_weights.local(task);
-      job = ws::Job{kBwdDWeights, ws::kLoadNone, 0, tb};
+      job = pipe::Job{kBwdDWeights, pipe::kLoadNone, 0, tb};
       rows::use_ring(job, ep_on() ? 0 : tasks.token_rows(tb) * rows::RoutePieces::of(d.hidden, d.top_k).per_token);
       return 1;
     }
     if (plan.shared_da.has(task)) {
       const int q = plan.shared_da.local(task), tb = q / plan.si_tiles, n = q % plan.si_tiles;
-      job = ws::Job{kBwdSharedDA, ws::kLoadGemm, d.hidden / wg::kBK, tb, n};
-      a = ws::kmajor(&m.d_out_k, tb * kBlockM);
-      b = ws::mnmajor(&m.ws_down_mn, n * ws::kBN);
+      job = pipe::Job{kBwdSharedDA, pipe::kLoadGemm, d.hidden / wg::kBK, tb, n};
+      a = pipe::kmajor(&m.d_out_k, tb * kBlockM);
+      b = pipe::mnmajor(&m.shared_down_mn, n * pipe::kBN);
       return 1;
     }
     if (plan.routed_da.has(task)) {
@@ -136,19 +133,19 @@ struct TmaBackward {
       if (blk >= num_blocks) return 0;
       const int e = p.sched.block_expert[blk];
       if (!valid_expert(e, blk, d, p.err)) return -1;
-      const int idle = ws::upper_half_idle(p.sched, blk, e);  // loads issued before the acquire
-      if (!wait_counter_thread(p.cnt.block_dy_ready + blk, 1, w, task)) return -1;
-      job = ws::Job{kBwdRoutedDA, ws::kLoadGemm, d.hidden / wg::kBK, blk, n, e, 0, idle};
-      a = ws::kmajor(&m.dy_routed_k, blk * kBlockM);
-      b = ws::mnmajor(&m.w_down_mn, n * ws::kBN, 0, e);
+      const int idle = pipe::upper_half_idle(p.sched, blk, e);  // loads issued before the acquire
+      if (!wait_counter_thread(p.cnt.block_dy_ready + blk, plan.wait_block_dy_ready, w, task)) return -1;
+      job = pipe::Job{kBwdRoutedDA, pipe::kLoadGemm, d.hidden / wg::kBK, blk, n, e, 0, idle};
+      a = pipe::kmajor(&m.dy_routed_k, blk * kBlockM);
+      b = pipe::mnmajor(&m.w_down_mn, n * pipe::kBN, 0, e);
       return 1;
     }
     if (plan.shared_dx.has(task)) {
       const int q = plan.shared_dx.local(task), tb = q / plan.h_tiles, h = q % plan.h_tiles;
-      if (!wait_counter_thread(p.cnt.token_dsgu_ready + tb, plan.si_tiles, w, task)) return -1;
-      job = ws::Job{kBwdSharedDX, ws::kLoadGemm, 2 * d.shared_inter / wg::kBK, tb, h};
-      a = ws::kmajor(&m.dsgu_k, tb * kBlockM);
-      b = ws::mnmajor(&m.ws_gate_mn, h * ws::kBN, 0, 0, &m.ws_up_mn, d.shared_inter / wg::kBK);
+      if (!wait_counter_thread(p.cnt.token_dsgu_ready + tb, plan.wait_token_dsgu_ready, w, task)) return -1;
+      job = pipe::Job{kBwdSharedDX, pipe::kLoadGemm, 2 * d.shared_inter / wg::kBK, tb, h};
+      a = pipe::kmajor(&m.dsgu_k, tb * kBlockM);
+      b = pipe::mnmajor(&m.shared_gate_mn, h * pipe::kBN, 0, 0, &m.shared_up_mn, d.shared_inter / wg::kBK);
       return 1;
     }
     if (plan.routed_dx.has(task)) {
@@ -156,15 +153,15 @@ struct TmaBackward {
       if (blk >= num_blocks) return 0;
       const int e = p.sched.block_expert[blk];
       if (!valid_expert(e, blk, d, p.err)) return -1;
-      const int idle = ws::upper_half_idle(p.sched, blk, e);
-      if (!wait_counter_thread(p.cnt.block_dgu_ready + blk, plan.i_tiles, w, task)) return -1;
-      job = ws::Job{kBwdRoutedDX, ws::kLoadGemm, 2 * d.inter / wg::kBK, blk, h, e, 0, idle};
-      a = ws::kmajor(&m.dgu_k, blk * kBlockM);
-      b = ws::mnmajor(&m.w_gate_mn, h * ws::kBN, 0, e, &m.w_up_mn, d.inter / wg::kBK);
+      const int idle = pipe::upper_half_idle(p.sched, blk, e);
+      if (!wait_counter_thread(p.cnt.block_dgu_ready + blk, plan.wait_block_dgu_ready, w, task)) return -1;
+      job = pipe::Job{kBwdRoutedDX, pipe::kLoadGemm, 2 * d.inter / wg::kBK, blk, h, e, 0, idle};
+      a = pipe::kmajor(&m.dgu_k, blk * kBlockM);
+      b = pipe::mnmajor(&m.w_gate_mn, h * pipe::kBN, 0, e, &m.w_up_mn, d.inter / wg::kBK);
       return 1;
     }
     if (plan.dx_notify.has(task)) {
-      if (!wait_counter_thread(p.cnt.dx_done, num_blocks * plan.h_tiles, w, task)) return -1;
+      if (!wait_counter_thread(p.cnt.dx_done, num_blocks * plan.wait_dx_done_per_block, w, task)) return -1;
       ep::notify_all(p.peers, kFlagBwdReturn);
       return 0;
     }
@@ -173,10 +170,10 @@ struct TmaBackward {
       const int e = q / per_e, rem = q % per_e, h = rem / plan.i_tiles, n = rem % plan.i_tiles;
       const BackwardTasks::ExpertRows er = tasks.expert_rows(e);
       if (er.count == 0 && p.accumulate) return 0;  // adding zero: leave the caller's buffer alone
-      if (er.blocks > 0 && !wait_counter_thread(p.cnt.expert_dy_ready + e, er.blocks, w, task)) return -1;
-      job = ws::Job{kBwdWgradDown, ws::kLoadGemm, k_tiles_of(er.count), e, h, n};
-      a = ws::mnmajor(&m.dy_routed_mn, h * kBlockM, er.first);
-      b = ws::mnmajor(&m.act_mn, n * ws::kBN, er.first);
+      if (er.blocks > 0 && !wait_counter_thread(p.cnt.expert_dy_ready + e, er.blocks * plan.wait_expert_dy_ready_per_block, w, task)) return -1;
+      job = pipe::Job{kBwdWgradDown, pipe::kLoadGemm, k_tiles_of(er.count), e, h, n};
+      a = pipe::mnmajor(&m.dy_routed_mn, h * kBlockM, er.first);
+      b = pipe::mnmajor(&m.act_mn, n * pipe::kBN, er.first);
       return 1;
     }
     if (plan.wgrad_gate_up.has(task)) {
@@ -186,11 +183,11 @@ struct TmaBackward {
       const BackwardTasks::ExpertRows er = tasks.expert_rows(e);
       if (er.count == 0 && p.accumulate) return 0;
       if (er.blocks > 0 &&
-          !wait_counter_thread(p.cnt.expert_dgu_ready + e, er.blocks * plan.i_tiles, w, task)) return -1;
-      job = ws::Job{kBwdWgradGateUp, ws::kLoadGemm, k_tiles_of(er.count), e, up, n, h};
+          !wait_counter_thread(p.cnt.expert_dgu_ready + e, er.blocks * plan.wait_expert_dgu_ready_per_block, w, task)) return -1;
+      job = pipe::Job{kBwdWgradGateUp, pipe::kLoadGemm, k_tiles_of(er.count), e, up, n, h};
       // Gate tile rows past I read up columns: garbage confined to rows the epilogue drops.
-      a = ws::mnmajor(&m.dgu_mn, up * d.inter + n * kBlockM, er.first);
-      b = ws::mnmajor(&m.x_routed_mn, h * ws::kBN, er.first);
+      a = pipe::mnmajor(&m.dgu_mn, up * d.inter + n * kBlockM, er.first);
+      b = pipe::mnmajor(&m.x_routed_mn, h * pipe::kBN, er.first);
       return 1;
     }
     if (plan.shared_wgrad.has(task)) {
@@ -199,36 +196,36 @@ struct TmaBackward {
       const int down_tiles = plan.h_rows * plan.si_tiles;
       if (q < down_tiles) {  // dWs_down[h, i] = sum_t d_out[t, h] * sact[t, i]
         const int h = q / plan.si_tiles, n = q % plan.si_tiles;
-        job = ws::Job{kBwdSharedWgradDown, ws::kLoadGemm, k_tiles_of(d.tokens), 0, h, n};
-        a = ws::mnmajor(&m.d_out_mn, h * kBlockM);
-        b = ws::mnmajor(&m.sact_mn, n * ws::kBN);
+        job = pipe::Job{kBwdSharedWgradDown, pipe::kLoadGemm, k_tiles_of(d.tokens), 0, h, n};
+        a = pipe::mnmajor(&m.d_out_mn, h * kBlockM);
+        b = pipe::mnmajor(&m.sact_mn, n * pipe::kBN);
         return 1;
       }
       q -= down_tiles;  // dWs_{gate,up}[i, h] = sum_t dsgu[t, (up) i] * x[t, h]
       const int per_up = plan.si_rows * plan.h_tiles;
       const int up = q / per_up, rem = q % per_up, n = rem / plan.h_tiles, h = rem % plan.h_tiles;
-      if (!wait_counter_thread(p.cnt.dsgu_done, plan.token_blocks * plan.si_tiles, w, task)) return -1;
-      job = ws::Job{kBwdSharedWgradGateUp, ws::kLoadGemm, k_tiles_of(d.tokens), 0, up, n, h};
-      a = ws::mnmajor(&m.dsgu_mn, up * d.shared_inter + n * kBlockM);
-      b = ws::mnmajor(&m.x_mn, h * ws::kBN);
+      if (!wait_counter_thread(p.cnt.dsgu_done, plan.wait_dsgu_done, w, task)) return -1;
+      job = pipe::Job{kBwdSharedWgradGateUp, pipe::kLoadGemm, k_tiles_of(d.tokens), 0, up, n, h};
+      a = pipe::mnmajor(&m.dsgu_mn, up * d.shared_inter + n * kBlockM);
+      b = pipe::mnmajor(&m.x_mn, h * pipe::kBN);
       return 1;
     }
     if (plan.combine.has(task)) {
       const int q = plan.combine.local(task), tb = q / plan.combine_parts;
       if (ep_on()) {
         if (!ep::wait_all_thread(p.peers, kFlagBwdReturn, kFlagBwdRows, peer_wait_ctx(), ep::kStageBwdReturn)) return -1;
-      } else if (!wait_counter_thread(p.cnt.dx_done, num_blocks * plan.h_tiles, w, task)) {
+      } else if (!wait_counter_thread(p.cnt.dx_done, num_blocks * plan.wait_dx_done_per_block, w, task)) {
         return -1;
       }
-      if (d.shared_inter > 0 && !wait_counter_thread(p.cnt.token_dxs_ready + tb, plan.h_tiles, w, task)) return -1;
-      job = ws::Job{kBwdCombine, ws::kLoadNone, 0, q};
+      if (d.shared_inter > 0 && !wait_counter_thread(p.cnt.token_dxs_ready + tb, plan.wait_token_dxs_ready, w, task)) return -1;
+      job = pipe::Job{kBwdCombine, pipe::kLoadNone, 0, q};
       return 1;
     }
     return 0;
   }
 
   // Dispatch through the ring (one GPU; staged_rows.cuh).
-  __device__ uint32_t stage_rows(const ws::Job& job, int stage, uint32_t dst, uint32_t bar) const {
+  __device__ uint32_t stage_rows(const pipe::Job& job, int stage, uint32_t dst, uint32_t bar) const {
     const MoEDims& d = p.dims;
     if (job.kind == kBwdDWeights)
       return rows::issue_route_stage(p.d_out, p.ctx.y_slot, d.hidden, d.top_k, job.a * kBlockM, stage,
@@ -237,22 +234,22 @@ struct TmaBackward {
   }
 
   // ---- workers -------------------------------------------------------------------------------------
-  // The weight gradients: short K, long fp32 epilogues (ws_pipeline.cuh, "GEMMs in turns").
-  __device__ static bool in_turns(const ws::Job& job) {
+  // The weight gradients: short K, long fp32 epilogues (pipeline/pipeline.cuh, "GEMMs in turns").
+  __device__ static bool in_turns(const pipe::Job& job) {
     return job.kind == kBwdWgradDown || job.kind == kBwdWgradGateUp || job.kind == kBwdSharedWgradDown ||
            job.kind == kBwdSharedWgradGateUp;
   }
-  __device__ bool run(const ws::Job& job, const ws::Shared& s, wg::PipeState& ps, float (&acc)[ws::kAccRegs],
-                      int consumer, const MbarWaitCtx& w, const ws::Turns& turns) const {
+  __device__ bool run(const pipe::Job& job, const pipe::Shared& s, wg::PipeState& ps, float (&acc)[pipe::kAccRegs],
+                      int consumer, const MbarWaitCtx& w, const pipe::Turns& turns) const {
     const MoEDims& d = p.dims;
-    const ws::Frag f = ws::Frag::of(consumer);
+    const pipe::Frag f = pipe::Frag::of(consumer);
     const bool acc_in = p.accumulate != 0;
     switch (job.kind) {
       case kBwdPush:
         tasks.push(job.a);
         return true;
       case kBwdDispatch: {
-        if (job.gemm != ws::kLoadRows) {
+        if (job.gemm != pipe::kLoadRows) {
           tasks.dispatch_body(job.a, job.b);
           return true;
         }
@@ -263,7 +260,7 @@ struct TmaBackward {
         return true;
       }
       case kBwdDWeights: {
-        if (job.gemm != ws::kLoadRows) {
+        if (job.gemm != pipe::kLoadRows) {
           tasks.d_weights(job.a);
           return true;
         }
@@ -274,65 +271,65 @@ struct TmaBackward {
         tasks.combine_body(job.a);
         return true;
       case kBwdSharedDA: {
-        if (!ws::gemm<wg::kKMajor, wg::kMNMajor>(s, ps, acc, job.k_tiles, consumer, w)) return false;
-        const int t0 = job.a * kBlockM, i0 = job.b * ws::kBN;
+        if (!pipe::gemm<wg::kKMajor, wg::kMNMajor>(s, ps, acc, job.k_tiles, consumer, w)) return false;
+        const int t0 = job.a * kBlockM, i0 = job.b * pipe::kBN;
         const size_t off = (size_t)t0 * 2 * d.shared_inter;
-        swiglu_bwd_epilogue_regs(acc, f, min_int(kBlockM, d.tokens - t0), min_int(ws::kBN, d.shared_inter - i0),
+        swiglu_bwd_epilogue_regs(acc, f, min_int(kBlockM, d.tokens - t0), min_int(pipe::kBN, d.shared_inter - i0),
                                  p.ctx.sgu + off, p.dsgu + off, d.shared_inter, i0, make_swiglu(d));
         signal_counters(p.cnt.token_dsgu_ready + job.a, p.cnt.dsgu_done);
         return true;
       }
       case kBwdRoutedDA: {
-        if (!ws::gemm<wg::kKMajor, wg::kMNMajor>(s, ps, acc, job.k_tiles, consumer, w, job.e)) return false;
-        const int i0 = job.b * ws::kBN;
+        if (!pipe::gemm<wg::kKMajor, wg::kMNMajor>(s, ps, acc, job.k_tiles, consumer, w, job.e)) return false;
+        const int i0 = job.b * pipe::kBN;
         const size_t off = (size_t)job.a * kBlockM * 2 * d.inter;
-        swiglu_bwd_epilogue_regs(acc, f, kBlockM, min_int(ws::kBN, d.inter - i0), p.ctx.gu + off, p.dgu + off,
+        swiglu_bwd_epilogue_regs(acc, f, kBlockM, min_int(pipe::kBN, d.inter - i0), p.ctx.gu + off, p.dgu + off,
                                  d.inter, i0, make_swiglu(d));
         signal_counters(p.cnt.block_dgu_ready + job.a, p.cnt.expert_dgu_ready + job.c);
         return true;
       }
       case kBwdSharedDX: {
-        if (!ws::gemm<wg::kKMajor, wg::kMNMajor>(s, ps, acc, job.k_tiles, consumer, w)) return false;
-        const int t0 = job.a * kBlockM, h0 = job.b * ws::kBN;
-        ws::store_f32<false>(acc, f, p.dx_shared + (size_t)t0 * d.hidden + h0, d.hidden, min_int(kBlockM, d.tokens - t0),
-                      min_int(ws::kBN, d.hidden - h0), false);
+        if (!pipe::gemm<wg::kKMajor, wg::kMNMajor>(s, ps, acc, job.k_tiles, consumer, w)) return false;
+        const int t0 = job.a * kBlockM, h0 = job.b * pipe::kBN;
+        pipe::store_f32<false>(acc, f, p.dx_shared + (size_t)t0 * d.hidden + h0, d.hidden, min_int(kBlockM, d.tokens - t0),
+                      min_int(pipe::kBN, d.hidden - h0), false);
         signal_counter(p.cnt.token_dxs_ready + job.a);
         return true;
       }
       case kBwdRoutedDX: {
-        if (!ws::gemm<wg::kKMajor, wg::kMNMajor>(s, ps, acc, job.k_tiles, consumer, w, job.e)) return false;
-        store_routed_tile(acc, f, p.sched, p.peers, d, p.err, job.a * kBlockM, job.b * ws::kBN, p.dx_slot,
+        if (!pipe::gemm<wg::kKMajor, wg::kMNMajor>(s, ps, acc, job.k_tiles, consumer, w, job.e)) return false;
+        store_routed_tile(acc, f, p.sched, p.peers, d, p.err, job.a * kBlockM, job.b * pipe::kBN, p.dx_slot,
                           p.cnt.dx_done);
         return true;
       }
       case kBwdWgradDown: {
-        if (!ws::gemm_in_turns<wg::kMNMajor, wg::kMNMajor>(s, ps, acc, job.k_tiles, consumer, w, turns)) return false;
-        const int e = job.a, h0 = job.b * kBlockM, i0 = job.c * ws::kBN;
-        ws::store_f32<true>(acc, f, p.grads.dw_down + ((size_t)e * d.hidden + h0) * d.inter + i0, d.inter,
-                      min_int(kBlockM, d.hidden - h0), min_int(ws::kBN, d.inter - i0), acc_in);
+        if (!pipe::gemm_in_turns<wg::kMNMajor, wg::kMNMajor>(s, ps, acc, job.k_tiles, consumer, w, turns)) return false;
+        const int e = job.a, h0 = job.b * kBlockM, i0 = job.c * pipe::kBN;
+        pipe::store_f32<true>(acc, f, p.grads.dw_down + ((size_t)e * d.hidden + h0) * d.inter + i0, d.inter,
+                      min_int(kBlockM, d.hidden - h0), min_int(pipe::kBN, d.inter - i0), acc_in);
         return true;
       }
       case kBwdWgradGateUp: {
-        if (!ws::gemm_in_turns<wg::kMNMajor, wg::kMNMajor>(s, ps, acc, job.k_tiles, consumer, w, turns)) return false;
-        const int e = job.a, i0 = job.c * kBlockM, h0 = job.d * ws::kBN;
+        if (!pipe::gemm_in_turns<wg::kMNMajor, wg::kMNMajor>(s, ps, acc, job.k_tiles, consumer, w, turns)) return false;
+        const int e = job.a, i0 = job.c * kBlockM, h0 = job.d * pipe::kBN;
         float* dw = job.b ? p.grads.dw_up : p.grads.dw_gate;
-        ws::store_f32<true>(acc, f, dw + ((size_t)e * d.inter + i0) * d.hidden + h0, d.hidden,
-                      min_int(kBlockM, d.inter - i0), min_int(ws::kBN, d.hidden - h0), acc_in);
+        pipe::store_f32<true>(acc, f, dw + ((size_t)e * d.inter + i0) * d.hidden + h0, d.hidden,
+                      min_int(kBlockM, d.inter - i0), min_int(pipe::kBN, d.hidden - h0), acc_in);
         return true;
       }
       case kBwdSharedWgradDown: {
-        if (!ws::gemm_in_turns<wg::kMNMajor, wg::kMNMajor>(s, ps, acc, job.k_tiles, consumer, w, turns)) return false;
-        const int h0 = job.b * kBlockM, i0 = job.c * ws::kBN;
-        ws::store_f32<true>(acc, f, p.grads.dws_down + (size_t)h0 * d.shared_inter + i0, d.shared_inter,
-                      min_int(kBlockM, d.hidden - h0), min_int(ws::kBN, d.shared_inter - i0), acc_in);
+        if (!pipe::gemm_in_turns<wg::kMNMajor, wg::kMNMajor>(s, ps, acc, job.k_tiles, consumer, w, turns)) return false;
+        const int h0 = job.b * kBlockM, i0 = job.c * pipe::kBN;
+        pipe::store_f32<true>(acc, f, p.grads.d_shared_down + (size_t)h0 * d.shared_inter + i0, d.shared_inter,
+                      min_int(kBlockM, d.hidden - h0), min_int(pipe::kBN, d.shared_inter - i0), acc_in);
         return true;
       }
       case kBwdSharedWgradGateUp: {
-        if (!ws::gemm_in_turns<wg::kMNMajor, wg::kMNMajor>(s, ps, acc, job.k_tiles, consumer, w, turns)) return false;
-        const int i0 = job.c * kBlockM, h0 = job.d * ws::kBN;
-        float* dw = job.b ? p.grads.dws_up : p.grads.dws_gate;
-        ws::store_f32<true>(acc, f, dw + (size_t)i0 * d.hidden + h0, d.hidden, min_int(kBlockM, d.shared_inter - i0),
-                      min_int(ws::kBN, d.hidden - h0), acc_in);
+        if (!pipe::gemm_in_turns<wg::kMNMajor, wg::kMNMajor>(s, ps, acc, job.k_tiles, consumer, w, turns)) return false;
+        const int i0 = job.c * kBlockM, h0 = job.d * pipe::kBN;
+        float* dw = job.b ? p.grads.d_shared_up : p.grads.d_shared_gate;
+        pipe::store_f32<true>(acc, f, dw + (size_t)i0 * d.hidden + h0, d.hidden, min_int(kBlockM, d.shared_inter - i0),
+                      min_int(pipe::kBN, d.hidden - h0), acc_in);
         return true;
       }
       default:

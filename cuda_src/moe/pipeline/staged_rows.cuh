@@ -11,7 +11,7 @@
 // with the GEMM Jobs around the copy.
 #pragma once
 #include "moe/params.cuh"
-#include "moe/ws_pipeline.cuh"
+#include "moe/pipeline/pipeline.cuh"
 
 namespace mok {
 namespace rows {
@@ -23,7 +23,7 @@ constexpr int kMaxRowsPerStage = kBlockM;  // small H: the whole block in few st
 struct Stages {
   int rows, count;
   __device__ __forceinline__ static Stages of(int hidden) {
-    const int rows = min_int(kMaxRowsPerStage, ws::Geometry::kStageBytes / (hidden * 2));
+    const int rows = min_int(kMaxRowsPerStage, pipe::Geometry::kStageBytes / (hidden * 2));
     return Stages{rows, rows > 0 ? ceil_div(kBlockM, rows) : 0};
   }
   __device__ __forceinline__ int first(int stage) const { return stage * rows; }
@@ -97,9 +97,9 @@ __device__ __forceinline__ void store_row(bf16* dst, uint32_t src, bool valid, b
 
 // A Job streams `stages` stages through the ring when stages > 0 (0: the task keeps its register
 // path, e.g. with EP or rows too wide for a slot).
-__device__ __forceinline__ void use_ring(ws::Job& job, int stages) {
+__device__ __forceinline__ void use_ring(pipe::Job& job, int stages) {
   if (stages <= 0) return;
-  job.gemm = ws::kLoadRows;
+  job.gemm = pipe::kLoadRows;
   job.k_tiles = stages;
 }
 
@@ -107,7 +107,7 @@ __device__ __forceinline__ void use_ring(ws::Job& job, int stages) {
 // address of the slot), release the slot.  True for every worker when no wait failed (a ring wait
 // fails only on a bug; the workers then stop together, as after a GEMM).
 template <class Body>
-__device__ __forceinline__ bool for_each_stage(const ws::Shared& s, wg::PipeState& ps, int count,
+__device__ __forceinline__ bool for_each_stage(const pipe::Shared& s, wg::PipeState& ps, int count,
                                                const MbarWaitCtx& w, Body body) {
   bool failed = false;
   for (int st = 0; st < count; ++st) {
@@ -118,14 +118,14 @@ __device__ __forceinline__ bool for_each_stage(const ws::Shared& s, wg::PipeStat
     fence_proxy_async_shared();
     __syncwarp();  // every lane of the warp has read the slot before lane 0 frees it
     if ((threadIdx.x & 31) == 0) mbar_arrive(s.ring.empty(ps.slot));
-    ps.advance(ws::kStages);
+    ps.advance(pipe::kStages);
   }
   return !workers_any(failed);
 }
 
 // Workers: row block `blk` from the ring into dst (the block's first row of the routed buffer),
 // times the route weights when `weights` is given, zeros for padding rows.
-__device__ __forceinline__ bool copy_block(const ws::Shared& s, wg::PipeState& ps, const MoESchedule& sc,
+__device__ __forceinline__ bool copy_block(const pipe::Shared& s, wg::PipeState& ps, const MoESchedule& sc,
                                            const MoEDims& d, int blk, const float* weights, bf16* dst,
                                            const MbarWaitCtx& w) {
   __shared__ BlockRows br;
@@ -144,7 +144,7 @@ __device__ __forceinline__ bool copy_block(const ws::Shared& s, wg::PipeState& p
 
 // ---- d_topk_weights through the ring (the backward's B1) ----------------------------------------
 // d_topk_weights[t, j] = <d_out[t], y_slot[t, j]>: per token k + 1 rows of H, read once.  The
-// register version (backward_tasks.cuh d_weights) keeps 4 loads in flight per lane and took
+// register version (backward_bodies.cuh d_weights) keeps 4 loads in flight per lane and took
 // ~1.8 ms per deepseek-v3 token block.  A stage here is one (token, column piece): the piece of
 // d_out[t] and of its k routes' rows (k + 1 bulk copies); warp j < k sums route j's products.
 // Lanes walk their 16-byte chunks as the register version does (lane * 8 + 256 i, in order; the
@@ -154,7 +154,7 @@ struct RoutePieces {
   int cols, per_token;  // piece width (columns), pieces per token; per_token = 0: not staged
   __device__ __forceinline__ static RoutePieces of(int hidden, int top_k) {
     if (top_k > kThreads / 32) return RoutePieces{0, 0};  // a warp per route
-    const int fit = ws::Geometry::kStageBytes / (2 * (top_k + 1)) / 256 * 256;
+    const int fit = pipe::Geometry::kStageBytes / (2 * (top_k + 1)) / 256 * 256;
     const int cols = min_int(hidden, fit);
     return RoutePieces{cols, cols > 0 ? ceil_div(hidden, cols) : 0};
   }
@@ -177,7 +177,7 @@ __device__ __forceinline__ uint32_t issue_route_stage(const bf16* d_out, const b
 }
 
 // Workers: every stage of a token block of `tokens` tokens from t0; writes d_topk_weights.
-__device__ __forceinline__ bool drain_route_stages(const ws::Shared& s, wg::PipeState& ps, const RoutePieces& g,
+__device__ __forceinline__ bool drain_route_stages(const pipe::Shared& s, wg::PipeState& ps, const RoutePieces& g,
                                                    int hidden, int top_k, int t0, int tokens, float* d_topk_weights,
                                                    const MbarWaitCtx& w) {
   const int warp = worker_tid() >> 5, lane = worker_tid() & 31;

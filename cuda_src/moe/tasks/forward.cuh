@@ -1,21 +1,21 @@
-// Forward tasks of the warp-specialised MoE kernel (moe_layer_tma.cu): the phases, counters and
-// EP behaviour of forward_tasks.cuh, with the GEMMs on the TMA + wgmma pipeline (ws_pipeline.cuh)
-// and their epilogues straight from registers.  Tiles are 128 x 256:
+// The forward's task set (TmaForward): the producer decodes each plan task (phases in
+// forward_bodies.cuh, plan in params.cuh), does its waits and streams its operands; the workers
+// run the GEMMs on the pipeline (pipeline/pipeline.cuh) with epilogues straight from registers.
+// Tiles are 128 x 256:
 //   F1/F2 gate|up: 128 intermediate columns (B = 128 gate rows | 128 up rows, two TMA boxes);
 //   F3/F4 down:    256 hidden columns.
-// The one-GPU dispatch streams its rows through the ring (staged_rows.cuh).  The other non-GEMM
-// tasks (push, EP dispatch, combine) run the one-engine kernel's bodies on the 256 workers after
-// the producer did their waits; the notify tasks run entirely on the producer.
+// The one-GPU dispatch streams its rows through the ring (pipeline/staged_rows.cuh).  The other
+// non-GEMM tasks (push, EP dispatch, combine) run the bodies of forward_bodies.cuh on the 256
+// workers after the producer did their waits; the notify tasks run entirely on the producer.
 #pragma once
-#include "moe/forward_tasks.cuh"
+#include "moe/tasks/forward_bodies.cuh"
 #include "moe/params_tma.cuh"
-#include "moe/staged_rows.cuh"
-#include "moe/ws_pipeline.cuh"
+#include "moe/pipeline/staged_rows.cuh"
+#include "moe/pipeline/epilogue.cuh"
 
 namespace mok {
 
-constexpr int kTmaGateUpCols = ws::kBN / 2;  // 128
-constexpr TileWidths kTmaForwardTiles{kTmaGateUpCols, ws::kBN};
+constexpr int kTmaGateUpCols = pipe::kBN / 2;  // 128
 
 enum ForwardJob : int {
   kFwdStop = 0,
@@ -31,11 +31,11 @@ enum ForwardJob : int {
 // SwiGLU epilogue of a 128 x 256 gate|up tile from registers: column c < 128 is gate and 128 + c
 // up for intermediate column col0 + c, i.e. registers 4j.. and 4(j + 16).. of the same thread.
 // Writes gu (bf16, ld 2*inter: gate | up) and act (bf16, ld inter) for rows < rows, columns
-// col0 + c < inter; same values as swiglu_epilogue (forward_tasks.cuh).  Values are computed in
-// the accumulator layout and quad-transposed (ws::quad_transpose) for 16-byte stores.
-__device__ __forceinline__ void swiglu_epilogue_regs(const float (&acc)[ws::kAccRegs], const ws::Frag& f, int rows,
+// col0 + c < inter; SwiGLU (forward_bodies.cuh).  Values are computed in
+// the accumulator layout and quad-transposed (pipe::quad_transpose) for 16-byte stores.
+__device__ __forceinline__ void swiglu_epilogue_regs(const float (&acc)[pipe::kAccRegs], const pipe::Frag& f, int rows,
                                                      bf16* gu, bf16* act, int inter, int col0, const SwiGLU& sw) {
-  constexpr int kHalf = ws::kAccRegs / 8;  // 16 register quads (8-column chunks) per half
+  constexpr int kHalf = pipe::kAccRegs / 8;  // 16 register quads (8-column chunks) per half
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = f.row0 + 8 * h;
@@ -43,7 +43,7 @@ __device__ __forceinline__ void swiglu_epilogue_regs(const float (&acc)[ws::kAcc
     bf16* act_row = act + (size_t)r * inter;
 #pragma unroll
     for (int q = 0; q < kHalf / 4; ++q) {
-      if (col0 + 32 * q >= inter) break;  // warp-uniform (see ws_pipeline.cuh)
+      if (col0 + 32 * q >= inter) break;  // warp-uniform (see pipeline/epilogue.cuh)
       uint32_t gw[4], uw[4], aw[4];
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
@@ -60,9 +60,9 @@ __device__ __forceinline__ void swiglu_epilogue_regs(const float (&acc)[ws::kAcc
         gw[k] = pack_bf16x2(g0, g1);
         uw[k] = pack_bf16x2(u0, u1);
       }
-      ws::quad_transpose(gw);
-      ws::quad_transpose(uw);
-      ws::quad_transpose(aw);
+      pipe::quad_transpose(gw);
+      pipe::quad_transpose(uw);
+      pipe::quad_transpose(aw);
       if (r >= rows) continue;
       const int c = col0 + f.chunk_col(q);
       *reinterpret_cast<uint4*>(gu_row + c) = make_uint4(gw[0], gw[1], gw[2], gw[3]);
@@ -75,15 +75,15 @@ __device__ __forceinline__ void swiglu_epilogue_regs(const float (&acc)[ws::kAcc
 // A routed row block's output tile (F4 down, B5 dX: hidden columns h0 ...) to the rows of its
 // routes: with EP straight into the source rank's slot rows (system-scope signal), else into
 // `local` ([T*k, H], one row per route); then `done` += 1.
-__device__ __forceinline__ void store_routed_tile(const float (&acc)[ws::kAccRegs], const ws::Frag& f,
+__device__ __forceinline__ void store_routed_tile(const float (&acc)[pipe::kAccRegs], const pipe::Frag& f,
                                                   const MoESchedule& sc, const MoEPeers& pe, const MoEDims& d,
                                                   int* err, int row0, int h0, bf16* local, int* done) {
-  const int cols = min_int(ws::kBN, d.hidden - h0);
+  const int cols = min_int(pipe::kBN, d.hidden - h0);
   if (ep::enabled(pe)) {
-    ws::store_rows_bf16(acc, f, kBlockM, cols, [&](int r) { return ep::return_row_ptr(sc, pe, d, row0 + r, h0, err); });
+    pipe::store_rows_bf16(acc, f, kBlockM, cols, [&](int r) { return ep::return_row_ptr(sc, pe, d, row0 + r, h0, err); });
     ep::signal_counter_sys(done);
   } else {
-    ws::store_rows_bf16(acc, f, kBlockM, cols, [&](int r) { return route_row_ptr(sc, d, local, row0 + r, h0); });
+    pipe::store_rows_bf16(acc, f, kBlockM, cols, [&](int r) { return route_row_ptr(sc, d, local, row0 + r, h0); });
     signal_counter(done);
   }
 }
@@ -91,13 +91,13 @@ __device__ __forceinline__ void store_routed_tile(const float (&acc)[ws::kAccReg
 struct TmaForward {
   const MoEForwardMaps& maps;
   const MoEForwardParams& p;
-  const ForwardPlan& plan;
+  const MoEForwardPlan& plan;
   const ForwardTasks& tasks;  // the non-GEMM bodies
-  const ws::AheadOrder& order;
+  const pipe::AheadOrder& order;
   int num_blocks;
 
-  __device__ static ws::AheadOrder make_order(const ForwardPlan& f, const MoEForwardParams& p, int num_blocks) {
-    return ws::AheadOrder::make(f.shared_gu, f.dispatch, f.routed_gu, PhaseRange{f.dispatch.begin, 0}, f.gu_tiles,
+  __device__ static pipe::AheadOrder make_order(const MoEForwardPlan& f, const MoEForwardParams& p, int num_blocks) {
+    return pipe::AheadOrder::make(f.shared_gu, f.dispatch, f.routed_gu, PhaseRange{f.dispatch.begin, 0}, f.gu_tiles,
                                 f.routed_down, f.h_tiles, p.sched, p.dims.local_experts, num_blocks);
   }
 
@@ -106,22 +106,22 @@ struct TmaForward {
   __device__ WaitCtx peer_wait_ctx() const { return ep::peer_wait_ctx(p); }
   __device__ bool ep_on() const { return ep::enabled(p.peers); }
   __device__ int plan_task(int grabbed) const { return order.map(grabbed); }
-  __device__ unsigned long long* trace() const { return trace_records(p.trace, p.trace_tasks, plan.total); }
+  __device__ unsigned long long* trace() const { return p.trace; }
 
   // ---- producer -----------------------------------------------------------------------------------
-  __device__ int prepare(int grabbed, ws::Job& job, ws::LoadSrc& a, ws::LoadSrc& b) const {
+  __device__ int prepare(int grabbed, pipe::Job& job, pipe::LoadSrc& a, pipe::LoadSrc& b) const {
     const int task = order.map(grabbed);
-    const MoEForwardMaps& m = ws::late(maps);
+    const MoEForwardMaps& m = pipe::late(maps);
     const MoEDims& d = p.dims;
     const WaitCtx w = wait_ctx();
-    job = ws::Job{};
+    job = pipe::Job{};
     if (plan.push.has(task)) {
       job.kind = kFwdPush;
       job.a = plan.push.local(task);
       return 1;
     }
     if (plan.push_notify.has(task)) {
-      if (!wait_counter_thread(p.cnt.push_done, p.peers.push_tasks, w, task)) return -1;
+      if (!wait_counter_thread(p.cnt.push_done, plan.wait_push_done, w, task)) return -1;
       ep::notify_all(p.peers, kFlagFwdRows);
       return 0;
     }
@@ -136,9 +136,9 @@ struct TmaForward {
     }
     if (plan.shared_gu.has(task)) {
       const int q = plan.shared_gu.local(task), tb = q / plan.sgu_tiles, n = q % plan.sgu_tiles;
-      job = ws::Job{kFwdSharedGU, ws::kLoadGemm, d.hidden / wg::kBK, tb, n};
-      a = ws::kmajor(&m.x_k, tb * kBlockM);
-      b = ws::kmajor(&m.ws_gate_k, n * kTmaGateUpCols, 0, &m.ws_up_k);
+      job = pipe::Job{kFwdSharedGU, pipe::kLoadGemm, d.hidden / wg::kBK, tb, n};
+      a = pipe::kmajor(&m.x_k, tb * kBlockM);
+      b = pipe::kmajor(&m.shared_gate_k, n * kTmaGateUpCols, 0, &m.shared_up_k);
       return 1;
     }
     if (plan.routed_gu.has(task)) {
@@ -146,19 +146,19 @@ struct TmaForward {
       if (blk >= num_blocks) return 0;
       const int e = p.sched.block_expert[blk];
       if (!valid_expert(e, blk, d, p.err)) return -1;
-      const int idle = ws::upper_half_idle(p.sched, blk, e);  // loads issued before the acquire
-      if (!wait_counter_thread(p.cnt.block_ready + blk, 1, w, task)) return -1;
-      job = ws::Job{kFwdRoutedGU, ws::kLoadGemm, d.hidden / wg::kBK, blk, n, e, 0, idle};
-      a = ws::kmajor(&m.x_routed_k, blk * kBlockM);
-      b = ws::kmajor(&m.w_gate_k, n * kTmaGateUpCols, e, &m.w_up_k);
+      const int idle = pipe::upper_half_idle(p.sched, blk, e);  // loads issued before the acquire
+      if (!wait_counter_thread(p.cnt.block_ready + blk, plan.wait_block_ready, w, task)) return -1;
+      job = pipe::Job{kFwdRoutedGU, pipe::kLoadGemm, d.hidden / wg::kBK, blk, n, e, 0, idle};
+      a = pipe::kmajor(&m.x_routed_k, blk * kBlockM);
+      b = pipe::kmajor(&m.w_gate_k, n * kTmaGateUpCols, e, &m.w_up_k);
       return 1;
     }
     if (plan.shared_down.has(task)) {
       const int q = plan.shared_down.local(task), tb = q / plan.h_tiles, h = q % plan.h_tiles;
-      if (!wait_counter_thread(p.cnt.token_sact_ready + tb, plan.sgu_tiles, w, task)) return -1;
-      job = ws::Job{kFwdSharedDown, ws::kLoadGemm, d.shared_inter / wg::kBK, tb, h};
-      a = ws::kmajor(&m.sact_k, tb * kBlockM);
-      b = ws::kmajor(&m.ws_down_k, h * ws::kBN);
+      if (!wait_counter_thread(p.cnt.token_sact_ready + tb, plan.wait_token_sact_ready, w, task)) return -1;
+      job = pipe::Job{kFwdSharedDown, pipe::kLoadGemm, d.shared_inter / wg::kBK, tb, h};
+      a = pipe::kmajor(&m.sact_k, tb * kBlockM);
+      b = pipe::kmajor(&m.shared_down_k, h * pipe::kBN);
       return 1;
     }
     if (plan.routed_down.has(task)) {
@@ -166,15 +166,15 @@ struct TmaForward {
       if (blk >= num_blocks) return 0;
       const int e = p.sched.block_expert[blk];
       if (!valid_expert(e, blk, d, p.err)) return -1;
-      const int idle = ws::upper_half_idle(p.sched, blk, e);
-      if (!wait_counter_thread(p.cnt.block_act_ready + blk, plan.gu_tiles, w, task)) return -1;
-      job = ws::Job{kFwdRoutedDown, ws::kLoadGemm, d.inter / wg::kBK, blk, h, e, 0, idle};
-      a = ws::kmajor(&m.act_k, blk * kBlockM);
-      b = ws::kmajor(&m.w_down_k, h * ws::kBN, e);
+      const int idle = pipe::upper_half_idle(p.sched, blk, e);
+      if (!wait_counter_thread(p.cnt.block_act_ready + blk, plan.wait_block_act_ready, w, task)) return -1;
+      job = pipe::Job{kFwdRoutedDown, pipe::kLoadGemm, d.inter / wg::kBK, blk, h, e, 0, idle};
+      a = pipe::kmajor(&m.act_k, blk * kBlockM);
+      b = pipe::kmajor(&m.w_down_k, h * pipe::kBN, e);
       return 1;
     }
     if (plan.down_notify.has(task)) {
-      if (!wait_counter_thread(p.cnt.down_done, num_blocks * plan.h_tiles, w, task)) return -1;
+      if (!wait_counter_thread(p.cnt.down_done, num_blocks * plan.wait_down_done_per_block, w, task)) return -1;
       ep::notify_all(p.peers, kFlagFwdReturn);
       return 0;
     }
@@ -182,11 +182,11 @@ struct TmaForward {
       const int q = plan.combine.local(task), tb = q / plan.combine_parts;
       if (ep_on()) {
         if (!ep::wait_all_thread(p.peers, kFlagFwdReturn, kFlagFwdRows, peer_wait_ctx(), ep::kStageFwdReturn)) return -1;
-      } else if (!wait_counter_thread(p.cnt.down_done, num_blocks * plan.h_tiles, w, task)) {
+      } else if (!wait_counter_thread(p.cnt.down_done, num_blocks * plan.wait_down_done_per_block, w, task)) {
         return -1;
       }
       const bool shared = d.shared_inter > 0 && p.context_only == 0;
-      if (shared && !wait_counter_thread(p.cnt.token_shared_done + tb, plan.h_tiles, w, task)) return -1;
+      if (shared && !wait_counter_thread(p.cnt.token_shared_done + tb, plan.wait_token_shared_done, w, task)) return -1;
       job.kind = kFwdCombine;
       job.a = q;
       return 1;
@@ -195,22 +195,22 @@ struct TmaForward {
   }
 
   // Dispatch through the ring (one GPU; staged_rows.cuh).
-  __device__ uint32_t stage_rows(const ws::Job& job, int stage, uint32_t dst, uint32_t bar) const {
+  __device__ uint32_t stage_rows(const pipe::Job& job, int stage, uint32_t dst, uint32_t bar) const {
     return rows::issue_stage(p.sched, p.dims, p.x, p.err, job.a, stage, rows::Stages::of(p.dims.hidden), dst, bar);
   }
 
   // ---- workers -------------------------------------------------------------------------------------
-  __device__ static bool in_turns(const ws::Job&) { return false; }
-  __device__ bool run(const ws::Job& job, const ws::Shared& s, wg::PipeState& ps, float (&acc)[ws::kAccRegs],
-                      int consumer, const MbarWaitCtx& w, const ws::Turns&) const {
+  __device__ static bool in_turns(const pipe::Job&) { return false; }
+  __device__ bool run(const pipe::Job& job, const pipe::Shared& s, wg::PipeState& ps, float (&acc)[pipe::kAccRegs],
+                      int consumer, const MbarWaitCtx& w, const pipe::Turns&) const {
     const MoEDims& d = p.dims;
-    const ws::Frag f = ws::Frag::of(consumer);
+    const pipe::Frag f = pipe::Frag::of(consumer);
     switch (job.kind) {
       case kFwdPush:
         tasks.push(job.a);
         return true;
       case kFwdDispatch: {
-        if (job.gemm != ws::kLoadRows) {
+        if (job.gemm != pipe::kLoadRows) {
           tasks.dispatch_body(job.a);
           return true;
         }
@@ -224,7 +224,7 @@ struct TmaForward {
         tasks.combine_body(job.a);
         return true;
       case kFwdSharedGU: {
-        if (!ws::gemm<wg::kKMajor, wg::kKMajor>(s, ps, acc, job.k_tiles, consumer, w)) return false;
+        if (!pipe::gemm<wg::kKMajor, wg::kKMajor>(s, ps, acc, job.k_tiles, consumer, w)) return false;
         const int t0 = job.a * kBlockM;
         swiglu_epilogue_regs(acc, f, min_int(kBlockM, d.tokens - t0), p.ctx.sgu + (size_t)t0 * 2 * d.shared_inter,
                              p.ctx.sact + (size_t)t0 * d.shared_inter, d.shared_inter, job.b * kTmaGateUpCols,
@@ -233,7 +233,7 @@ struct TmaForward {
         return true;
       }
       case kFwdRoutedGU: {
-        if (!ws::gemm<wg::kKMajor, wg::kKMajor>(s, ps, acc, job.k_tiles, consumer, w, job.e)) return false;
+        if (!pipe::gemm<wg::kKMajor, wg::kKMajor>(s, ps, acc, job.k_tiles, consumer, w, job.e)) return false;
         const size_t row0 = (size_t)job.a * kBlockM;
         swiglu_epilogue_regs(acc, f, kBlockM, p.ctx.gu + row0 * 2 * d.inter, p.ctx.act + row0 * d.inter, d.inter,
                              job.b * kTmaGateUpCols, make_swiglu(d));
@@ -241,16 +241,16 @@ struct TmaForward {
         return true;
       }
       case kFwdSharedDown: {
-        if (!ws::gemm<wg::kKMajor, wg::kKMajor>(s, ps, acc, job.k_tiles, consumer, w)) return false;
-        const int t0 = job.a * kBlockM, h0 = job.b * ws::kBN;
-        ws::store_f32<false>(acc, f, p.shared_y + (size_t)t0 * d.hidden + h0, d.hidden, min_int(kBlockM, d.tokens - t0),
-                      min_int(ws::kBN, d.hidden - h0), false);
+        if (!pipe::gemm<wg::kKMajor, wg::kKMajor>(s, ps, acc, job.k_tiles, consumer, w)) return false;
+        const int t0 = job.a * kBlockM, h0 = job.b * pipe::kBN;
+        pipe::store_f32<false>(acc, f, p.shared_y + (size_t)t0 * d.hidden + h0, d.hidden, min_int(kBlockM, d.tokens - t0),
+                      min_int(pipe::kBN, d.hidden - h0), false);
         signal_counter(p.cnt.token_shared_done + job.a);
         return true;
       }
       case kFwdRoutedDown: {
-        if (!ws::gemm<wg::kKMajor, wg::kKMajor>(s, ps, acc, job.k_tiles, consumer, w, job.e)) return false;
-        store_routed_tile(acc, f, p.sched, p.peers, d, p.err, job.a * kBlockM, job.b * ws::kBN, p.ctx.y_slot,
+        if (!pipe::gemm<wg::kKMajor, wg::kKMajor>(s, ps, acc, job.k_tiles, consumer, w, job.e)) return false;
+        store_routed_tile(acc, f, p.sched, p.peers, d, p.err, job.a * kBlockM, job.b * pipe::kBN, p.ctx.y_slot,
                           p.cnt.down_done);
         return true;
       }

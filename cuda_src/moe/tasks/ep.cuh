@@ -12,8 +12,8 @@
 #include "comm/barrier.cuh"
 #include "common/mma.cuh"
 #include "moe/params.cuh"
-#include "moe/row_copy.cuh"
-#include "moe/task_graph.cuh"
+#include "moe/tasks/row_copy.cuh"
+#include "moe/tasks/task_graph.cuh"
 
 namespace mok {
 namespace ep {
@@ -124,12 +124,6 @@ __device__ __forceinline__ bool wait_all_thread(const MoEPeers& pe, int kind, in
     backoff = backoff < 1024 ? backoff * 2 : 1024;
   }
   return true;
-}
-
-// The same for the whole CTA (one-engine kernel): thread 0 waits, the barrier broadcasts.
-__device__ __forceinline__ bool wait_all(const MoEPeers& pe, int kind, int earlier, const WaitCtx& w, int stage) {
-  const int ok = threadIdx.x == 0 ? wait_all_thread(pe, kind, earlier, w, stage) : 1;
-  return __syncthreads_and(ok) != 0;
 }
 
 // Push this rank's token rows [t0, t1) of push task `task` to the routed buffers of their

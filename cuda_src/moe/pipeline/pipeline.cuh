@@ -1,4 +1,5 @@
-// The warp-specialised persistent loop of the TMA + wgmma MoE kernels (moe_layer_tma.cu).
+// The warp-specialised persistent loop of the MoE kernels (moe_layer.cu): the ring, the Job queue,
+// the producer and worker loops and the wgmma tile GEMM of the workers.
 //
 // CTA: 384 threads.  Warpgroup 0 gives its registers away (setmaxnreg.dec) and keeps one thread,
 // the producer: it grabs task indices, decodes each into a Job, does every dependency wait of
@@ -23,13 +24,13 @@
 #pragma once
 #include <climits>
 #include "common/mma.cuh"
-#include "moe/gemm_wgmma.cuh"
-#include "moe/task_graph.cuh"
+#include "moe/pipeline/gemm_wgmma.cuh"
+#include "moe/pipeline/task_order.cuh"
+#include "moe/tasks/task_graph.cuh"
 
 namespace mok {
-namespace ws {
+namespace pipe {
 
-static_assert(kWorkerThread0 == 128, "moe_layer_tma.cu defines MOK_WORKER_THREAD0=128 before its includes");
 constexpr int kBN = 256;                       // tile: 128 rows x 256 columns
 constexpr int kStages = 4;                     // 4 x 48 KB ring
 constexpr int kCtaThreads = 128 + kThreads;    // producer warpgroup + workers
@@ -60,13 +61,13 @@ struct Job {
 // Job::gemm: nothing; the k_tiles stages of a GEMM (prepare's LoadSrc a, b); or k_tiles stages of
 // whole rows (K::stage_rows, moe/staged_rows.cuh).
 enum JobLoads : int { kLoadNone = 0, kLoadGemm = 1, kLoadRows = 2 };
-static_assert(sizeof(Job) == 36, "Job layout (kSmemBytes and mok_rt/_moe_params.py TMA_SMEM_BYTES count it)");
+static_assert(sizeof(Job) == 36, "Job layout (kSmemBytes and mok_rt/kernels/moe_params.py TMA_SMEM_BYTES count it)");
 
 constexpr int kQueueBarrierBytes = 2 * kQueue * 8;
 // Dynamic shared memory: ring (1024-aligned, + slack) + ring barriers + queue barriers + Jobs.
 constexpr int kSmemBytes = Geometry::kRingBytes + 1024 + Geometry::kBarrierBytes + kQueueBarrierBytes +
                            kQueue * static_cast<int>(sizeof(Job));
-static_assert(kSmemBytes == 197800, "mok_rt/_moe_params.py TMA_SMEM_BYTES mirrors this");
+static_assert(kSmemBytes == 197800, "mok_rt/kernels/moe_params.py TMA_SMEM_BYTES mirrors this");
 static_assert(kSmemBytes <= 227 * 1024, "fits the opt-in shared memory of sm_90");
 
 struct Shared {
@@ -220,11 +221,11 @@ __device__ __forceinline__ Job take(const Shared& s, QueueState& qs, const MbarW
 // warpgroup arrives on its hand-over barrier once per mainloop, failed or not, so the other never
 // waits for a turn that does not come; warpgroup 0 waits for warpgroup 1's hand-back lazily
 // (`owed`): before its next mainloop, or before the first Job not run in turns.
-// Known gap (review): verdicts are per warpgroup here, and named barriers do not time out.  If
-// only one warpgroup fails (a ring wait of one, or a take() timeout just before a Job in turns)
-// it leaves while the other waits at a hand-over or at the next vote of both: a hang instead of
-// kErrTimeout.  Both need a bug to happen; the fix is mbarrier hand-overs (bounded waits) and a
-// failed warpgroup that keeps taking Jobs until the next vote of both.
+// Limitation: verdicts are per warpgroup here, and named barriers do not time out.  If only one
+// warpgroup fails (a ring wait of one, or a take() timeout just before a Job in turns) it leaves
+// while the other waits at a hand-over or at the next vote of both: a hang instead of
+// kErrTimeout.  Both need a bug to happen; mbarrier hand-overs (bounded waits) and a failed
+// warpgroup that keeps taking Jobs until the next vote of both would close it.
 constexpr int kTurnTo0 = 4;  // named barriers (0: __syncthreads, 1-2: warpgroup votes, 3: workers)
 constexpr int kTurnTo1 = 5;
 
@@ -237,107 +238,6 @@ struct Turns {
       named_bar_sync(kTurnTo0, kThreads);
       *owed = 0;
     }
-  }
-};
-
-// ---- task order ----------------------------------------------------------------------------------
-// The plans put every row block's dispatch (memory-bound) before the first GEMM tile that needs
-// one, so all SMs copy rows at once and the tensor cores wait.  The TMA kernels walk that part
-// of the index space in another order (a permutation: same tasks, same results):
-//   [lead GEMMs (shared expert)] [dispatch 0 .. D-1]
-//   [dispatch b + D, GEMM tiles of block b] for each block b  (the last D blocks: tiles only)
-//   [trail (tasks nothing waits on)]
-// D = two waves of tasks ahead, so a block's rows are in place before its tiles are grabbed.
-// A later row-block GEMM phase (`tiled`: the forward's down, the backward's dX) is walked in
-// block groups (BlockGroups).  Every task still comes after everything it waits on (tiles of b
-// after dispatch b; the lead, trail and tiled phases wait only on earlier phases), so the
-// task-graph argument holds unchanged.
-//
-// Row blocks of one expert share their weight (B) tiles, but in plan order (block-major) the
-// copies of one tile are a block's worth of grabs apart, long enough for L2 to drop the tile
-// between its readers.  A group of kBlockGroup consecutive blocks is walked tile-major instead:
-// the tasks that stream one B tile are grabbed together, and each block's A rows are re-read
-// `group` grabs apart.  Measured on deepseek-v3 (bench/NOTES.md): the down and dX phases got
-// faster; the gate|up phase after dispatch got slower that way (its A rows, 1.8 MB a block, are
-// re-read across the group's whole walk): it walks each expert's own blocks instead (ExpertWalk).
-constexpr int kBlockGroup = 8;
-
-struct BlockGroups {
-  int blocks, per_block, group;
-  // The j-th task of the walk -> its index in the phase (block * per_block + tile).
-  __device__ int map(int j) const {
-    const int span = group * per_block, gi = j / span, w = j - gi * span;
-    const int first = gi * group, size = min_int(group, blocks - first);
-    const int tile = w / size;
-    return (first + (w - tile * size)) * per_block + tile;
-  }
-};
-
-// The GEMM phase right after dispatch (gate|up, dA) has a long K (H) and one weight tile per
-// (expert, column tile): block-major, the row blocks of one expert read each tile a block's worth
-// of grabs apart (deepseek-v3: 17 grabs, ~15 us), and L2 (turned over every ~15 us by the 3 TB/s
-// stream) dropped it in between: the forward read 46 GB from HBM for 22.5 GB of weights.  Here
-// the tiles of one expert's m row blocks are walked tile-major instead: tile n of all m blocks in
-// consecutive grabs, each block's A rows re-read m grabs apart.  The tile slots of blocks
-// [s, s + m) are permuted among themselves, so a tile of block b' lands in a slot of some block
-// b >= s, b' < s + m: it still comes after dispatch b' when m <= ahead + 1 (AheadOrder puts
-// dispatch b + ahead before the slots of block b; larger experts keep block-major).  Reads the
-// schedule (block_expert, expert_offset, expert_count) per grab: three loads on the producer.
-struct ExpertWalk {
-  const int* block_expert;
-  const int* expert_offset;
-  const int* expert_count;
-  int experts, num_blocks, max_blocks;  // max_blocks: the longest expert walked tile-major
-  // q = block-major index (block * per_block + tile) -> the tile walked at slot q.
-  __device__ int map(int q, int per_block) const {
-    const int b = q / per_block;
-    if (b >= num_blocks) return q;
-    const int e = block_expert[b];
-    if (e < 0 || e >= experts) return q;  // a corrupt schedule: the task's own check reports it
-    const int s = expert_offset[e] / kBlockM, m = ceil_div(expert_count[e], kBlockM);
-    if (m <= 1 || m > max_blocks || b < s || b >= s + m) return q;
-    const int j = q - s * per_block, n = j / m;
-    return (s + (j - n * m)) * per_block + n;
-  }
-};
-
-struct AheadOrder {
-  int begin, end;                // the reordered index range (contiguous phases)
-  PhaseRange lead, dispatch, gemm, trail, tiled;
-  int per_block, ahead;
-  BlockGroups tiled_walk;
-  ExpertWalk gemm_walk;
-
-  __device__ static AheadOrder make(const PhaseRange& lead, const PhaseRange& dispatch, const PhaseRange& gemm,
-                                    const PhaseRange& trail, int per_block, const PhaseRange& tiled,
-                                    int tiled_per_block, const MoESchedule& sc, int experts, int num_blocks) {
-    AheadOrder o{0, 0, lead, dispatch, gemm, trail, tiled, per_block, 0, {}, {}};
-    o.begin = min_int(min_int(lead.begin, dispatch.begin), trail.count > 0 ? trail.begin : dispatch.begin);
-    o.end = o.begin + lead.count + dispatch.count + gemm.count + trail.count;
-    o.ahead = min_int(dispatch.count, ceil_div(2 * static_cast<int>(gridDim.x), per_block + 1));
-    o.tiled_walk = BlockGroups{tiled_per_block > 0 ? tiled.count / tiled_per_block : 0, tiled_per_block, kBlockGroup};
-    o.gemm_walk = ExpertWalk{sc.block_expert, sc.expert_offset, sc.expert_count, experts,
-                             min_int(num_blocks, dispatch.count), o.ahead + 1};
-    return o;
-  }
-  // The plan index of the task grabbed at position t.
-  __device__ int map(int t) const {
-    if (tiled.has(t)) return tiled.begin + tiled_walk.map(tiled.local(t));
-    if (t < begin || t >= end) return t;
-    int u = t - begin;
-    if (u < lead.count) return lead.begin + u;
-    u -= lead.count;
-    const int blocks = dispatch.count, g = per_block, d = ahead;
-    if (u < d) return dispatch.begin + u;
-    u -= d;
-    const int mid = (blocks - d) * (g + 1);
-    if (u < mid) {
-      const int b = u / (g + 1), r = u - b * (g + 1);
-      return r == 0 ? dispatch.begin + b + d : gemm.begin + gemm_walk.map(b * g + (r - 1), g);
-    }
-    u -= mid;
-    if (u < d * g) return gemm.begin + gemm_walk.map((blocks - d) * g + u, g);
-    return trail.begin + (u - d * g);
   }
 };
 
@@ -488,127 +388,5 @@ __device__ __forceinline__ int upper_half_idle(const MoESchedule& sc, int b, int
   return rows > 0 && rows <= kBlockM / 2 ? 1 : 0;
 }
 
-// Accumulator register 4j + 2h + {0, 1} of a worker holds tile row row(h) = row0 + 8h, columns
-// col(j) = col0 + 8j + {0, 1}; col0 = 2 * quad (the lane's place in its quad).
-struct Frag {
-  int row0, col0, quad;
-  __device__ __forceinline__ static Frag of(int consumer) {
-    const WgmmaAccCoord c = Geometry::acc_coord(consumer);
-    return Frag{c.row0, c.col0, static_cast<int>(threadIdx.x & 3)};
-  }
-  // Tile column of the chunk this lane owns in group q after a quad transpose.
-  __device__ __forceinline__ int chunk_col(int q) const { return 32 * q + 8 * quad; }
-};
-
-// ---- 16-byte epilogue accesses ----------------------------------------------------------------------
-// In the accumulator layout a quad (4 lanes, one row) holds each 8-column chunk 4 bytes of bf16
-// per lane.  Transposing groups of 4 chunks inside the quad gives lane c all of chunk 4q + c: one
-// 16-byte access instead of four 4-byte ones (a quad covers 64 contiguous bytes of bf16, 128 of
-// fp32, per row), a quarter of the L1 -> L2 requests.  Every lane must take part (shuffles):
-// row validity only predicates the memory accesses.  Column validity is per group (32 columns)
-// and warp-uniform: H, I and I_s are multiples of 64 and tiles start at multiples of 128.
-constexpr int kGroups = kBN / 32;  // groups of 4 chunks per tile row
-
-// w[k] (this lane's word of chunk 4q + k) -> w[i] = lane i's word of chunk 4q + c: the chunk's
-// words in column order.  Two butterfly stages: 2x2 blocks with lane ^ 2, then inside them.
-__device__ __forceinline__ void quad_transpose(uint32_t (&w)[4]) {
-  constexpr unsigned kAll = 0xffffffffu;
-  const bool b1 = (threadIdx.x & 2) != 0, b0 = (threadIdx.x & 1) != 0;
-  uint32_t s0 = b1 ? w[0] : w[2], s1 = b1 ? w[1] : w[3];
-  s0 = __shfl_xor_sync(kAll, s0, 2);
-  s1 = __shfl_xor_sync(kAll, s1, 2);
-  if (b1) { w[0] = s0; w[1] = s1; } else { w[2] = s0; w[3] = s1; }
-  uint32_t t0 = b0 ? w[0] : w[1], t1 = b0 ? w[2] : w[3];
-  t0 = __shfl_xor_sync(kAll, t0, 1);
-  t1 = __shfl_xor_sync(kAll, t1, 1);
-  if (b0) { w[0] = t0; w[2] = t1; } else { w[1] = t0; w[3] = t1; }
-}
-
-// Group q of row half h: this lane's chunk (Frag::chunk_col) as 8 bf16 ...
-__device__ __forceinline__ uint4 group_bf16(const float (&acc)[kAccRegs], int q, int h) {
-  uint32_t w[4];
-#pragma unroll
-  for (int k = 0; k < 4; ++k) w[k] = pack_bf16x2(acc[4 * (4 * q + k) + 2 * h], acc[4 * (4 * q + k) + 2 * h + 1]);
-  quad_transpose(w);
-  return make_uint4(w[0], w[1], w[2], w[3]);
-}
-__device__ __forceinline__ void add_f4(float4& a, const float4& b) {
-  a.x += b.x; a.y += b.y; a.z += b.z; a.w += b.w;
-}
-__device__ __forceinline__ float4 shfl_xor_f4(float4 v, int mask) {
-  constexpr unsigned kAll = 0xffffffffu;
-  return make_float4(__shfl_xor_sync(kAll, v.x, mask), __shfl_xor_sync(kAll, v.y, mask),
-                     __shfl_xor_sync(kAll, v.z, mask), __shfl_xor_sync(kAll, v.w, mask));
-}
-// ... or as 8 fp32.
-__device__ __forceinline__ void group_f32(const float (&acc)[kAccRegs], int q, int h, float (&v)[8]) {
-  uint32_t x[4], y[4];
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    x[k] = __float_as_uint(acc[4 * (4 * q + k) + 2 * h]);
-    y[k] = __float_as_uint(acc[4 * (4 * q + k) + 2 * h + 1]);
-  }
-  quad_transpose(x);
-  quad_transpose(y);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    v[2 * i] = __uint_as_float(x[i]);
-    v[2 * i + 1] = __uint_as_float(y[i]);
-  }
-}
-
-// Tile rows r < rows to bf16 rows dst_row(r) (nullptr: dropped), columns [0, cols); dst_row
-// already points at the tile's column 0 (16-byte aligned).
-template <class RowPtr>
-__device__ __forceinline__ void store_rows_bf16(const float (&acc)[kAccRegs], const Frag& f, int rows, int cols,
-                                                RowPtr&& dst_row) {
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = f.row0 + 8 * h;
-    bf16* d = r < rows ? dst_row(r) : nullptr;
-#pragma unroll
-    for (int q = 0; q < kGroups; ++q) {
-      if (32 * q >= cols) break;
-      const uint4 v = group_bf16(acc, q, h);
-      if (d != nullptr) *reinterpret_cast<uint4*>(d + f.chunk_col(q)) = v;
-    }
-  }
-}
-
-// Tile rows r < rows, columns c < cols to fp32 dst[r * ld + c], optionally added to what is
-// there (one writer per element: deterministic).  dst and ld keep 32-byte alignment.  kStreaming:
-// nothing in the launch reads the result again (weight gradients): its lines leave L2 first.
-//
-// After group_f32 the quad of row r holds the row's 128 bytes of a group, lane c chunk c (32
-// bytes), which takes two 16-byte stores.  The quads of rows 2m and 2m + 1 (lanes l and l ^ 4)
-// swap halves so that each store instruction writes whole 128-byte lines (one L2 request of 4
-// sectors instead of 4 requests of half sectors): first row 2m, then row 2m + 1.
-template <bool kStreaming>
-__device__ __forceinline__ void store_f32(const float (&acc)[kAccRegs], const Frag& f, float* dst, int ld, int rows,
-                                          int cols, bool accumulate) {
-  const bool odd = (f.row0 & 1) != 0;
-  const int r_even = f.row0 - (odd ? 1 : 0);  // the pair's even row (h = 0)
-  float* const d0 = dst + (size_t)r_even * ld + 8 * f.quad + (odd ? 4 : 0);
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-#pragma unroll
-    for (int q = 0; q < kGroups; ++q) {
-      if (32 * q >= cols) break;
-      float v[8];
-      group_f32(acc, q, h, v);
-      const float4 lo = make_float4(v[0], v[1], v[2], v[3]), hi = make_float4(v[4], v[5], v[6], v[7]);
-      const float4 got = shfl_xor_f4(odd ? lo : hi, 4);
-#pragma unroll
-      for (int s = 0; s < 2; ++s) {  // row r_even + 8h + s
-        const bool ok = r_even + 8 * h + s < rows;
-        float4 val = s ? (odd ? hi : got) : (odd ? got : lo);
-        float* p = d0 + ((8 * h + s) * ld + 32 * q);  // 32-bit offset: one live 64-bit base
-        if (accumulate) add_f4(val, ld_global_f4_if(ok, p));
-        st_global_f4_if<kStreaming>(ok, p, val);
-      }
-    }
-  }
-}
-
-}  // namespace ws
+}  // namespace pipe
 }  // namespace mok

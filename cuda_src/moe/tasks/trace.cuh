@@ -1,4 +1,4 @@
-// Optional per-task timeline of the MoE megakernels (Workspace(trace=True); mok_rt/_trace.py
+// Optional per-task timeline of the MoE megakernels (Workspace(trace=True); mok_rt/kernels/trace.py
 // decodes it).  Record g describes the g-th task grabbed in the launch: when it was grabbed, when
 // its waits were done, when its work was done (its counters signalled), and which plan task on
 // which SM.  Plain stores, one writer at a time per word (`ready`: the producer, then worker 0
@@ -11,18 +11,11 @@ namespace mok {
 
 struct TraceRec {
   unsigned long long grab;   // %globaltimer ns
-  unsigned long long ready;  // work starts: the TMA kernel's workers took the task (its producer waited
-                             // before); the one-engine kernel: = grab (its waits are inside the task)
+  unsigned long long ready;  // work starts: the workers took the task (its producer waited before)
   unsigned long long end;    // counters signalled (0: the task did not finish: an error stopped it)
   unsigned long long info;   // plan task << 32 | SM id
 };
-static_assert(sizeof(TraceRec) == 32, "mok_rt/_trace.py reads 4 x u64 per record");
-
-// The launch's records, or null: also when the host sized them for another task count than the
-// device's plan (a plan mirror out of date must not write past the buffer).
-__device__ __forceinline__ unsigned long long* trace_records(unsigned long long* tr, int host_tasks, int plan_tasks) {
-  return host_tasks == plan_tasks ? tr : nullptr;
-}
+static_assert(sizeof(TraceRec) == 32, "mok_rt/kernels/trace.py reads 4 x u64 per record");
 
 __device__ __forceinline__ void trace_grab(unsigned long long* tr, int g, int task) {
   if (tr == nullptr) return;

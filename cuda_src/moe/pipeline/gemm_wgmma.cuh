@@ -11,7 +11,7 @@
 // roles rebalance registers with setmaxnreg (producer kProducerRegs, consumers kConsumerRegs;
 // 128*40 + 256*232 <= 65536).
 //
-// Operands come from tensor maps (see common/tma.cuh, mok_rt/_tensormap.py), always 3D with the
+// Operands come from tensor maps (see common/tma.cuh, mok_rt/runtime/tensormap.py), always 3D with the
 // group (expert) outermost so a box never reads across groups (out-of-range rows are zeros):
 //   K-major  operand (rows x K, K contiguous):  dims {K, rows, groups}, box {64, R, 1}
 //            (R = 128 for A, BN for B), one load per stage.

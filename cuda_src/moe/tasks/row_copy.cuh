@@ -7,7 +7,7 @@
 // each worker thread issues a batch of kCopyBatch independent loads, then uses them.
 #pragma once
 #include "common/mma.cuh"
-#include "moe/task_graph.cuh"
+#include "moe/tasks/task_graph.cuh"
 
 namespace mok {
 

@@ -8,12 +8,12 @@
 // (BN = 128, 6 stages).  Launch: wg::kThreads (384) threads, Engine::kSmemBytes of dynamic shared
 // memory (197696 and 197728 bytes), any grid (about one CTA per SM); tiles (row block, column
 // tile) are dealt round-robin over the CTAs.
-// Tensor maps (mok_rt/_tensormap.py), SWIZZLE_128B, bf16:
+// Tensor maps (mok_rt/runtime/tensormap.py), SWIZZLE_128B, bf16:
 //   a: dims {K, max_rows, 1}, box {64, 128, 1}
 //   b: K-major  dims {K, N, groups}, box {64, BN, 1}
 //      MN-major dims {N, K, groups}, box {64, 64, 1}
 #include "common/mma.cuh"
-#include "moe/gemm_wgmma.cuh"
+#include "moe/pipeline/gemm_wgmma.cuh"
 
 namespace mok {
 

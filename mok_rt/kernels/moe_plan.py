@@ -1,0 +1,218 @@
+"""The task plan of the MoE megakernels, built once on the host per launch shape.
+
+A launch's task index space is a fixed sequence of phases, each a contiguous range of task indices
+sized from host-known bounds (row-block capacity, token blocks, tile counts); the kernels skip the
+tasks beyond their routing counts, which only the device reads.  The plan holds, for the kernels
+(``MoEForwardPlan`` / ``MoEBackwardPlan`` in cuda_src/moe/params.cuh, inside the parameter struct):
+
+* the phase table: first task index and count of every phase, and the total;
+* the tile counts the task decoders need;
+* for every dependency counter, how many signals a waiter expects (``Wait``), per counter element,
+  or per row block in use where the producer count depends on routing (the device multiplies);
+
+and, for the host only, the counter layout (where each counter array lives in the one counter
+allocation that is zeroed before every launch) and which phase produces and which consume each
+counter (what tests/test_task_order.py checks).  The kernels walk some phases in another order
+(cuda_src/moe/pipeline: a permutation that keeps every task after what it waits on); the trace
+records carry the plan index, so :meth:`Plan.phase_of` labels them.
+"""
+from __future__ import annotations
+
+import bisect
+import ctypes
+from dataclasses import dataclass
+
+from mok_rt.kernels import moe_params as P
+
+__all__ = ["Phase", "Counter", "Wait", "Plan", "forward_plan", "backward_plan", "combine_parts"]
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+combine_parts = P.combine_parts
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    begin: int
+    count: int
+
+    @property
+    def end(self) -> int:
+        return self.begin + self.count
+
+
+@dataclass(frozen=True)
+class Counter:
+    """One int32 array of the counter allocation: ``offset`` and ``length`` in words."""
+    name: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Wait:
+    """A dependency: waiters on ``counter`` expect ``target`` signals per element (``per_block``:
+    per row block in use, multiplied on the device).  ``producer``: the phase whose tasks signal
+    it, once each, spread over ``units`` elements (row blocks, token blocks, experts' blocks, or
+    1); ``consumers``: the phases that wait on it."""
+    field: str              # the plan struct's field (wait_<counter>...)
+    counter: str
+    target: int
+    producer: str
+    units: int
+    consumers: tuple[str, ...]
+    per_block: bool = False
+
+
+@dataclass(frozen=True)
+class Plan:
+    kind: str                        # "forward" or "backward"
+    phases: tuple[Phase, ...]
+    tiles: dict                      # the plan struct's tile-count fields
+    waits: tuple[Wait, ...]
+    counters: tuple[Counter, ...]
+
+    @property
+    def total(self) -> int:
+        return self.phases[-1].end if self.phases else 0
+
+    @property
+    def counter_words(self) -> int:
+        return sum(c.length for c in self.counters)
+
+    def phase(self, name: str) -> Phase:
+        for ph in self.phases:
+            if ph.name == name:
+                return ph
+        raise KeyError(name)
+
+    def phase_table(self) -> tuple[tuple[str, int], ...]:
+        """(phase name, task count) in index order."""
+        return tuple((ph.name, ph.count) for ph in self.phases)
+
+    def phase_of(self, task: int) -> str:
+        """The phase holding plan index ``task``."""
+        if not 0 <= task < self.total:
+            raise IndexError(f"task {task} outside the plan [0, {self.total})")
+        return self.phases[bisect.bisect_right([ph.end for ph in self.phases], task)].name
+
+    def counter_pointers(self, base: int) -> dict[str, int]:
+        """Device address of every counter array in an allocation at ``base``."""
+        return {c.name: base + 4 * c.offset for c in self.counters}
+
+    def struct(self) -> ctypes.Structure:
+        """The kernels' plan struct (MoEForwardPlan / MoEBackwardPlan)."""
+        cls = P.MoEForwardPlan if self.kind == "forward" else P.MoEBackwardPlan
+        s = cls()
+        for ph in self.phases:
+            r = getattr(s, ph.name)
+            r.begin, r.count = ph.begin, ph.count
+        s.total = self.total
+        for name, v in self.tiles.items():
+            setattr(s, name, v)
+        for w in self.waits:
+            setattr(s, w.field, w.target)
+        values = {n for n, _ in cls._fields_}
+        given = {ph.name for ph in self.phases} | {"total"} | set(self.tiles) | {w.field for w in self.waits}
+        if given != values:
+            raise AssertionError(f"plan fields {sorted(given ^ values)} do not match {cls.__name__}")
+        return s
+
+
+def _layout(sizes) -> tuple[Counter, ...]:
+    out, at = [], 0
+    for name, words in sizes:
+        out.append(Counter(name, at, words))
+        at += words
+    return tuple(out)
+
+
+def _phases(entries) -> tuple[Phase, ...]:
+    out, at = [], 0
+    for name, count in entries:
+        out.append(Phase(name, at, count))
+        at += count
+    return tuple(out)
+
+
+def forward_plan(dims, *, context_only: bool = False, push_tasks: int = 0) -> Plan:
+    """The forward's plan; ``push_tasks`` > 0 with expert parallelism (then the shared expert's
+    gate|up runs while the rows travel, before the dispatch)."""
+    d = dims
+    tb, mb = d.token_blocks, d.max_blocks
+    gu, sgu = _ceil_div(d.intermediate, P.GATE_UP_COLS), _ceil_div(d.shared_intermediate, P.GATE_UP_COLS)
+    h_t = _ceil_div(d.hidden, P.TILE_N)
+    shared, ep = d.shared_intermediate > 0, push_tasks > 0
+    cparts = combine_parts(tb)
+    if ep:
+        lead = [("push", push_tasks), ("push_notify", 1), ("shared_gu", tb * sgu), ("dispatch", mb)]
+    else:
+        lead = [("push", 0), ("push_notify", 0), ("dispatch", mb), ("shared_gu", tb * sgu)]
+    phases = _phases(lead + [
+        ("routed_gu", mb * gu),
+        ("shared_down", tb * h_t if shared and not context_only else 0),
+        ("routed_down", mb * h_t),
+        ("down_notify", 1 if ep else 0),
+        # With EP a context-only launch still collects its routes' outputs (y_slot is context).
+        ("combine", 0 if context_only and not ep else tb * cparts),
+    ])
+    waits = (
+        Wait("wait_block_ready", "block_ready", 1, "dispatch", mb, ("routed_gu",)),
+        Wait("wait_block_act_ready", "block_act_ready", gu, "routed_gu", mb, ("routed_down",)),
+        Wait("wait_token_sact_ready", "token_sact_ready", sgu, "shared_gu", tb, ("shared_down",)),
+        Wait("wait_token_shared_done", "token_shared_done", h_t, "shared_down", tb, ("combine",)),
+        Wait("wait_down_done_per_block", "down_done", h_t, "routed_down", mb, ("down_notify", "combine"),
+             per_block=True),
+        Wait("wait_push_done", "push_done", push_tasks, "push", 1, ("push_notify",)),
+    )
+    counters = _layout([("task_next", 1), ("down_done", 1), ("block_ready", mb), ("block_act_ready", mb),
+                        ("token_sact_ready", tb), ("token_shared_done", tb), ("push_done", 1), ("ctas_done", 1)])
+    tiles = {"token_blocks": tb, "gu_tiles": gu, "sgu_tiles": sgu, "h_tiles": h_t, "combine_parts": cparts}
+    return Plan("forward", phases, tiles, waits, counters)
+
+
+def backward_plan(dims, *, push_tasks: int = 0) -> Plan:
+    """The backward's plan; ``push_tasks`` > 0 with expert parallelism (then the local work, d
+    weights and shared dA, runs while the rows travel)."""
+    d = dims
+    tb, mb, E = d.token_blocks, d.max_blocks, d.local_experts
+    i_t, si_t, h_t = (_ceil_div(v, P.TILE_N) for v in (d.intermediate, d.shared_intermediate, d.hidden))
+    h_r, i_r, si_r = (_ceil_div(v, P.BLOCK_M) for v in (d.hidden, d.intermediate, d.shared_intermediate))
+    shared, ep = d.shared_intermediate > 0, push_tasks > 0
+    cparts = combine_parts(tb)
+    local = [("d_weights", tb), ("shared_da", tb * si_t if shared else 0)]
+    lead = ([("push", push_tasks), ("push_notify", 1), *local, ("dispatch", mb)] if ep
+            else [("push", 0), ("push_notify", 0), ("dispatch", mb), *local])
+    phases = _phases(lead + [
+        ("routed_da", mb * i_t),
+        ("shared_dx", tb * h_t if shared else 0),
+        ("routed_dx", mb * h_t),
+        ("dx_notify", 1 if ep else 0),
+        ("wgrad_down", E * h_r * i_t),
+        ("wgrad_gate_up", E * 2 * i_r * h_t),
+        ("shared_wgrad", h_r * si_t + 2 * si_r * h_t if shared else 0),
+        ("combine", tb * cparts),
+    ])
+    waits = (
+        Wait("wait_block_dy_ready", "block_dy_ready", 1, "dispatch", mb, ("routed_da",)),
+        Wait("wait_block_dgu_ready", "block_dgu_ready", i_t, "routed_da", mb, ("routed_dx",)),
+        Wait("wait_expert_dy_ready_per_block", "expert_dy_ready", 1, "dispatch", mb, ("wgrad_down",),
+             per_block=True),
+        Wait("wait_expert_dgu_ready_per_block", "expert_dgu_ready", i_t, "routed_da", mb, ("wgrad_gate_up",),
+             per_block=True),
+        Wait("wait_token_dsgu_ready", "token_dsgu_ready", si_t if shared else 0, "shared_da", tb, ("shared_dx",)),
+        Wait("wait_token_dxs_ready", "token_dxs_ready", h_t if shared else 0, "shared_dx", tb, ("combine",)),
+        Wait("wait_dsgu_done", "dsgu_done", tb * si_t if shared else 0, "shared_da", 1, ("shared_wgrad",)),
+        Wait("wait_dx_done_per_block", "dx_done", h_t, "routed_dx", mb, ("dx_notify", "combine"), per_block=True),
+        Wait("wait_push_done", "push_done", push_tasks, "push", 1, ("push_notify",)),
+    )
+    counters = _layout([("task_next", 1), ("dx_done", 1), ("dsgu_done", 1), ("block_dy_ready", mb),
+                        ("block_dgu_ready", mb), ("expert_dy_ready", E), ("expert_dgu_ready", E),
+                        ("token_dsgu_ready", tb), ("token_dxs_ready", tb), ("push_done", 1), ("ctas_done", 1)])
+    tiles = {"token_blocks": tb, "i_tiles": i_t, "si_tiles": si_t, "h_tiles": h_t, "h_rows": h_r, "i_rows": i_r,
+             "si_rows": si_r, "combine_parts": cparts}
+    return Plan("backward", phases, tiles, waits, counters)
