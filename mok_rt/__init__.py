@@ -13,6 +13,7 @@ plumbing and ``mok_rt.reference`` the NumPy oracle.  Everything else is internal
 """
 from mok_rt.api.config import MoEConfig
 from mok_rt.api.layer import backward, forward, recompute_context, schedule
+from mok_rt.api.quantize import QuantizedWeights, quantize_weights
 from mok_rt.api.workspace import Workspace, WorkspaceRank
 from mok_rt.dist.group import CallableGroup, MPIGroup, SingleProcessGroup
 from mok_rt.errors import (ArgumentError, CapacityError, CudaDriverError, DeviceError, ExpertIdError, MokError,
@@ -26,7 +27,7 @@ __version__ = "0.1.0"
 __all__ = [
     "MoEConfig", "Workspace", "WorkspaceRank", "SingleProcessGroup", "MPIGroup", "CallableGroup",
     "ExpertWeights", "Tensor", "Context", "Gradients", "schedule", "forward", "backward", "recompute_context",
-    "device_count",
+    "device_count", "QuantizedWeights", "quantize_weights",
     "MokError", "ArgumentError", "CudaDriverError", "NoCubinError", "DeviceError", "ExpertIdError",
     "CapacityError", "TokenCountError", "PeerTimeoutError",
 ]

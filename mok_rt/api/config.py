@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mok_rt.errors import ArgumentError
 
 __all__ = ["MoEConfig"]
 
+PRECISIONS = ("bf16", "fp8_block", "mxfp8")   # docs/SEMANTICS.md §10
 _ALIGN = 64  # hidden / intermediate sizes must be multiples of the GEMM's K and N granule
 MAX_TOP_K = 8  # routes per token the layer supports (the README promises top-k 1-8)
 
@@ -40,6 +41,9 @@ class MoEConfig:
                     reports a timeout (the error names what was missing).
       capacity_factor  None: every rank can hold the worst case (all routed rows of all ranks);
                     a float f: each rank holds f × (average rows per rank) rows, rounded up.
+
+    Numerics (keyword only): ``precision`` "bf16" (default), "fp8_block" (E4M3, fp32 scales per
+    1×128 / 128×128 block) or "mxfp8" (E4M3, E8M0 scales per 1×32 block); docs/SEMANTICS.md §10.
     """
 
     hidden: int
@@ -53,6 +57,7 @@ class MoEConfig:
     comm_sms: int = 32
     timeout_s: float = 10.0
     capacity_factor: float | None = None
+    precision: str = field(default="bf16", kw_only=True)
 
     def __post_init__(self):
         for name in ("hidden", "intermediate", "num_experts", "top_k"):
@@ -85,6 +90,8 @@ class MoEConfig:
         cf = self.capacity_factor
         if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not cf > 0):
             raise ArgumentError("capacity_factor", f"expected None or a positive float, got {cf!r}")
+        if self.precision not in PRECISIONS:
+            raise ArgumentError("precision", f"expected one of {PRECISIONS}, got {self.precision!r}")
 
     @property
     def has_shared(self) -> bool:

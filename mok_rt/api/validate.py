@@ -34,6 +34,7 @@ class LayerArgs:
     shared_gate: TensorView | None = None
     shared_up: TensorView | None = None
     shared_down: TensorView | None = None
+    quantized: object = None   # a mok_rt.QuantizedWeights given as experts (then every w_* is None)
 
 
 def _oracle(ws) -> bool:
@@ -93,10 +94,15 @@ def import_layer_args(ws, *, tokens: int, x, topk_weights, experts, shared, stre
     cfg = ws.config
     H, I, Is, k, El = cfg.hidden, cfg.intermediate, cfg.shared_intermediate, cfg.top_k, ws.experts_per_rank
     f = _floats(ws)
-    experts = _triple(experts, "experts")
     views = dict(
         x=_view(ws, x, "x", shape=(tokens, H), dtype=f, stream=stream),
-        topk_weights=_view(ws, topk_weights, "topk_weights", shape=(tokens, k), dtype=_f32(ws), stream=stream),
+        topk_weights=_view(ws, topk_weights, "topk_weights", shape=(tokens, k), dtype=_f32(ws), stream=stream))
+    from mok_rt.api.quantize import QuantizedWeights, check_quantized
+    if isinstance(experts, QuantizedWeights):
+        check_quantized(ws, experts, shared)
+        return LayerArgs(**views, w_gate=None, w_up=None, w_down=None, quantized=experts)
+    experts = _triple(experts, "experts")
+    views.update(
         w_gate=_view(ws, experts.gate, "experts.gate", shape=(El, I, H), dtype=f, stream=stream),
         w_up=_view(ws, experts.up, "experts.up", shape=(El, I, H), dtype=f, stream=stream),
         w_down=_view(ws, experts.down, "experts.down", shape=(El, H, I), dtype=f, stream=stream))

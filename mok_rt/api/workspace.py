@@ -3,6 +3,7 @@ token count; :class:`WorkspaceRank`: one of those ranks, what the functional API
 from __future__ import annotations
 
 from mok_rt.api.config import MoEConfig
+from mok_rt.api.quantize import check_backend_precision
 from mok_rt.errors import ArgumentError, MokError
 
 __all__ = ["Workspace", "WorkspaceRank", "BACKENDS"]
@@ -130,6 +131,7 @@ class Workspace:
             raise ArgumentError("max_tokens", f"expected an int >= 0, got {max_tokens!r}")
         if backend not in BACKENDS:
             raise ArgumentError("backend", f"expected one of {BACKENDS}, got {backend!r}")
+        check_backend_precision(backend, config.precision)
         self.config = config
         self.group = group
         self.max_tokens = max_tokens

@@ -91,6 +91,9 @@ class ReferenceBackend:
         return Tensor.from_numpy(np.full(shape, np.nan, dtype=dtype))
 
     def _run_forward(self, sched, args):
+        if self.ws.config.precision != "bf16":   # FP8 emulation (docs/SEMANTICS.md §10)
+            from mok_rt.reference.fp8 import run_forward
+            return run_forward(self.ws.config, sched.ids, args, _np)
         return reference.forward(_np(args.x), sched.ids, _np(args.topk_weights), _np(args.w_gate), _np(args.w_up),
                                  _np(args.w_down), ws_gate=_np(args.shared_gate), ws_up=_np(args.shared_up),
                                  ws_down=_np(args.shared_down), swiglu_limit=self.ws.config.swiglu_limit)
