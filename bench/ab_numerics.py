@@ -136,6 +136,8 @@ def main():
     ap.add_argument("--cases", default=",".join(CASES))
     a = ap.parse_args()
     if a.save:
+        import mok_rt
+        print(f"mok_rt from {mok_rt.__file__}", flush=True)
         bits = {}
         for name in a.cases.split(","):
             bits.update(run_case(name))

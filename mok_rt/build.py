@@ -137,10 +137,14 @@ class BuiltCubin:
 
 
 def _strip_repo_paths(ptx: str) -> str:
-    """``.file`` directives naming files under the repository root, made relative to it."""
+    """``.file`` directives made independent of where things are installed: files under the
+    repository root relative to it, the toolkit's headers as ``cuda/include/...`` (nvcc names them
+    through its own install path, which differs between machines with the same nvcc)."""
     root = REPO_DIR.resolve().as_posix().rstrip("/") + "/"
     pattern = re.compile(r'^(\s*\.file\s+\d+\s+")' + re.escape(root), re.MULTILINE)
-    return pattern.sub(r"\1", ptx)
+    ptx = pattern.sub(r"\1", ptx)
+    toolkit = re.compile(r'^(\s*\.file\s+\d+\s+")/[^"]*?/include/', re.MULTILINE)
+    return toolkit.sub(r"\1cuda/include/", ptx)
 
 
 def compile_one(nvcc: str, version: str, source: Path, target: str, out_dir: Path = CUBIN_DIR
