@@ -16,5 +16,5 @@ for r in $(seq "$rounds"); do
       --out "$out/bench_${side}_$r" --commit "$side") > "$out/bench_${side}_$r.txt" 2>&1
   done
 done
-echo "== numerics"; tail -3 "$out/ab_old.txt" "$out/ab_new.txt"; tail -12 "$out/ab_compare.txt"
+echo "== numerics"; tail -n 3 "$out/ab_old.txt" "$out/ab_new.txt"; tail -n 12 "$out/ab_compare.txt"; rm -f "$out"/*.npz
 for f in "$out"/bench_*_*.txt; do echo "== $(basename "$f")"; grep -E "^\|" "$f" | tail -4; done

@@ -70,9 +70,9 @@ class MoEConfig:
         if isinstance(si, bool) or not isinstance(si, int) or si < 0 or si % _ALIGN:
             raise ArgumentError("shared_intermediate", f"expected 0 (no shared expert) or a positive multiple "
                                                        f"of {_ALIGN}, got {si!r}")
-        if not 1 <= self.top_k <= min(MAX_TOP_K, self.num_experts):
-            raise ArgumentError("top_k", f"top_k must be 1..{MAX_TOP_K} and <= num_experts "
-                                         f"({self.num_experts}), got {self.top_k}")
+        # A token may name one expert twice (its routes add up), so top_k may exceed num_experts.
+        if not 1 <= self.top_k <= MAX_TOP_K:
+            raise ArgumentError("top_k", f"top_k must be 1..{MAX_TOP_K}, got {self.top_k}")
         if self.swiglu_limit is not None:
             lim = self.swiglu_limit
             if isinstance(lim, bool) or not isinstance(lim, (int, float)) or not math.isfinite(lim) or lim <= 0:
