@@ -64,6 +64,8 @@ SHAPES = {s.name: s for s in (
     Shape("qwen3-30b-a3b", 2048, 768, 128, 8, 16384),
     Shape("deepseek-v3", 7168, 2048, 256, 8, 8192),
     Shape("deepseek-v3-shared", 7168, 2048, 256, 8, 8192, shared=2048),
+    # deepseek-v3 as one GPU of an EP = 8 group holds it: 32 local experts (routing over them only).
+    Shape("deepseek-v3-ep8-slice", 7168, 2048, 32, 8, 8192),
     Shape("qwen3-235b-a22b", 4096, 1536, 128, 8, 8192),
     Shape("glm-4.5-air", 4096, 1408, 128, 8, 8192, shared=1408),
     Shape("gpt-oss-120b", 2880, 2880, 128, 4, 8192, swiglu_limit=7.0),
@@ -84,7 +86,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--shapes", default=None,
                     help=f"comma-separated shape names or 'all' (default: {','.join(DEFAULT_SHAPES)}; "
                          f"with --quick: {','.join(QUICK_SHAPES)})")
-    ap.add_argument("--tokens", type=int, default=None, help="tokens per rank for every shape (overrides the shape's)")
+    ap.add_argument("--tokens", default=None,
+                    help="tokens per rank for every shape (overrides the shape's); a comma list sweeps them")
     ap.add_argument("--quick", action="store_true", help="small shapes and short warm-up: a smoke test")
     ap.add_argument("--ep", type=int, default=None,
                     help="expected expert-parallel size; must equal the number of launched processes")
@@ -92,9 +95,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--iters", type=int, default=30, help="timed iterations per figure (>= 20; default 30)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed iterations first (default 5, --quick 2)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--timing", choices=("pipelined", "serial"), default="pipelined",
+    ap.add_argument("--timing", choices=("pipelined", "serial", "graph"), default="pipelined",
                     help="pipelined (default): calls enqueued back to back, the host ahead of the GPU as in "
-                         "training; serial: the host waits for each call (adds its enqueue latency)")
+                         "training; serial: the host waits for each call (adds its enqueue latency); graph: "
+                         "one call captured in a CUDA graph, its replays timed (mok_rt; the baseline gets the "
+                         "better of graph replay, where it captures, and pipelined)")
     ap.add_argument("--comm-sms", type=int, default=None,
                     help="MoEConfig.comm_sms with EP (tasks that push this rank's rows; default: the config's)")
     ap.add_argument("--out", default=None, help="directory for the results JSON (default bench/results)")
@@ -107,7 +112,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.cpu_smoke:
         args.quick = True
         if args.tokens is None:
-            args.tokens = 256   # the float64 reference backend is slow
+            args.tokens = "256"   # the float64 reference backend is slow
     names = args.shapes.split(",") if args.shapes else list(QUICK_SHAPES if args.quick else DEFAULT_SHAPES)
     if names == ["all"]:
         names = [n for n in SHAPES if n not in QUICK_SHAPES]
@@ -115,8 +120,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     if unknown:
         ap.error(f"unknown shape(s) {unknown}; known: {', '.join(SHAPES)}")
     args.shape_list = [SHAPES[n] for n in names]
-    if args.tokens is not None and args.tokens <= 0:
+    try:
+        args.token_list = [None] if args.tokens is None else [int(t) for t in str(args.tokens).split(",")]
+    except ValueError:
+        ap.error(f"--tokens: expected positive ints separated by commas, got {args.tokens!r}")
+    if any(t is not None and t <= 0 for t in args.token_list):
         ap.error("--tokens must be positive")
+    args.tokens = None
     if args.iters < 20:
         ap.error("--iters must be >= 20 (medians of fewer iterations are too noisy to quote)")
     if args.warmup is None:
@@ -301,6 +311,26 @@ def _time(torch, ranks: _Ranks, fn: Callable[[], Any], *, iters: int, warmup: in
             out.append((time.perf_counter() - t0) * 1e3)
         return out
     pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    if timing == "graph":
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):   # torch's rule: warm up on a side stream before capturing
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        ranks.barrier()
+        for start, end in pairs:
+            start.record()
+            graph.replay()
+            end.record()
+        pairs[-1][1].synchronize()
+        del graph
+        return [start.elapsed_time(end) for start, end in pairs]
     if timing == "pipelined":
         ranks.barrier()
         for start, end in pairs:
@@ -360,8 +390,19 @@ def _time_torch(torch, ranks, inp: _Inputs, base, args) -> tuple[list[float], li
         base.zero_grad()
         base(inp.x, inp.topk_ids, inp.topk_weights).backward(inp.d_out)
 
-    f = _time(torch, ranks, fwd, iters=args.iters, warmup=args.warmup, timing=args.timing)
-    fb = _time(torch, ranks, fwd_bwd, iters=args.iters, warmup=args.warmup, timing=args.timing)
+    def best(fn):
+        t = _time(torch, ranks, fn, iters=args.iters, warmup=args.warmup,
+                  timing="pipelined" if args.timing == "graph" else args.timing)
+        if args.timing == "graph":   # where the pipeline captures (no host sync), its replays may be faster
+            try:
+                g = _time(torch, ranks, fn, iters=args.iters, warmup=args.warmup, timing="graph")
+                t = min(t, g, key=statistics.median)
+            except Exception as ex:  # noqa: BLE001 -- a host sync in the pipeline: it does not capture
+                _log(ranks, f"   baseline does not capture in a CUDA graph ({type(ex).__name__}); pipelined")
+                torch.cuda.synchronize()
+        return t
+
+    f, fb = best(fwd), best(fwd_bwd)
     inp.clear_grads()
     base.zero_grad()
     return f, fb
@@ -438,16 +479,16 @@ def _run_mok(torch, ranks, mok: _Mok, shape: Shape, tokens: int, inp: _Inputs, r
                          "dw_shared": None if bufs[3] is None else m.ExpertWeights(*bufs[3:])}
 
     def fwd():
-        ws = state["ws"]
-        sched = m.schedule(ws, ids)
-        out, _ = m.forward(ws, sched, x, tw, experts, shared=shared)
+        ws, s = state["ws"], _stream_for_mok(torch, ranks)
+        sched = m.schedule(ws, ids, stream=s)
+        out, _ = m.forward(ws, sched, x, tw, experts, shared=shared, stream=s)
         return out
 
     def fwd_bwd():
-        ws = state["ws"]
-        sched = m.schedule(ws, ids)
-        out, ctx = m.forward(ws, sched, x, tw, experts, shared=shared)
-        g = m.backward(ws, ctx, inp.d_out, **state["bufs"])
+        ws, s = state["ws"], _stream_for_mok(torch, ranks)
+        sched = m.schedule(ws, ids, stream=s)
+        out, ctx = m.forward(ws, sched, x, tw, experts, shared=shared, stream=s)
+        g = m.backward(ws, ctx, inp.d_out, **state["bufs"], stream=s)
         return out, g
 
     def check_run():
@@ -772,7 +813,7 @@ def main(argv=None) -> int:
         else:   # smoke-test results are not measurements: keep them out of the tree
             out_dir = Path(tempfile.gettempdir()) / "mok_bench" if args.cpu_smoke else _HERE / "results"
         path = _results_path(doc, out_dir)
-    for shape in args.shape_list:
+    for shape, args.tokens in ((sh, t) for sh in args.shape_list for t in args.token_list):
         _log(ranks, f"-- {shape.name} (T={args.tokens or shape.tokens}/rank) ...")
         rec = run_shape(torch, ranks, mok, shape, args)
         _free(torch)

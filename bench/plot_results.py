@@ -126,18 +126,54 @@ def plot(docs: list[dict], png: Path) -> None:
     plt.close(fig)
 
 
+def plot_sweep(docs: list[dict], png: Path) -> None:
+    """TFLOP/s per GPU against tokens per GPU (log scale), one panel per shape and EP size: mok_rt
+    and the baseline, forward and forward+backward."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups: dict[tuple, list[dict]] = {}
+    for _, r in _rows(docs):
+        groups.setdefault((r["shape"], r["ep"]), []).append(r)
+    fig, axes = plt.subplots(1, len(groups), figsize=(5.5 * len(groups), 4.2), squeeze=False)
+    for ax, ((shape, ep), recs) in zip(axes[0], groups.items()):
+        recs = sorted(recs, key=lambda r: r["tokens_per_rank"])
+        xs = [r["tokens_per_rank"] for r in recs]
+        for impl, key, name, color in _BARS:
+            ys = [_tflops(r, impl, key) for r in recs]
+            ax.plot(xs, [math.nan if y is None else y for y in ys], marker="o", label=name, color=color,
+                    linestyle="-" if impl == "mok" else "--")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs)
+        ax.set_xticklabels([str(x) for x in xs], fontsize=8)
+        ax.set_xlabel("tokens per GPU")
+        ax.set_ylabel("TFLOP/s per GPU")
+        ax.set_title(f"{shape}, EP={ep}", fontsize=10)
+        ax.grid(alpha=0.3)
+    m = docs[0]["machine"]
+    commits = ", ".join(sorted({d["commit"].get("short") or "?" for d in docs}))
+    timing = docs[0].get("timed", {}).get("timing", "?")
+    fig.suptitle(f"mok_rt vs PyTorch by token count — {m['gpu']}, commit {commits}, timing {timing}", fontsize=10)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=130)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Bar chart (PNG) + Markdown table of bench_moe.py results.")
     ap.add_argument("results", nargs="+", help="results JSON file(s) written by bench_moe.py")
     ap.add_argument("--png", default=None, help="where to write the chart (default: the first JSON's path, .png)")
     ap.add_argument("--no-png", action="store_true", help="print the Markdown table only")
+    ap.add_argument("--sweep", action="store_true", help="a line chart against tokens per GPU instead of bars")
     args = ap.parse_args(argv)
     docs = load(args.results)
     print(markdown(docs))
     if not args.no_png:
         png = Path(args.png) if args.png else Path(args.results[0]).with_suffix(".png")
         try:
-            plot(docs, png)
+            (plot_sweep if args.sweep else plot)(docs, png)
         except ImportError:
             print("matplotlib is not installed: no chart (pip install matplotlib, or --no-png)", file=sys.stderr)
             return 1

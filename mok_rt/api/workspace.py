@@ -69,6 +69,12 @@ class WorkspaceRank:
         """Raise the error this rank's kernels reported, if any, without waiting."""
         self._backend().check()
 
+    def memory_bytes(self) -> dict:
+        """Device memory this rank holds between calls, in bytes: ``scratch`` (reused by every
+        call, grown to the largest token count seen) and ``graph_arena`` (the results of captured
+        calls, kept until the workspace closes)."""
+        return self._backend().memory_bytes()
+
     def take_traces(self) -> list:
         """This rank's launch timelines since the last call (see :meth:`Workspace.take_traces`)."""
         return self._backend().take_traces()
@@ -272,6 +278,17 @@ class Workspace:
     def check(self) -> None:
         """Raise the error a kernel reported, if any, without waiting (see :meth:`synchronize`)."""
         self._each("check")
+
+    def memory_bytes(self) -> dict:
+        """Device memory the workspace's local ranks hold between calls, summed (see
+        :meth:`WorkspaceRank.memory_bytes`); per-call results are not included."""
+        if self._closed:
+            raise ArgumentError("ws", "the workspace is closed")
+        total = {"scratch": 0, "graph_arena": 0}
+        for r in self._ranks.values():
+            for k, v in r.memory_bytes().items():
+                total[k] += v
+        return total
 
     def take_traces(self) -> list:
         """The per-task timelines (``mok_rt.kernels.trace.LaunchTrace``: ``summary()``, ``phase_stats()``,

@@ -1,10 +1,17 @@
 """The CUDA backend: the schedule kernels and the fused forward/backward megakernels of one rank.
 
-Every buffer a call writes is allocated per call from the device's stream-ordered memory pool
-(so a workspace can serve several layers, and a context lives exactly as long as the caller keeps
-it); nothing here waits for the GPU or reads a routing-dependent count.  With expert parallelism
-(``ep``: a :class:`mok_rt.dist.ep.EPRank`) the rows that travel between ranks go through the
-workspace's symmetric heap instead (see ep.py); everything else stays per call and local.
+Memory, per call and per rank:
+  * results (the schedule's arrays; the forward's context and ``out``; ``dx``, ``d_topk_weights``
+    and new weight gradients) come in one block per call: from the device's stream-ordered pool
+    when eager, freed with the last result that uses it; from the workspace's graph arena while
+    the stream captures a CUDA graph (runtime/memory.py: kept until the workspace closes, each
+    replay rewrites them);
+  * scratch (counters, fp32 partial sums, the backward's routed rows) is the rank's own, sized
+    once for ``max_tokens`` and reused by every call; calls on different streams are ordered
+    (runtime/memory.StreamOrder), so sharing it is safe.
+Plans and sizes are cached per token count.  Nothing here waits for the GPU or reads a
+routing-dependent count.  With expert parallelism (``ep``: a :class:`mok_rt.dist.ep.EPRank`) the
+rows that travel between ranks live in the workspace's symmetric heap (see ep.py).
 """
 from __future__ import annotations
 
@@ -13,26 +20,43 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from mok_rt.errors import ArgumentError
+from mok_rt.interop import dtypes
+from mok_rt.interop.tensor import Tensor
 from mok_rt.kernels import moe_launch as L
 from mok_rt.kernels import moe_params as P
 from mok_rt.kernels import trace as _trace
-from mok_rt.interop import dtypes
-from mok_rt.runtime.errorword import ErrorWord, device_error
-from mok_rt.runtime.device import activate
-from mok_rt.runtime.launch import multiprocessor_count
 from mok_rt.kernels.schedule import build_schedule, build_schedule_ep
-from mok_rt.interop.tensor import Tensor
+from mok_rt.runtime.device import activate
+from mok_rt.runtime.driver import call, driver
+from mok_rt.runtime.errorword import ErrorWord, device_error
+from mok_rt.runtime.launch import multiprocessor_count
+from mok_rt.runtime.memory import GraphArena, StreamOrder, is_capturing
 
 _MAX_PENDING_TRACES = 64   # traced launches kept until take_traces() (the oldest are dropped)
+_ALIGN = 256               # byte alignment of every buffer carved from a call's block
+_DTYPES = {"bf16": dtypes.bfloat16, "f32": dtypes.float32, "i32": dtypes.int32}
+_FORWARD = {b.name: b for b in P.FORWARD_BUFFERS}
+_BACKWARD = {b.name: b for b in P.BACKWARD_BUFFERS}
 
 
 @dataclass
 class _ForwardState:
-    """The forward's context buffers (owned), and the inputs that must outlive the launch."""
+    """The forward's context buffers (views of the call's block), and the inputs that must
+    outlive the launch."""
 
     dims: L.LayerDims
     bufs: dict
     keep: tuple = field(default=(), repr=False)
+
+
+@dataclass(frozen=True)
+class _Shapes:
+    """What one token count fixes: the launch dims and the byte sizes of every buffer."""
+
+    dims: L.LayerDims
+    forward: dict
+    backward: dict
 
 
 class CudaBackend:
@@ -60,17 +84,24 @@ class CudaBackend:
         self._streams: dict[int, object] = {}   # streams with mok_rt work since the last synchronize
         # Workspace(trace=True): (kind, phases, records) of the latest launches not yet taken.
         self._traces: collections.deque[tuple[str, tuple, Tensor]] = collections.deque(maxlen=_MAX_PENDING_TRACES)
+        self._arena = GraphArena(self.device_id)
+        self._order = StreamOrder()
+        self._scratch: dict[str, tuple] = {}    # "kind.name" -> (pointer, bytes, owning Tensor or None)
+        self._shapes: dict[int, _Shapes] = {}
+        self._captured = False                  # a graph was captured: synchronize waits for the device
 
     # -- lifetime / errors ---------------------------------------------------------------------
     def close(self) -> None:
         try:
             self._sync_streams()
+            if self._captured:
+                call("cuCtxSynchronize")
         finally:
+            self._order.close()
+            self._arena.close()
+            self._scratch.clear()
             if self.ep is None:   # an EP rank's error word belongs to the heap
                 self.error.close()
-
-    def _used(self, stream) -> None:
-        self._streams[int(stream.handle)] = stream
 
     def _sync_streams(self) -> None:
         self.ws.stream.sync()
@@ -80,6 +111,9 @@ class CudaBackend:
 
     def synchronize(self) -> None:
         self._sync_streams()
+        if self._captured:   # replays run on streams mok_rt never sees
+            activate(self.device_id)
+            call("cuCtxSynchronize")
         self.check()
 
     def check(self) -> None:
@@ -101,12 +135,88 @@ class CudaBackend:
         if self.ep is not None:
             self.ep.shared.health.check(self.ep.rank)
 
+    def _begin(self, stream) -> bool:
+        """Every call starts here: refuse calls once an EP group's shared state is undefined,
+        order the call after the previous one's stream, note the stream for synchronize.
+        Returns whether the stream is capturing a graph."""
+        self._check_usable()
+        handle = int(stream.handle)
+        capturing = is_capturing(handle)
+        if capturing:
+            if self.ep is not None:
+                raise ArgumentError("stream", "expert-parallel calls cannot be captured in a CUDA graph (each "
+                                              "launch meets its peers under a new epoch); capture one-rank "
+                                              "workspaces only")
+            self._captured = True
+        else:
+            self._streams[handle] = stream
+        self._order.enter(handle, capturing)
+        return capturing
+
+    # -- memory ------------------------------------------------------------------------------------
+    def _block(self, parts: dict, stream, capturing: bool, *, poison: bool) -> dict:
+        """One allocation for a call's results, carved into tensors: ``parts`` maps a name to
+        (shape, DType); every part starts on a 256-byte boundary."""
+        offsets, total = {}, 0
+        for name, (shape, dt) in parts.items():
+            offsets[name] = total
+            n = dt.itemsize
+            for d in shape:
+                n *= d
+            total += -(-n // _ALIGN) * _ALIGN
+        if capturing:
+            base, owner = self._arena.allocate(total), self._arena
+        else:
+            owner = Tensor.empty((total,), dtypes.uint8, device_id=self.device_id, stream=stream) if total else None
+            base = owner.ptr if owner is not None else 0
+        if poison and self.ws.poison_outputs and total:
+            # NaN for bf16/f32, -1 for ints: an element the kernels fail to write cannot pass.
+            call("cuMemsetD8Async", driver.CUdeviceptr(base), 0xFF, total, driver.CUstream(int(stream.handle)))
+        return {name: Tensor._from_pointer(base + offsets[name] if total else 0, shape, dt, self.device_id, owner,
+                                           stream=stream)
+                for name, (shape, dt) in parts.items()}
+
+    def _scratch_ptrs(self, kind: str, sizes: dict, stream, capturing: bool) -> dict:
+        """This rank's scratch buffers of ``kind`` ("schedule", "forward", "backward") by name:
+        reused while large enough, replaced by a larger one when a call needs more (the old one is
+        freed in stream order, after the calls that used it).  0 for a buffer of 0 bytes."""
+        out = {}
+        for name, nbytes in sizes.items():
+            key = f"{kind}.{name}"
+            have = self._scratch.get(key)
+            if nbytes and (have is None or have[1] < nbytes):
+                if capturing:
+                    have = (self._arena.allocate(nbytes), nbytes, None)
+                else:
+                    t = Tensor.empty((nbytes,), dtypes.uint8, device_id=self.device_id, stream=stream)
+                    have = (t.ptr, nbytes, t)
+                self._scratch[key] = have
+            out[name] = have[0] if nbytes else 0
+        return out
+
+    def memory_bytes(self) -> dict:
+        """Device memory this rank holds between calls: its scratch and its graph arena."""
+        return {"scratch": sum(v[1] for v in self._scratch.values()), "graph_arena": self._arena.nbytes}
+
+    def _shapes_for(self, tokens: int) -> _Shapes:
+        sh = self._shapes.get(tokens)
+        if sh is None:
+            dims = self._dims(tokens)
+            sh = _Shapes(dims=dims, forward=L.forward_buffer_bytes(dims), backward=L.backward_buffer_bytes(dims))
+            if len(self._shapes) > 64:
+                self._shapes.clear()
+            self._shapes[tokens] = sh
+        return sh
+
     # -- traces (Workspace(trace=True)) --------------------------------------------------------------
-    def _trace_buffer(self, kind: str, plan, stream) -> int:
+    def _trace_buffer(self, kind: str, plan, stream, capturing: bool) -> int:
         """Zeroed records for one launch, one per task of its plan (0: tracing is off)."""
         if not self.ws.trace:
             return 0
-        buf = self._bytes(max(plan.total, 1) * _trace.RECORD_BYTES, stream, poison=False)
+        if capturing:
+            raise ArgumentError("stream", "Workspace(trace=True) records launches eagerly; capture without it")
+        buf = self._block({"t": ((max(plan.total, 1) * _trace.RECORD_BYTES,), dtypes.uint8)}, stream, False,
+                          poison=False)["t"]
         buf.fill_bytes(0, stream=stream)
         self._traces.append((kind, plan.phase_table(), buf))
         return buf.ptr
@@ -124,16 +234,6 @@ class CudaBackend:
         self._traces.clear()   # only once every launch decoded: an error keeps them for another try
         return out
 
-    # -- helpers -----------------------------------------------------------------------------------
-    def _empty(self, shape, dtype, stream, *, poison=True):
-        t = Tensor.empty(shape, dtype, device_id=self.device_id, stream=stream)
-        if poison and self.ws.poison_outputs and t.nbytes:
-            t.fill_bytes(0xFF, stream=stream)   # NaN for bf16/f32, -1 for ints
-        return t
-
-    def _bytes(self, nbytes, stream, *, poison=True):
-        return self._empty((nbytes,), dtypes.uint8, stream, poison=poison)
-
     def _dims(self, tokens: int) -> L.LayerDims:
         cfg, ws = self.ws.config, self.ws
         return L.LayerDims(tokens=tokens, hidden=cfg.hidden, intermediate=cfg.intermediate, top_k=cfg.top_k,
@@ -150,13 +250,21 @@ class CudaBackend:
 
     # -- the API -----------------------------------------------------------------------------------
     def schedule(self, ids, *, stream):
-        self._check_usable()
-        self._used(stream)
+        capturing = self._begin(stream)
         cfg, ws = self.ws.config, self.ws
         T = ids.shape[0]
+
+        def outputs(parts):
+            return self._block({n: (shape, dtypes.int32) for n, shape in parts.items()}, stream, capturing,
+                               poison=False)
+
+        def scratch(words):
+            return self._scratch_ptrs("schedule", {n: 4 * w for n, w in words.items()}, stream, capturing)
+
         common = dict(ids_int64=ids.dtype == dtypes.int64, num_experts=cfg.num_experts, top_k=cfg.top_k,
                       rank=ws.rank_id, block_m=cfg.block_m, max_rows=ws.capacity_rows, device_id=self.device_id,
-                      stream=stream, err_ptr=self.error.device_ptr, poison=ws.poison_outputs)
+                      stream=stream, err_ptr=self.error.device_ptr, poison=ws.poison_outputs,
+                      outputs=outputs, scratch=scratch)
         if self.ep is None:
             s = build_schedule([ids.ptr], [T], max_total_routes=max(T, 1) * cfg.top_k, **common)
         else:
@@ -165,31 +273,31 @@ class CudaBackend:
         return s
 
     def _run_forward(self, sched, args, stream, *, context_only: bool):
-        self._check_usable()
-        self._used(stream)
+        capturing = self._begin(stream)
         T = sched.tokens
-        dims = self._dims(T)
+        shapes = self._shapes_for(T)
+        dims, sizes = shapes.dims, shapes.forward
         peers = None if self.ep is None else self.ep.peers(T)
         plan = L.forward_plan(dims, context_only=context_only, push_tasks=0 if peers is None else peers.push_tasks)
-        sizes = L.forward_buffer_bytes(dims)
-        # The buffers the launch writes, by role (_moe_params.FORWARD_BUFFERS): the context is owned
-        # by the returned state, `out` is returned, the scratch lives as long as the launch.
-        roles = {b.name: b.role for b in P.FORWARD_BUFFERS}
-        bufs = {n: self._bytes(sizes[n], stream) for n in sizes if roles[n] == "context"}
-        out = None if context_only else self._empty((T, dims.hidden), dtypes.bfloat16, stream)
-        scratch = {n: self._bytes(sizes[n], stream, poison=False) for n in sizes
-                   if roles[n] in ("scratch", "counters")}
+        # The context is owned by the returned state, `out` is returned: one block; the scratch is the rank's.
+        parts = {n: ((nb,), dtypes.uint8) for n, nb in sizes.items() if _FORWARD[n].role == "context"}
+        if not context_only:
+            parts["out"] = ((T, dims.hidden), dtypes.bfloat16)
+        block = self._block(parts, stream, capturing, poison=True)
+        out = block.pop("out", None)
+        scratch = self._scratch_ptrs("forward", {n: nb for n, nb in sizes.items()
+                                                 if _FORWARD[n].role in ("scratch", "counters")}, stream, capturing)
         ptr = lambda v: 0 if v is None else v.ptr  # noqa: E731
         fb = L.ForwardBuffers(
             x=args.x.ptr, topk_weights=ptr(args.topk_weights), w_gate=args.w_gate.ptr, w_up=args.w_up.ptr,
             w_down=args.w_down.ptr, shared_gate=ptr(args.shared_gate), shared_up=ptr(args.shared_up),
-            shared_down=ptr(args.shared_down), out=ptr(out), **{n: v.ptr for n, v in {**bufs, **scratch}.items()})
-        trace = self._trace_buffer("recompute" if context_only else "forward", plan, stream)
+            shared_down=ptr(args.shared_down), out=ptr(out),
+            **{n: (v.ptr if sizes[n] else 0) for n, v in block.items()}, **scratch)
+        trace = self._trace_buffer("recompute" if context_only else "forward", plan, stream, capturing)
         L.launch_forward(fb, self._sched_bufs(sched), dims, stream=stream, err_ptr=self.error.device_ptr,
                          device_id=self.device_id, knobs=self.knobs, context_only=context_only, peers=peers,
-                         trace_ptr=trace)
-        state = _ForwardState(dims=dims, bufs=bufs, keep=(args, scratch))
-        return out, state
+                         trace_ptr=trace, plan=plan)
+        return out, _ForwardState(dims=dims, bufs=block, keep=(args, sched))
 
     def forward(self, sched, args, *, stream):
         return self._run_forward(sched, args, stream, context_only=False)
@@ -200,41 +308,44 @@ class CudaBackend:
     def backward(self, sched, state: _ForwardState, dout, args, *, out, accumulate, stream):
         """Gradients by kernel name (dx, d_topk_weights, dw_gate ... d_shared_down); ``out``:
         the caller's validated buffers by the same names (None: allocate)."""
-        self._check_usable()
-        self._used(stream)
+        capturing = self._begin(stream)
         dims = state.dims
         T, H, k = dims.tokens, dims.hidden, dims.top_k
-        sizes = L.backward_buffer_bytes(dims)
+        sizes = self._shapes_for(T).backward
+        # dx, d_topk_weights and the weight gradients the caller did not pass: one block.
+        parts = {"dx": ((T, H), dtypes.bfloat16), "d_topk_weights": ((T, k), dtypes.float32)}
         grads = {}
-        for b in P.BACKWARD_BUFFERS:   # the weight gradients: the caller's (accumulate / out=) or new
+        for b in P.BACKWARD_BUFFERS:
             if b.struct != "grads":
                 continue
             if sizes[b.name] == 0:
                 grads[b.name] = None
-                continue
-            given = out.get(b.name)
-            grads[b.name] = given if given is not None else self._empty(b.shape(dims), dtypes.float32, stream)
-        dx = self._empty((T, H), dtypes.bfloat16, stream)
-        dtw = self._empty((T, k), dtypes.float32, stream)
-        # Scratch per launch; with EP the rows that travel (role "heap": dy_routed in, dx_slot back)
+            elif out.get(b.name) is not None:
+                grads[b.name] = out[b.name]
+            else:
+                parts[b.name] = (b.shape(dims), dtypes.float32)
+        results = self._block(parts, stream, capturing, poison=True)
+        grads.update({n: v for n, v in results.items() if n not in ("dx", "d_topk_weights")})
+        dx, dtw = results["dx"], results["d_topk_weights"]
+        # The rank's scratch; with EP the rows that travel (role "heap": dy_routed in, dx_slot back)
         # live in the symmetric heap.
-        roles = {b.name: b.role for b in P.BACKWARD_BUFFERS}
         heap_rows = {} if self.ep is None else {"dy_routed": self.ep.routed_ptr(), "dx_slot": self.ep.slot_ptr()}
-        scratch = {n: self._bytes(sizes[n], stream, poison=False) for n in sizes
-                   if roles[n] in ("scratch", "counters") or (roles[n] == "heap" and n not in heap_rows)}
+        scratch = self._scratch_ptrs("backward", {n: nb for n, nb in sizes.items() if n not in heap_rows and
+                                                  _BACKWARD[n].role in ("scratch", "counters", "heap")},
+                                     stream, capturing)
         ptr = lambda v: 0 if v is None else v.ptr  # noqa: E731
         b = state.bufs
         bb = L.BackwardBuffers(
             d_out=dout.ptr, x=args.x.ptr, topk_weights=args.topk_weights.ptr, w_gate=args.w_gate.ptr,
-            w_up=args.w_up.ptr, w_down=args.w_down.ptr, shared_gate=ptr(args.shared_gate), shared_up=ptr(args.shared_up),
-            shared_down=ptr(args.shared_down), dx=dx.ptr, d_topk_weights=dtw.ptr,
+            w_up=args.w_up.ptr, w_down=args.w_down.ptr, shared_gate=ptr(args.shared_gate),
+            shared_up=ptr(args.shared_up), shared_down=ptr(args.shared_down), dx=dx.ptr, d_topk_weights=dtw.ptr,
             **{n: (v.ptr if v.nbytes else 0) for n, v in b.items()}, **{n: ptr(v) for n, v in grads.items()},
-            **{n: v.ptr for n, v in scratch.items()}, **heap_rows)
+            **scratch, **heap_rows)
         peers = None if self.ep is None else self.ep.peers(T)
         plan = L.backward_plan(dims, push_tasks=0 if peers is None else peers.push_tasks)
-        trace = self._trace_buffer("backward", plan, stream)
+        trace = self._trace_buffer("backward", plan, stream, capturing)
         L.launch_backward(bb, self._sched_bufs(sched), dims, stream=stream, err_ptr=self.error.device_ptr,
                           device_id=self.device_id, knobs=self.knobs, accumulate=accumulate, peers=peers,
-                          trace_ptr=trace)
-        dx._owner = (dx._owner, scratch, args, dout)   # keep inputs and scratch alive with the result
+                          trace_ptr=trace, plan=plan)
+        dx._owner = (dx._owner, args, dout)   # keep the inputs alive with the result
         return dict(dx=dx, d_topk_weights=dtw, **grads)

@@ -65,6 +65,9 @@ class ReferenceBackend:
     def take_traces(self) -> list:
         return []   # no kernels, no timelines
 
+    def memory_bytes(self) -> dict:
+        return {"scratch": 0, "graph_arena": 0}
+
     def schedule(self, ids_view, *, stream):
         cfg, ws = self.ws.config, self.ws
         ids = np.array(host_array(ids_view), dtype=np.int64, copy=True)

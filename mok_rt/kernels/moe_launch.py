@@ -369,7 +369,7 @@ def _check_peers(peers: PeerSpec | None, sched: ScheduleBuffers, dims: LayerDims
 
 def launch_forward(bufs: ForwardBuffers, sched: ScheduleBuffers, dims: LayerDims, *, stream, err_ptr: int,
                    device_id: int = 0, knobs: KernelKnobs = KernelKnobs(), context_only: bool = False,
-                   peers: PeerSpec | None = None, trace_ptr: int = 0) -> None:
+                   peers: PeerSpec | None = None, trace_ptr: int = 0, plan: _moe_plan.Plan | None = None) -> None:
     """Enqueue the fused forward on ``stream``: counters memset, then one persistent launch.
 
     Writes the context (x_routed, gu, act, y_slot, sgu, sact) and, unless ``context_only``,
@@ -381,7 +381,8 @@ def launch_forward(bufs: ForwardBuffers, sched: ScheduleBuffers, dims: LayerDims
     # A context-only launch (recompute) writes no output and never reads the routing weights.
     _check_launch(bufs, _FORWARD_TABLE, sched, dims, peers, err_ptr,
                   unused=frozenset({"out", "topk_weights", "shared_y"}) if context_only else frozenset())
-    plan = forward_plan(dims, context_only=bool(context_only), push_tasks=0 if peers is None else peers.push_tasks)
+    if plan is None:   # (the caller may pass the plan it already built for these arguments)
+        plan = forward_plan(dims, context_only=bool(context_only), push_tasks=0 if peers is None else peers.push_tasks)
     p = _params(P.MoEForwardParams, bufs, _FORWARD_TABLE, sched, plan, dims, knobs, peers, err_ptr, trace_ptr)
     p.context_only = int(bool(context_only))
     _launch_megakernel(p, bufs, dims, plan, backward=False, stream=stream, device_id=device_id, knobs=knobs)
@@ -389,7 +390,7 @@ def launch_forward(bufs: ForwardBuffers, sched: ScheduleBuffers, dims: LayerDims
 
 def launch_backward(bufs: BackwardBuffers, sched: ScheduleBuffers, dims: LayerDims, *, stream, err_ptr: int,
                     device_id: int = 0, knobs: KernelKnobs = KernelKnobs(), accumulate: bool = False,
-                    peers: PeerSpec | None = None, trace_ptr: int = 0) -> None:
+                    peers: PeerSpec | None = None, trace_ptr: int = 0, plan: _moe_plan.Plan | None = None) -> None:
     """Enqueue the fused backward on ``stream``: counters memset, then one persistent launch.
 
     Writes dx, d_topk_weights and the fp32 weight gradients (added to their contents when
@@ -398,7 +399,8 @@ def launch_backward(bufs: BackwardBuffers, sched: ScheduleBuffers, dims: LayerDi
     ``trace_ptr``: as for launch_forward (backward_plan(...).total records).
     """
     _check_launch(bufs, _BACKWARD_TABLE, sched, dims, peers, err_ptr)
-    plan = backward_plan(dims, push_tasks=0 if peers is None else peers.push_tasks)
+    if plan is None:
+        plan = backward_plan(dims, push_tasks=0 if peers is None else peers.push_tasks)
     p = _params(P.MoEBackwardParams, bufs, _BACKWARD_TABLE, sched, plan, dims, knobs, peers, err_ptr, trace_ptr)
     p.accumulate = int(bool(accumulate))
     _launch_megakernel(p, bufs, dims, plan, backward=True, stream=stream, device_id=device_id, knobs=knobs)

@@ -18,6 +18,8 @@ records carry the plan index, so :meth:`Plan.phase_of` labels them.
 """
 from __future__ import annotations
 
+import functools
+
 import bisect
 import ctypes
 from dataclasses import dataclass
@@ -139,6 +141,7 @@ def _phases(entries) -> tuple[Phase, ...]:
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=256)   # plans are immutable and rebuilt for every launch otherwise
 def forward_plan(dims, *, context_only: bool = False, push_tasks: int = 0) -> Plan:
     """The forward's plan; ``push_tasks`` > 0 with expert parallelism (then the shared expert's
     gate|up runs while the rows travel, before the dispatch)."""
@@ -175,6 +178,7 @@ def forward_plan(dims, *, context_only: bool = False, push_tasks: int = 0) -> Pl
     return Plan("forward", phases, tiles, waits, counters)
 
 
+@functools.lru_cache(maxsize=256)
 def backward_plan(dims, *, push_tasks: int = 0) -> Plan:
     """The backward's plan; ``push_tasks`` > 0 with expert parallelism (then the local work, d
     weights and shared dA, runs while the rows travel)."""

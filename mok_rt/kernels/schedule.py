@@ -107,13 +107,15 @@ def routing_area_bytes(max_tokens: int, top_k: int) -> int:
 
 def build_schedule(ids_ptrs: Sequence[int], tokens: Sequence[int], *, ids_int64: bool, num_experts: int,
                    top_k: int, rank: int, block_m: int, max_rows: int, max_total_routes: int,
-                   device_id: int, stream, err_ptr: int, poison: bool = False) -> Schedule:
+                   device_id: int, stream, err_ptr: int, poison: bool = False, outputs=None,
+                   scratch=None) -> Schedule:
     """Enqueue the schedule of rank ``rank`` on ``stream``.
 
     ``ids_ptrs[s]`` is the device address of source rank s's ``topk_ids`` [tokens[s], top_k]
     (validated by the caller); ``max_total_routes`` bounds sum(tokens) * top_k and sizes the
     grids (the device reads the real counts).  ``poison`` fills every output with 0x7f7f7f7f first
-    (tests use it so that an element the kernels fail to write cannot pass).
+    (tests use it so that an element the kernels fail to write cannot pass).  ``outputs`` /
+    ``scratch``: where the arrays come from (see ``_enqueue``; default: new tensors).
     """
     num_ranks = len(ids_ptrs)
     _check_layout(num_ranks, num_experts, max_rows, block_m)
@@ -124,12 +126,13 @@ def build_schedule(ids_ptrs: Sequence[int], tokens: Sequence[int], *, ids_int64:
         p.src_tokens[s] = int(tokens[s])
     return _enqueue(p, num_ranks=num_ranks, tokens=int(tokens[rank]), num_experts=num_experts, top_k=top_k,
                     rank=rank, block_m=block_m, max_rows=max_rows, max_total_routes=max_total_routes,
-                    device_id=device_id, stream=stream, err_ptr=err_ptr, poison=poison)
+                    device_id=device_id, stream=stream, err_ptr=err_ptr, poison=poison, outputs=outputs,
+                    scratch=scratch)
 
 
 def build_schedule_ep(ids_ptr: int, tokens: int, *, ids_int64: bool, exchange: RoutingExchange, num_experts: int,
                       top_k: int, rank: int, block_m: int, max_rows: int, max_tokens: int, device_id: int,
-                      stream, err_ptr: int, poison: bool = False) -> Schedule:
+                      stream, err_ptr: int, poison: bool = False, outputs=None, scratch=None) -> Schedule:
     """Enqueue rank ``rank``'s part of an expert-parallel schedule: publish this rank's
     ``topk_ids`` [tokens, top_k] at ``exchange``, wait for every peer (a peer that never comes
     is reported as a timeout naming it), then lay out the rows this rank receives from everyone.
@@ -153,7 +156,8 @@ def build_schedule_ep(ids_ptr: int, tokens: int, *, ids_int64: bool, exchange: R
         p.src_tokens_at[s] = area
     return _enqueue(p, num_ranks=num_ranks, tokens=tokens, num_experts=num_experts, top_k=top_k, rank=rank,
                     block_m=block_m, max_rows=max_rows, max_total_routes=num_ranks * max_tokens * top_k,
-                    device_id=device_id, stream=stream, err_ptr=err_ptr, poison=poison)
+                    device_id=device_id, stream=stream, err_ptr=err_ptr, poison=poison, outputs=outputs,
+                    scratch=scratch)
 
 
 def prepare(device_id: int, num_experts: int) -> None:
@@ -185,25 +189,33 @@ def _check_layout(num_ranks: int, num_experts: int, max_rows: int, block_m: int)
 
 def _enqueue(p: ScheduleParams, *, num_ranks: int, tokens: int, num_experts: int, top_k: int, rank: int,
              block_m: int, max_rows: int, max_total_routes: int, device_id: int, stream, err_ptr: int,
-             poison: bool) -> Schedule:
-    """Allocate the outputs and enqueue the count / scan / place passes (``p``'s sources set)."""
+             poison: bool, outputs=None, scratch=None) -> Schedule:
+    """Allocate the outputs and enqueue the count / scan / place passes (``p``'s sources set).
+
+    ``outputs(shapes)``: int32 tensors for ``{name: shape}`` (the schedule's arrays);
+    ``scratch(words)``: device pointers to ``{name: int32 words}`` that live until the passes ran.
+    The defaults allocate new tensors (the backends pass their own: one block per call, reused
+    scratch)."""
     el = num_experts // num_ranks
     max_chunks = max(1, -(-max_total_routes // SCHEDULE_CHUNK))
-    i32 = dtypes.int32
+    keep = []
+    if outputs is None:
+        def outputs(shapes):
+            return {n: Tensor.empty(shape, dtypes.int32, device_id=device_id, stream=stream)
+                    for n, shape in shapes.items()}
+    if scratch is None:
+        def scratch(words):
+            keep.extend(Tensor.empty((w,), dtypes.int32, device_id=device_id, stream=stream) for w in words.values())
+            return {n: t.ptr for n, t in zip(words, keep)}
 
-    def alloc(*shape):
-        return Tensor.empty(shape, i32, device_id=device_id, stream=stream)
-
-    out = Schedule(
-        num_ranks=num_ranks, rank=rank, num_experts=num_experts, top_k=top_k, block_m=block_m,
-        max_rows=max_rows, tokens=tokens, device_id=device_id,
-        expert_count=alloc(el), expert_offset=alloc(el + 1), totals=alloc(2),
-        block_expert=alloc(max_rows // block_m), row_src_rank=alloc(max_rows), row_slot=alloc(max_rows),
-        route_row=alloc(tokens * top_k), route_rank=alloc(tokens * top_k),
-    )
-    chunk_count, expert_total, expert_row_base = alloc(max_chunks, num_experts), alloc(num_experts), \
-        alloc(num_experts)
-    out._scratch = (chunk_count, expert_total, expert_row_base)
+    arrays = outputs({"expert_count": (el,), "expert_offset": (el + 1,), "totals": (2,),
+                      "block_expert": (max_rows // block_m,), "row_src_rank": (max_rows,), "row_slot": (max_rows,),
+                      "route_row": (tokens * top_k,), "route_rank": (tokens * top_k,)})
+    out = Schedule(num_ranks=num_ranks, rank=rank, num_experts=num_experts, top_k=top_k, block_m=block_m,
+                   max_rows=max_rows, tokens=tokens, device_id=device_id, **arrays)
+    work = scratch({"chunk_count": max_chunks * num_experts, "expert_total": num_experts,
+                    "expert_row_base": num_experts})
+    out._scratch = tuple(keep)
     if poison:
         for t in (out.expert_count, out.expert_offset, out.totals, out.block_expert, out.row_src_rank,
                   out.row_slot, out.route_row, out.route_rank):
@@ -212,7 +224,8 @@ def _enqueue(p: ScheduleParams, *, num_ranks: int, tokens: int, num_experts: int
                      driver.CUstream(stream_handle(stream)))
 
     p.err = err_ptr
-    p.chunk_count, p.expert_total, p.expert_row_base = chunk_count.ptr, expert_total.ptr, expert_row_base.ptr
+    p.chunk_count, p.expert_total, p.expert_row_base = work["chunk_count"], work["expert_total"], \
+        work["expert_row_base"]
     p.expert_count, p.expert_offset, p.totals = out.expert_count.ptr, out.expert_offset.ptr, out.totals.ptr
     p.block_expert, p.row_src_rank, p.row_slot = out.block_expert.ptr, out.row_src_rank.ptr, out.row_slot.ptr
     p.route_row, p.route_rank = out.route_row.ptr, out.route_rank.ptr
