@@ -50,6 +50,21 @@ class _ForwardState:
     keep: tuple = field(default=(), repr=False)
 
 
+class _Block:
+    """Owns a call's block of pool memory; when the last result using it goes, the block is not
+    freed at once but handed to the rank's graveyard, emptied by its next eager call.  A free is a
+    stream operation, and one issued while some stream captures a graph (a result of the previous
+    step dropped during the capture of this one) would invalidate that capture."""
+
+    __slots__ = ("tensor", "graveyard")
+
+    def __init__(self, tensor, graveyard: list):
+        self.tensor, self.graveyard = tensor, graveyard
+
+    def __del__(self):
+        self.graveyard.append(self.tensor)
+
+
 @dataclass(frozen=True)
 class _Shapes:
     """What one token count fixes: the launch dims and the byte sizes of every buffer."""
@@ -89,6 +104,8 @@ class CudaBackend:
         self._scratch: dict[str, tuple] = {}    # "kind.name" -> (pointer, bytes, owning Tensor or None)
         self._shapes: dict[int, _Shapes] = {}
         self._captured = False                  # a graph was captured: synchronize waits for the device
+        self._graveyard: list = []              # pool blocks released since the last eager call (_Block)
+        self._retired: list = []                # scratch outgrown after a capture (graphs may use it)
 
     # -- lifetime / errors ---------------------------------------------------------------------
     def close(self) -> None:
@@ -100,6 +117,8 @@ class CudaBackend:
             self._order.close()
             self._arena.close()
             self._scratch.clear()
+            self._graveyard.clear()
+            self._retired.clear()
             if self.ep is None:   # an EP rank's error word belongs to the heap
                 self.error.close()
 
@@ -111,6 +130,7 @@ class CudaBackend:
 
     def synchronize(self) -> None:
         self._sync_streams()
+        self._graveyard.clear()
         if self._captured:   # replays run on streams mok_rt never sees
             activate(self.device_id)
             call("cuCtxSynchronize")
@@ -150,6 +170,7 @@ class CudaBackend:
             self._captured = True
         else:
             self._streams[handle] = stream
+            self._graveyard.clear()
         self._order.enter(handle, capturing)
         return capturing
 
@@ -166,9 +187,11 @@ class CudaBackend:
             total += -(-n // _ALIGN) * _ALIGN
         if capturing:
             base, owner = self._arena.allocate(total), self._arena
+        elif total:
+            t = Tensor.empty((total,), dtypes.uint8, device_id=self.device_id, stream=stream)
+            base, owner = t.ptr, _Block(t, self._graveyard)
         else:
-            owner = Tensor.empty((total,), dtypes.uint8, device_id=self.device_id, stream=stream) if total else None
-            base = owner.ptr if owner is not None else 0
+            base, owner = 0, None
         if poison and self.ws.poison_outputs and total:
             # NaN for bf16/f32, -1 for ints: an element the kernels fail to write cannot pass.
             call("cuMemsetD8Async", driver.CUdeviceptr(base), 0xFF, total, driver.CUstream(int(stream.handle)))
@@ -190,6 +213,11 @@ class CudaBackend:
                 else:
                     t = Tensor.empty((nbytes,), dtypes.uint8, device_id=self.device_id, stream=stream)
                     have = (t.ptr, nbytes, t)
+                old = self._scratch.get(key)
+                if old is not None and old[2] is not None:
+                    # A captured graph may use the old buffer: keep it while the workspace lives;
+                    # else free it with the next eager call (never during a capture).
+                    (self._retired if self._captured else self._graveyard).append(old[2])
                 self._scratch[key] = have
             out[name] = have[0] if nbytes else 0
         return out
