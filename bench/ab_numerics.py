@@ -15,6 +15,7 @@ can be checked against the tree before it.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import sys
 
 import numpy as np
@@ -120,8 +121,9 @@ def run_case(name):
             res = {"out": fwd[r][0], **grads[r]}
             for n, t in res.items():
                 a = cp.asnumpy(cp.from_dlpack(t))
-                out[f"{name}/r{r}/{n}"] = np.ascontiguousarray(a).view(np.uint8).reshape(-1) if a.size else \
-                    np.zeros(0, np.uint8)
+                # The bits' digest: equal digests mean equal bits, and the files stay small.
+                out[f"{name}/r{r}/{n}"] = np.frombuffer(
+                    hashlib.sha256(np.ascontiguousarray(a).tobytes()).digest() + str(a.shape).encode(), np.uint8)
                 if a.dtype.kind == "f" or a.dtype.itemsize == 2:
                     f = a.astype(np.float32)
                     if not np.isfinite(f).all():
@@ -142,7 +144,7 @@ def main():
         for name in a.cases.split(","):
             bits.update(run_case(name))
             print(f"ran {name}", flush=True)
-        np.savez_compressed(a.save, **bits)
+        np.savez(a.save, **bits)
         return 0
     if a.compare:
         x, y = np.load(a.compare[0]), np.load(a.compare[1])

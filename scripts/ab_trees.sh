@@ -6,8 +6,8 @@ set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."; new="$PWD"; old="$(cd "$1" && pwd)"; out="${OUT:-ab_logs}"; mkdir -p "$out"
 shapes="${2:-qwen3-30b-a3b,deepseek-v3}"; rounds="${3:-2}"
-PYTHONPATH="$old" timeout 200 python3 "$new/bench/ab_numerics.py" --save "$out/old.npz" > "$out/ab_old.txt" 2>&1
-PYTHONPATH="$new" timeout 200 python3 "$new/bench/ab_numerics.py" --save "$out/new.npz" > "$out/ab_new.txt" 2>&1
+PYTHONPATH="$old" timeout 70 python3 "$new/bench/ab_numerics.py" --save "$out/old.npz" > "$out/ab_old.txt" 2>&1
+PYTHONPATH="$new" timeout 70 python3 "$new/bench/ab_numerics.py" --save "$out/new.npz" > "$out/ab_new.txt" 2>&1
 python3 bench/ab_numerics.py --compare "$out/old.npz" "$out/new.npz" > "$out/ab_compare.txt" 2>&1
 for r in $(seq "$rounds"); do
   for side in old new; do
