@@ -21,21 +21,18 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import hashlib
-import json
 import math
 import os
-import platform
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
-import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+
+from bench_procs import _attempt, _launcher_env, _log, _Ranks
+from bench_report import _commit, _machine, _results_path, _versions, _write, format_table
+from bench_timing import _time
 
 _HERE = Path(__file__).resolve().parent
 _ROOT = _HERE.parent
@@ -136,91 +133,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-# -- processes -------------------------------------------------------------------------------------
-class _Ranks:
-    """This process's place in the EP group, its device, and the host collectives the harness
-    needs.  ``cpu``: the --cpu-smoke self-test (torch on the CPU, gloo)."""
-
-    def __init__(self, torch, *, rank: int, size: int, local_rank: int, cpu: bool = False):
-        self.torch, self.rank, self.size, self.device, self.cpu = torch, rank, size, local_rank, cpu
-        self.dev = torch.device("cpu") if cpu else torch.device("cuda", local_rank)
-        self.group = None
-        if size > 1:
-            import torch.distributed as dist
-            if cpu:
-                dist.init_process_group("gloo")
-            else:
-                dist.init_process_group("nccl", device_id=self.dev)
-            self.group = dist.group.WORLD
-
-    def synchronize(self) -> None:
-        if not self.cpu:
-            self.torch.cuda.synchronize()
-
-    def gather(self, obj) -> list:
-        """Every rank's ``obj``, in rank order (a collective)."""
-        if self.size == 1:
-            return [obj]
-        import torch.distributed as dist
-        out = [None] * self.size
-        dist.all_gather_object(out, obj)
-        return out
-
-    def barrier(self) -> None:
-        if self.size > 1:
-            import torch.distributed as dist
-            dist.barrier()
-
-    def close(self) -> None:
-        if self.size > 1:
-            import torch.distributed as dist
-            dist.destroy_process_group()
-
-
-def _launcher_env() -> tuple[int, int, int]:
-    """(rank, size, local rank) from torchrun's variables, or from mpirun's (Open MPI, PMI)."""
-    env = os.environ
-    if "WORLD_SIZE" not in env:
-        for size, rank, local in (("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"),
-                                  ("PMI_SIZE", "PMI_RANK", "MPI_LOCALRANKID")):
-            if size in env:
-                env["WORLD_SIZE"], env["RANK"] = env[size], env[rank]
-                env["LOCAL_RANK"] = env.get(local, env[rank])
-                # torch.distributed's env:// rendezvous; one node, so loopback suffices
-                env.setdefault("MASTER_ADDR", "127.0.0.1")
-                env.setdefault("MASTER_PORT", "29517")
-                break
-    size = int(env.get("WORLD_SIZE", "1"))
-    rank = int(env.get("RANK", "0"))
-    return rank, size, int(env.get("LOCAL_RANK", str(rank)))
-
-
-def _log(ranks, *a) -> None:
-    if ranks is None or ranks.rank == 0:
-        print(*a, flush=True)
-
-
-def _attempt(ranks: _Ranks, what: str, fn: Callable[[], Any]) -> tuple[Any, str | None]:
-    """Run ``fn`` on every rank; if it failed on any, all ranks learn it (so none waits alone in
-    a later collective).  Returns (value, None) or (None, error text)."""
-    try:
-        value, err = fn(), None
-    except Exception as ex:   # OOM, a mok_rt error, a missing API: recorded, the run goes on
-        value, err = None, f"{type(ex).__name__}: {ex}"[:600]
-        # mok_rt's own errors explain themselves; anything else gets its traceback
-        detail = "" if type(ex).__module__.startswith("mok_rt") else "\n" + traceback.format_exc()
-        print(f"[rank {ranks.rank}] {what} failed: {err}{detail}", file=sys.stderr, flush=True)
-    errors = ranks.gather(err)
-    bad = [(r, e) for r, e in enumerate(errors) if e]
-    if not bad:
-        return value, None
-    if ranks.size == 1:
-        return None, f"{what}: {bad[0][1]}"
-    if len(bad) == ranks.size and len(set(errors)) == 1:
-        return None, f"{what}: every rank: {bad[0][1]}"
-    return None, f"{what}: " + "; ".join(f"rank {r}: {e}" for r, e in bad)
-
-
 # -- inputs ----------------------------------------------------------------------------------------
 class _Inputs:
     """One rank's random inputs and weights in mok_rt's layout (never zeros)."""
@@ -287,67 +199,6 @@ def rel_fro(torch, got, want) -> float:
     if den == 0:
         return 0.0 if num == 0 else math.inf
     return math.sqrt(num / den)
-
-
-# -- timing ----------------------------------------------------------------------------------------
-def _time(torch, ranks: _Ranks, fn: Callable[[], Any], *, iters: int, warmup: int,
-          timing: str = "pipelined") -> list[float]:
-    """Milliseconds of each of ``iters`` calls of ``fn`` (CUDA events on the current stream).
-
-    "pipelined": the calls are enqueued back to back, an event pair around each, and the host
-    synchronises once at the end -- as in a training step, where the host runs ahead of the GPU,
-    so an iteration's time is its device time (launch gaps included only where the host falls
-    behind).  "serial": the ranks meet at a barrier and the host waits for each call before the
-    next, so each time also holds the host's enqueue latency of that call."""
-    for _ in range(warmup):
-        fn()
-    ranks.synchronize()
-    if ranks.cpu:
-        out = []
-        for _ in range(iters):
-            ranks.barrier()
-            t0 = time.perf_counter()
-            fn()
-            out.append((time.perf_counter() - t0) * 1e3)
-        return out
-    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    if timing == "graph":
-        graph = torch.cuda.CUDAGraph()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):   # torch's rule: warm up on a side stream before capturing
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        with torch.cuda.graph(graph):
-            fn()
-        graph.replay()
-        torch.cuda.synchronize()
-        ranks.barrier()
-        for start, end in pairs:
-            start.record()
-            graph.replay()
-            end.record()
-        pairs[-1][1].synchronize()
-        del graph
-        return [start.elapsed_time(end) for start, end in pairs]
-    if timing == "pipelined":
-        ranks.barrier()
-        for start, end in pairs:
-            start.record()
-            fn()
-            end.record()
-        pairs[-1][1].synchronize()
-        return [start.elapsed_time(end) for start, end in pairs]
-    out = []
-    for start, end in pairs:
-        ranks.barrier()   # ranks start together, so no rank's time includes another's lag
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        out.append(start.elapsed_time(end))
-    return out
 
 
 _FIGURE_FIELDS = ("ms", "ms_ranks", "ms_min_rank0", "ms_max_rank0", "tflops_per_gpu")
@@ -630,143 +481,6 @@ def _free(torch) -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-# -- provenance ------------------------------------------------------------------------------------
-def _run(cmd: list[str]) -> str | None:
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=30, cwd=_ROOT)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return r.stdout.strip() if r.returncode == 0 else None
-
-
-def _commit(override: str | None) -> dict:
-    sha = _run(["git", "rev-parse", "HEAD"])
-    status = _run(["git", "status", "--porcelain", "--untracked-files=no"])
-    if override and sha and not sha.startswith(override):
-        # The tree was copied with someone else's git metadata (a device machine): its HEAD and
-        # status say nothing about the given commit.  The cubin manifest hash below still does.
-        sha = status = None
-    info = {"sha": sha, "dirty": None if status is None or sha is None else bool(status), "given": override}
-    manifest = _ROOT / "mok_rt" / "cubins" / "manifest.json"
-    if manifest.exists():   # identifies the kernels even where the tree carries no git metadata
-        info["cubin_manifest_sha256"] = hashlib.sha256(manifest.read_bytes()).hexdigest()[:16]
-    short = (override or sha or "")[:8] or "nogit"
-    info["short"] = short + ("-dirty" if info["dirty"] else "")
-    return info
-
-
-def _versions(torch, mok: _Mok) -> dict:
-    from importlib import metadata
-    v: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
-                         "torch_cuda": torch.version.cuda}
-    for pkg in ("numpy", "cuda-core", "cuda-bindings", "cupy-cuda13x", "mpi4py"):
-        try:
-            v[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            v[pkg] = None
-    try:
-        v["nccl"] = ".".join(str(p) for p in torch.cuda.nccl.version())
-    except Exception:
-        v["nccl"] = None
-    v["mok_rt"] = getattr(mok.mod, "__version__", None)
-    return v
-
-
-def _machine(torch, ranks: _Ranks) -> dict:
-    if ranks.cpu:
-        return {"gpu": f"CPU ({platform.processor() or platform.machine()}, cpu-smoke)", "gpus_visible": 0,
-                "gpus_used": ranks.size, "driver": None, "hostname": socket.gethostname(),
-                "platform": platform.platform()}
-    props = torch.cuda.get_device_properties(ranks.device)
-    smi = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
-    cuda_driver = None
-    try:
-        from cuda.bindings import driver
-        err, ver = driver.cuDriverGetVersion()
-        cuda_driver = f"{int(ver) // 1000}.{int(ver) % 1000 // 10}"
-    except Exception:
-        pass
-    return {"gpu": props.name, "gpus_visible": torch.cuda.device_count(), "gpus_used": ranks.size,
-            "sm_count": props.multi_processor_count, "memory_gib": round(props.total_memory / 2 ** 30, 1),
-            "driver": smi.splitlines()[0] if smi else None, "cuda_driver_api": cuda_driver,
-            "hostname": socket.gethostname(), "platform": platform.platform()}
-
-
-def _machine_slug(machine: dict) -> str:
-    name = machine["gpu"].lower().replace("nvidia", "").strip()
-    slug = "".join(c if c.isalnum() else "-" for c in name).strip("-") or "gpu"
-    while "--" in slug:
-        slug = slug.replace("--", "-")
-    return f"{slug}x{machine['gpus_used']}"
-
-
-def _results_path(doc: dict, out_dir: Path) -> Path:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"{doc['date_stamp']}_{_machine_slug(doc['machine'])}_{doc['commit']['short']}"
-    if doc["cpu_smoke"]:
-        stem += "_cpusmoke"
-    elif doc["quick"]:
-        stem += "_quick"
-    path, n = out_dir / f"{stem}.json", 2
-    while path.exists():
-        path, n = out_dir / f"{stem}-{n}.json", n + 1
-    return path
-
-
-def _write(doc: dict, path: Path) -> None:
-    # Rewritten after every shape, so a run cut short (time limit, a crashed context) keeps
-    # what it measured.
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    tmp.replace(path)
-
-
-# -- report ----------------------------------------------------------------------------------------
-def _cell(fig: dict | None, key: str) -> str:
-    if not fig:
-        return "-"
-    if fig.get("error"):
-        return "error"
-    ms, tf = fig.get(f"{key}_ms"), fig.get(f"{key}_tflops_per_gpu")
-    if tf is None:
-        why = (fig.get("withheld") or {}).get(key)
-        un = fig.get("unverified") or {}
-        if why == "unchecked" and un.get(f"{key}_ms") is not None:   # --impl mok: timing only, marked
-            return f"{un[f'{key}_ms']:8.3f} {un[f'{key}_tflops_per_gpu']:5.1f}?"
-        return {"failed check": "WRONG", "unchecked": "unchecked"}.get(why, "-")
-    return f"{ms:8.3f} {tf:6.1f}"
-
-
-def _check_cell(check: dict | None) -> str:
-    if not check:
-        return "-"
-    errs = check.get("rel_fro")
-    if not errs:
-        return (check.get("error") or "-")[:24]
-    worst = max(errs, key=lambda n: float(errs[n]))
-    verdict = "ok" if check.get("passed_fwd_bwd") else ("fwd-only" if check.get("passed_fwd") else "FAIL")
-    return f"{verdict} out {float(errs.get('out', math.nan)):.1e} max {worst} {float(errs[worst]):.1e}"
-
-
-def format_table(doc: dict) -> str:
-    head = (f"{'shape':<20}{'EP':>3}{'tok/rank':>9}  {'torch fwd ms TF/s':>17}  {'mok fwd ms TF/s':>17}{'x':>6}  "
-            f"{'torch f+b ms TF/s':>17}  {'mok f+b ms TF/s':>17}{'x':>6}  check (rel. Frobenius)")
-    lines = [head, "-" * len(head)]
-    for r in doc["results"]:
-        ratio = r.get("ratio") or {}
-        rx = {k: (f"{ratio[k]:5.2f}" if ratio.get(k) else "  -") for k in ("fwd", "fwd_bwd")}
-        lines.append(f"{r['shape']:<20}{r['ep']:>3}{r['tokens_per_rank']:>9}  {_cell(r['torch'], 'fwd'):>17}  "
-                     f"{_cell(r['mok'], 'fwd'):>17}{rx['fwd']:>6}  {_cell(r['torch'], 'fwd_bwd'):>17}  "
-                     f"{_cell(r['mok'], 'fwd_bwd'):>17}{rx['fwd_bwd']:>6}  {_check_cell(r['check'])}")
-        for part in ("torch", "mok"):
-            e = (r.get(part) or {}).get("error")
-            if e and not e.startswith("not requested"):
-                lines.append(f"    {part}: {e[:200]}")
-        if r.get("error"):
-            lines.append(f"    error: {r['error'][:200]}")
-    return "\n".join(lines)
 
 
 # -- main ------------------------------------------------------------------------------------------

@@ -154,7 +154,7 @@ def plot_sweep(docs: list[dict], png: Path) -> None:
     m = docs[0]["machine"]
     commits = ", ".join(sorted({d["commit"].get("short") or "?" for d in docs}))
     timing = docs[0].get("timed", {}).get("timing", "?")
-    fig.suptitle(f"mok_rt vs PyTorch by token count — {m['gpu']}, commit {commits}, timing {timing}", fontsize=10)
+    fig.suptitle(f"mok_rt vs PyTorch by token count\n{m['gpu']}, commit {commits}, timing: {timing}", fontsize=9)
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(png, dpi=130)

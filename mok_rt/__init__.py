@@ -13,14 +13,14 @@ plumbing and ``mok_rt.reference`` the NumPy oracle.  Everything else is internal
 """
 from mok_rt.api.config import MoEConfig
 from mok_rt.api.layer import backward, forward, recompute_context, schedule
-from mok_rt.api.quantize import QuantizedWeights, quantize_weights
+from mok_rt.api.quantize import quantize_weights
 from mok_rt.api.workspace import Workspace, WorkspaceRank
 from mok_rt.dist.group import CallableGroup, MPIGroup, SingleProcessGroup
 from mok_rt.errors import (ArgumentError, CapacityError, CudaDriverError, DeviceError, ExpertIdError, MokError,
                            NoCubinError, PeerTimeoutError, TokenCountError)
 from mok_rt.interop.tensor import Tensor
 from mok_rt.runtime.driver import device_count
-from mok_rt.types import Context, ExpertWeights, Gradients
+from mok_rt.types import Context, ExpertWeights, Gradients, QuantizedWeights
 
 __version__ = "0.1.0"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ExpertWeights", "Gradients", "Context"]
+__all__ = ["ExpertWeights", "Gradients", "Context", "QuantizedWeights"]
 
 
 @dataclass(frozen=True)
@@ -53,3 +53,23 @@ class Context:
 
     def __repr__(self) -> str:
         return f"Context(tokens={self.tokens}, recomputed={self.recomputed})"
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedWeights:
+    """Expert weights quantised once (per optimizer step) for a workspace's FP8 precision; pass
+    it to :func:`mok_rt.forward` / :func:`mok_rt.recompute_context` in place of ``experts``
+    (and then no ``shared=``: the shared expert's weights are inside), for every micro-batch.
+
+    ``precision`` ("fp8_block" or "mxfp8"), ``shapes`` (the master weights' shapes: routed
+    gate, up, down, then the shared expert's or None); the quantised tensors themselves are in
+    a backend-specific layout (every copy the kernels read) and are not part of the API.
+    Quantising again after the master weights change is the caller's job."""
+
+    precision: str
+    shapes: tuple
+    experts: Any
+    shared: Any = None
+
+    def __repr__(self) -> str:
+        return f"QuantizedWeights(precision={self.precision!r}, shapes={self.shapes})"

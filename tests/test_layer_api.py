@@ -215,11 +215,16 @@ def test_experts_must_be_expert_weights(experts):
         assert info.value.argument == "experts", str(info.value)
 
 
+def _forwarded(ws, p):
+    """(schedule, out, ctx) of one forward of problem ``p``."""
+    sched = mok.schedule(ws, p["ids"])
+    return (sched, *mok.forward(ws, sched, p["x"], p["tw"], _experts(p)))
+
+
 def test_accumulate_without_buffers_names_dw():
     p = _problem(np.random.default_rng(15))
     with _ws() as ws:
-        sched = mok.schedule(ws, p["ids"])
-        out, ctx = mok.forward(ws, sched, p["x"], p["tw"], _experts(p))
+        _, out, ctx = _forwarded(ws, p)
         with pytest.raises(mok.ArgumentError) as info:
             mok.backward(ws, ctx, np.zeros(out.shape), accumulate=True)
     assert info.value.argument == "dw", str(info.value)
@@ -285,8 +290,7 @@ def test_bad_dw_buffers_are_named(part, bad, arg):
 def test_backward_rejects_what_is_not_a_context():
     p = _problem(np.random.default_rng(20))
     with _ws() as ws:
-        sched = mok.schedule(ws, p["ids"])
-        out, _ = mok.forward(ws, sched, p["x"], p["tw"], _experts(p))
+        sched, out, _ = _forwarded(ws, p)
         with pytest.raises(mok.ArgumentError) as info:
             mok.backward(ws, sched, np.zeros(out.shape))   # the old call passed the schedule here
     assert info.value.argument == "ctx", str(info.value)

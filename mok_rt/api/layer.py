@@ -2,23 +2,28 @@
 from __future__ import annotations
 
 from mok_rt.api.validate import import_d_out, import_grad_buffers, import_ids, import_layer_args
-from mok_rt.api.workspace import as_rank
+from mok_rt.api.workspace import as_rank, resolve_stream
 from mok_rt.errors import ArgumentError
 from mok_rt.types import Context, ExpertWeights, Gradients
 
 __all__ = ["schedule", "forward", "backward", "recompute_context"]
 
 
-def _stream(rank, stream):
-    if stream is None or rank.backend == "reference":
-        return rank.stream
-    from mok_rt.runtime.device import wrap_stream
-    return wrap_stream(stream, rank.device_id)
-
-
 def _check_schedule(rank, sched):
     if getattr(sched, "_rank_owner", None) is not rank:
         raise ArgumentError("sched", "was not made by mok_rt.schedule for this workspace (rank)")
+
+
+def _layer_call(ws, sched, x, topk_weights, experts, shared, stream):
+    """What forward and recompute_context share: the rank, its backend, the validated tensors and
+    the stream."""
+    rank = as_rank(ws)
+    impl = rank._backend()
+    _check_schedule(rank, sched)
+    s = resolve_stream(rank, stream)
+    args = import_layer_args(rank, tokens=sched.tokens, x=x, topk_weights=topk_weights, experts=experts,
+                             shared=shared, stream=s)
+    return rank, impl, args, s
 
 
 def schedule(ws, topk_ids, *, stream=None):
@@ -30,7 +35,7 @@ def schedule(ws, topk_ids, *, stream=None):
     calls it with its own tokens; the ranks exchange their routing on the device."""
     rank = as_rank(ws)
     impl = rank._backend()
-    s = _stream(rank, stream)
+    s = resolve_stream(rank, stream)
     sched = impl.schedule(import_ids(rank, topk_ids, stream=s), stream=s)
     sched._rank_owner = rank
     return sched
@@ -43,12 +48,7 @@ def forward(ws, sched, x, topk_weights, experts: ExpertWeights, *, shared: Exper
     ``x`` ``[T, H]``, ``topk_weights`` ``[T, k]`` f32, ``experts`` this rank's routed experts,
     ``shared`` the shared expert (required exactly when the config has one).  Returns
     ``(out, ctx)``: ``out`` ``[T, H]`` in x's dtype and the context for :func:`backward`."""
-    rank = as_rank(ws)
-    impl = rank._backend()
-    _check_schedule(rank, sched)
-    s = _stream(rank, stream)
-    args = import_layer_args(rank, tokens=sched.tokens, x=x, topk_weights=topk_weights, experts=experts,
-                             shared=shared, stream=s)
+    rank, impl, args, s = _layer_call(ws, sched, x, topk_weights, experts, shared, stream)
     out, saved = impl.forward(sched, args, stream=s)
     return out, Context(sched, args, saved)
 
@@ -57,12 +57,7 @@ def recompute_context(ws, sched, x, topk_weights, experts: ExpertWeights, *, sha
                       stream=None) -> Context:
     """Rebuild the context of :func:`forward` from its inputs without producing ``out``
     (activation checkpointing): same arguments, same context."""
-    rank = as_rank(ws)
-    impl = rank._backend()
-    _check_schedule(rank, sched)
-    s = _stream(rank, stream)
-    args = import_layer_args(rank, tokens=sched.tokens, x=x, topk_weights=topk_weights, experts=experts,
-                             shared=shared, stream=s)
+    rank, impl, args, s = _layer_call(ws, sched, x, topk_weights, experts, shared, stream)
     return Context(sched, args, impl.recompute(sched, args, stream=s), recomputed=True)
 
 
@@ -81,7 +76,7 @@ def backward(ws, ctx: Context, d_out, *, dw: ExpertWeights | None = None, dw_sha
         raise ArgumentError("ctx", f"expected the Context returned by forward/recompute_context, "
                                    f"got {type(ctx).__name__}")
     _check_schedule(rank, ctx.schedule)
-    s = _stream(rank, stream)
+    s = resolve_stream(rank, stream)
     dout = import_d_out(rank, d_out, tokens=ctx.tokens, stream=s)
     buffers = import_grad_buffers(rank, dw, dw_shared, accumulate=bool(accumulate), stream=s)
     g = impl.backward(ctx.schedule, ctx.saved, dout, ctx.inputs, out=buffers, accumulate=bool(accumulate), stream=s)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from mok_rt.errors import ArgumentError
 from mok_rt.interop import dtypes
 from mok_rt.interop.dlpack import TensorView, check, from_dlpack
-from mok_rt.types import ExpertWeights
+from mok_rt.types import ExpertWeights, QuantizedWeights
 
 __all__ = ["LayerArgs", "import_layer_args", "import_ids", "import_d_out", "import_grad_buffers"]
 
@@ -97,7 +97,6 @@ def import_layer_args(ws, *, tokens: int, x, topk_weights, experts, shared, stre
     views = dict(
         x=_view(ws, x, "x", shape=(tokens, H), dtype=f, stream=stream),
         topk_weights=_view(ws, topk_weights, "topk_weights", shape=(tokens, k), dtype=_f32(ws), stream=stream))
-    from mok_rt.api.quantize import QuantizedWeights, check_quantized
     if isinstance(experts, QuantizedWeights):
         check_quantized(ws, experts, shared)
         return LayerArgs(**views, w_gate=None, w_up=None, w_down=None, quantized=experts)
@@ -139,3 +138,35 @@ def import_grad_buffers(ws, dw, dw_shared, *, accumulate: bool, stream) -> dict:
         for part, obj, shape, key in zip(("gate", "up", "down"), given, shapes, names):
             out[key] = _view(ws, obj, f"{name}.{part}", shape=shape, dtype=_f32(ws), stream=stream, writable=True)
     return out
+
+
+def check_backend_precision(backend: str, precision: str) -> None:
+    """Raise ``ArgumentError("precision", ...)`` where ``backend`` cannot run ``precision``."""
+    if backend != "cuda" or precision == "bf16":
+        return
+    if precision == "mxfp8":
+        raise ArgumentError("precision", "'mxfp8' needs a Blackwell GPU (sm_100a); Hopper supports 'bf16' (and "
+                                         "'fp8_block' once its kernels land). backend='reference' emulates it")
+    if precision == "fp8_block":
+        raise ArgumentError("precision", "the CUDA kernels for 'fp8_block' are not built yet; use "
+                                         "backend='reference' to emulate it")
+    raise ArgumentError("precision", f"the CUDA backend runs 'bf16' only, got {precision!r}")
+
+
+def check_quantized(rank, qw: QuantizedWeights, shared) -> None:
+    """Validate a :class:`QuantizedWeights` passed as ``experts`` to a layer call."""
+    cfg = rank.config
+    if shared is not None:
+        raise ArgumentError("shared", "the QuantizedWeights passed as experts already hold the shared expert: "
+                                      "pass no shared=")
+    if cfg.precision == "bf16":
+        raise ArgumentError("experts", "QuantizedWeights need a workspace with an FP8 precision; this one "
+                                       "computes in 'bf16' (pass ExpertWeights)")
+    if qw.precision != cfg.precision:
+        raise ArgumentError("experts", f"quantised for {qw.precision!r}, but the workspace's precision is "
+                                       f"{cfg.precision!r}")
+    H, I, Is, El = cfg.hidden, cfg.intermediate, cfg.shared_intermediate, rank.experts_per_rank
+    want = (((El, I, H), (El, I, H), (El, H, I)), ((Is, H), (Is, H), (H, Is)) if cfg.has_shared else None)
+    if tuple(qw.shapes) != want:
+        raise ArgumentError("experts", f"quantised weights of shapes {qw.shapes} do not fit this workspace "
+                                       f"(expected {want})")

@@ -3,7 +3,7 @@ token count; :class:`WorkspaceRank`: one of those ranks, what the functional API
 from __future__ import annotations
 
 from mok_rt.api.config import MoEConfig
-from mok_rt.api.quantize import check_backend_precision
+from mok_rt.api.validate import check_backend_precision
 from mok_rt.errors import ArgumentError, MokError
 
 __all__ = ["Workspace", "WorkspaceRank", "BACKENDS"]
@@ -331,3 +331,10 @@ def as_rank(ws) -> WorkspaceRank:
         return ws._single()
     raise ArgumentError("ws", f"expected a Workspace or a WorkspaceRank, got {type(ws).__name__}")
 
+
+def resolve_stream(rank: WorkspaceRank, stream):
+    """The stream a call of ``rank`` runs on: ``stream`` (any stream-like) or the rank's own."""
+    if stream is None or rank.backend == "reference":
+        return rank.stream
+    from mok_rt.runtime.device import wrap_stream
+    return wrap_stream(stream, rank.device_id)

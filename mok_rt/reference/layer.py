@@ -344,20 +344,14 @@ def _check_tokens(x, topk_ids, topk_weights, *, hidden: int, num_experts: int, s
 
 def forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, *,
             ws_gate=None, ws_up=None, ws_down=None,
-            swiglu_limit: Optional[float] = None, precision: str = "bf16") -> tuple[np.ndarray, Context]:
+            swiglu_limit: Optional[float] = None) -> tuple[np.ndarray, Context]:
     """Forward of the whole layer with all ``E`` experts local; returns ``(out [T, H], ctx)``.
 
     ``x [T, H]``, ``topk_ids [T, k]`` (integers in ``[0, E)``, duplicates allowed and summed),
     ``topk_weights [T, k]``, ``w_gate``/``w_up [E, I, H]``, ``w_down [E, H, I]``, optional
     shared expert ``ws_gate``/``ws_up [I_s, H]``, ``ws_down [H, I_s]``.
-    ``precision="fp8_block"`` / ``"mxfp8"`` emulates the FP8 kernels' quantisation points
-    (:mod:`mok_rt.reference.fp8`); ``"bf16"`` (the default) is exact float64.
+    Exact float64; :func:`mok_rt.reference.forward` adds the FP8 precisions (reference/fp8.py).
     """
-    if precision != "bf16":
-        from mok_rt.reference import fp8
-        fp8.check_precision(precision)
-        q, qs = fp8.quantize_weights_ref(precision, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
-        return fp8.forward_fp8(x, topk_ids, topk_weights, q, qs, swiglu_limit=swiglu_limit)
     limit = _check_limit(swiglu_limit)
     w = _check_weights(w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
     num_e, _, hidden = w.w_gate.shape
@@ -392,9 +386,6 @@ def _check_d_out(d_out, shape: tuple, name: str = "d_out") -> np.ndarray:
 def backward(ctx: Context, d_out) -> Grads:
     """Gradients of ``sum(out * d_out)`` w.r.t. every input of :func:`forward` (in the
     precision of the forward that made ``ctx``)."""
-    from mok_rt.reference import fp8
-    if isinstance(ctx, fp8.FP8Context):
-        return fp8.backward_fp8(ctx, d_out)
     if not isinstance(ctx, Context):
         raise ArgumentError("ctx", f"expected a reference.Context, got {type(ctx).__name__}")
     w, limit = ctx._weights, ctx.swiglu_limit
