@@ -73,6 +73,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     skipped = {"GPU": collections.Counter(), "multi-GPU": collections.Counter()}
     blocked = {"GPU": collections.Counter(), "multi-GPU": collections.Counter()}
     for outcome, reports in terminalreporter.stats.items():
+        if outcome not in ("passed", "failed", "error", "skipped"):
+            continue   # e.g. "deselected" holds test items, not reports
         for report in reports:
             kind = _kind(report) if hasattr(report, "keywords") else None
             if kind is None:
