@@ -6,9 +6,10 @@ Memory, per call and per rank:
     when eager, freed with the last result that uses it; from the workspace's graph arena while
     the stream captures a CUDA graph (runtime/memory.py: kept until the workspace closes, each
     replay rewrites them);
-  * scratch (counters, fp32 partial sums, the backward's routed rows) is the rank's own, sized
-    once for ``max_tokens`` and reused by every call; calls on different streams are ordered
-    (runtime/memory.StreamOrder), so sharing it is safe.
+  * scratch (counters, fp32 partial sums, the backward's routed rows) is the rank's own, reused
+    by every eager call and grown to the largest token count seen; eager calls on different
+    streams are ordered (runtime/memory.StreamOrder), so sharing it is safe.  A captured call's
+    scratch is its own, from the graph arena (its replays run on streams the rank never sees).
 Plans and sizes are cached per token count.  Nothing here waits for the GPU or reads a
 routing-dependent count.  With expert parallelism (``ep``: a :class:`mok_rt.dist.ep.EPRank`) the
 rows that travel between ranks live in the workspace's symmetric heap (see ep.py).
@@ -105,11 +106,11 @@ class CudaBackend:
         self._shapes: dict[int, _Shapes] = {}
         self._captured = False                  # a graph was captured: synchronize waits for the device
         self._graveyard: list = []              # pool blocks released since the last eager call (_Block)
-        self._retired: list = []                # scratch outgrown after a capture (graphs may use it)
 
     # -- lifetime / errors ---------------------------------------------------------------------
     def close(self) -> None:
         try:
+            activate(self.device_id)
             self._sync_streams()
             if self._captured:
                 call("cuCtxSynchronize")
@@ -118,7 +119,6 @@ class CudaBackend:
             self._arena.close()
             self._scratch.clear()
             self._graveyard.clear()
-            self._retired.clear()
             if self.ep is None:   # an EP rank's error word belongs to the heap
                 self.error.close()
 
@@ -160,6 +160,7 @@ class CudaBackend:
         order the call after the previous one's stream, note the stream for synchronize.
         Returns whether the stream is capturing a graph."""
         self._check_usable()
+        activate(self.device_id)   # events, arena blocks and launches belong to this rank's device
         handle = int(stream.handle)
         capturing = is_capturing(handle)
         if capturing:
@@ -168,11 +169,11 @@ class CudaBackend:
                                               "launch meets its peers under a new epoch); capture one-rank "
                                               "workspaces only")
             self._captured = True
-        else:
-            self._streams[handle] = stream
-            self._graveyard.clear()
-        self._order.enter(handle, capturing)
-        return capturing
+            return True
+        self._streams[handle] = stream
+        self._order.enter(handle)
+        self._graveyard.clear()   # each block frees on the stream it was allocated on
+        return False
 
     # -- memory ------------------------------------------------------------------------------------
     def _block(self, parts: dict, stream, capturing: bool, *, poison: bool) -> dict:
@@ -195,30 +196,30 @@ class CudaBackend:
         if poison and self.ws.poison_outputs and total:
             # NaN for bf16/f32, -1 for ints: an element the kernels fail to write cannot pass.
             call("cuMemsetD8Async", driver.CUdeviceptr(base), 0xFF, total, driver.CUstream(int(stream.handle)))
+        # A captured call's results are written by replays on whatever stream replays the graph:
+        # they name no producer stream, and the caller orders its reads after the replay.
+        producer = None if capturing else stream
         return {name: Tensor._from_pointer(base + offsets[name] if total else 0, shape, dt, self.device_id, owner,
-                                           stream=stream)
+                                           stream=producer)
                 for name, (shape, dt) in parts.items()}
 
     def _scratch_ptrs(self, kind: str, sizes: dict, stream, capturing: bool) -> dict:
         """This rank's scratch buffers of ``kind`` ("schedule", "forward", "backward") by name:
         reused while large enough, replaced by a larger one when a call needs more (the old one is
         freed in stream order, after the calls that used it).  0 for a buffer of 0 bytes."""
+        if capturing:
+            # A captured call's scratch is its own, in the arena: a replay may run beside eager
+            # calls or other graphs on streams this rank never sees, so nothing may share it.
+            return {name: self._arena.allocate(nbytes) for name, nbytes in sizes.items()}
         out = {}
         for name, nbytes in sizes.items():
             key = f"{kind}.{name}"
             have = self._scratch.get(key)
             if nbytes and (have is None or have[1] < nbytes):
-                if capturing:
-                    have = (self._arena.allocate(nbytes), nbytes, None)
-                else:
-                    t = Tensor.empty((nbytes,), dtypes.uint8, device_id=self.device_id, stream=stream)
-                    have = (t.ptr, nbytes, t)
-                old = self._scratch.get(key)
-                if old is not None and old[2] is not None:
-                    # A captured graph may use the old buffer: keep it while the workspace lives;
-                    # else free it with the next eager call (never during a capture).
-                    (self._retired if self._captured else self._graveyard).append(old[2])
-                self._scratch[key] = have
+                if have is not None:
+                    self._graveyard.append(have[2])   # freed in stream order by the next eager call
+                t = Tensor.empty((nbytes,), dtypes.uint8, device_id=self.device_id, stream=stream)
+                have = self._scratch[key] = (t.ptr, nbytes, t)
             out[name] = have[0] if nbytes else 0
         return out
 
@@ -305,8 +306,6 @@ class CudaBackend:
         T = sched.tokens
         shapes = self._shapes_for(T)
         dims, sizes = shapes.dims, shapes.forward
-        peers = None if self.ep is None else self.ep.peers(T)
-        plan = L.forward_plan(dims, context_only=context_only, push_tasks=0 if peers is None else peers.push_tasks)
         # The context is owned by the returned state, `out` is returned: one block; the scratch is the rank's.
         parts = {n: ((nb,), dtypes.uint8) for n, nb in sizes.items() if _FORWARD[n].role == "context"}
         if not context_only:
@@ -321,6 +320,9 @@ class CudaBackend:
             w_down=args.w_down.ptr, shared_gate=ptr(args.shared_gate), shared_up=ptr(args.shared_up),
             shared_down=ptr(args.shared_down), out=ptr(out),
             **{n: (v.ptr if sizes[n] else 0) for n, v in block.items()}, **scratch)
+        # Only now the EP epoch advances: an allocation that failed above leaves the ranks in step.
+        peers = None if self.ep is None else self.ep.peers(T)
+        plan = L.forward_plan(dims, context_only=context_only, push_tasks=0 if peers is None else peers.push_tasks)
         trace = self._trace_buffer("recompute" if context_only else "forward", plan, stream, capturing)
         L.launch_forward(fb, self._sched_bufs(sched), dims, stream=stream, err_ptr=self.error.device_ptr,
                          device_id=self.device_id, knobs=self.knobs, context_only=context_only, peers=peers,

@@ -53,18 +53,18 @@ class GraphArena:
 
 
 class StreamOrder:
-    """Orders the calls of one rank that share its scratch buffers: when a call comes on another
-    stream than the previous one, the new stream first waits for the old one's work (an event),
-    unless it is capturing (a capture starts from a synchronised device, and a captured stream may
-    not wait on work outside its graph)."""
+    """Orders the eager calls of one rank, which share its scratch buffers: when a call comes on
+    another stream than the previous one, the new stream first waits for the old one's work (an
+    event).  Captured calls take no part: their scratch is their own (a captured stream may not
+    wait on work outside its graph)."""
 
     def __init__(self):
         self._event = None
         self._last: int | None = None
 
-    def enter(self, handle: int, capturing: bool) -> None:
+    def enter(self, handle: int) -> None:
         last, self._last = self._last, handle
-        if last is None or last == handle or capturing:
+        if last is None or last == handle:
             return
         if self._event is None:
             self._event = call("cuEventCreate", int(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING))
