@@ -3,20 +3,30 @@
 ``MoEFunction`` wraps ``mok.schedule`` / ``mok.forward`` / ``mok.backward``; tensors cross through
 DLPack without copies and mok_rt runs on torch's current CUDA stream, so autograd's ordering
 holds.  ``checkpoint=True`` keeps only the inputs and rebuilds the layer's activations in the
-backward with ``mok.recompute_context`` (activation checkpointing).
+backward with ``mok.recompute_context`` (activation checkpointing).  ``--compile`` trains under
+``torch.compile(fullgraph=True)`` instead, through the ``mok_rt::moe_forward`` custom op of
+``mok_rt.frameworks.torch_ops`` (whose backward always recomputes the layer's context).
 
     python samples/torch_autograd.py                        # CUDA backend when a GPU is present
     python samples/torch_autograd.py --backend reference    # NumPy reference on the CPU (float32)
     python samples/torch_autograd.py --checkpoint           # recompute activations in the backward
+    python samples/torch_autograd.py --compile              # forward + loss under torch.compile(fullgraph=True)
 
-torch is a sample-only dependency: mok_rt itself never imports it.
+torch is an optional dependency (``pip install -e '.[torch]'``): ``import mok_rt`` never imports it.
 """
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
-import torch
+try:
+    import torch
+except ImportError:
+    if __name__ == "__main__":
+        sys.exit("samples/torch_autograd.py needs PyTorch, which is not installed: pip install 'torch>=2.8' "
+                 "(or pip install -e '.[torch]')")
+    raise
 
 import mok_rt as mok
 
@@ -117,13 +127,17 @@ def moe(ws, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate=None, ws_up
 class MoEBlock(torch.nn.Module):
     """Router (Linear -> softmax -> top-k, renormalised) then the mok_rt layer.
 
-    Parameters are fp32 masters; :class:`MoEFunction` casts them for the kernel."""
+    Parameters are fp32 masters; :class:`MoEFunction` (or the custom op) casts them for the
+    kernel.  ``custom_op=True`` calls the layer through ``mok_rt::moe_forward``
+    (``mok_rt.frameworks.torch_ops.moe_layer``), which ``torch.compile(fullgraph=True)`` traces
+    without a graph break; its backward always recomputes the layer's context."""
 
-    def __init__(self, ws, *, device, checkpoint: bool = False, generator: torch.Generator | None = None):
+    def __init__(self, ws, *, device, checkpoint: bool = False, custom_op: bool = False,
+                 generator: torch.Generator | None = None):
         super().__init__()
         cfg = ws.config
         H, I, E, Is = cfg.hidden, cfg.intermediate, cfg.num_experts, cfg.shared_intermediate
-        self.ws, self.top_k, self.checkpoint = ws, cfg.top_k, checkpoint
+        self.ws, self.top_k, self.checkpoint, self.custom_op = ws, cfg.top_k, checkpoint, custom_op
         self.router = torch.nn.Linear(H, E, bias=False, device=device)
 
         def param(*shape, fan_in):
@@ -144,6 +158,10 @@ class MoEBlock(torch.nn.Module):
         probs = torch.softmax(self.router(x.float()), dim=-1)
         top, ids = torch.topk(probs, self.top_k, dim=-1)
         weights = top / top.sum(dim=-1, keepdim=True)
+        if self.custom_op:
+            from mok_rt.frameworks import torch_ops
+            shared = None if self.ws_gate is None else (self.ws_gate, self.ws_up, self.ws_down)
+            return torch_ops.moe_layer(self.ws, x, ids, weights, self.w_gate, self.w_up, self.w_down, shared=shared)
         return moe(self.ws, x, ids, weights, self.w_gate, self.w_up, self.w_down, self.ws_gate, self.ws_up,
                    self.ws_down, checkpoint=self.checkpoint)
 
@@ -161,6 +179,11 @@ def main(argv=None) -> list[float]:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--checkpoint", action="store_true", help="recompute activations in the backward")
+    ap.add_argument("--compile", action="store_true",
+                    help="run the student's forward and loss under torch.compile(fullgraph=True) through the "
+                         "mok_rt::moe_forward custom op (its backward recomputes the layer's activations)")
+    ap.add_argument("--compile-backend", default="inductor",
+                    help="torch.compile backend for --compile (default inductor; aot_eager compiles faster)")
     args = ap.parse_args(argv)
 
     backend = args.backend or ("cuda" if _gpu_available() else "reference")
@@ -173,22 +196,30 @@ def main(argv=None) -> list[float]:
         H, I, E, k, Is, T = 128, 64, 8, 2, 64, 256
         group = None
     print(f"backend={backend} device={device} H={H} I={I} experts={E} top_k={k} shared={Is} tokens={T} "
-          f"checkpoint={args.checkpoint}")
+          f"checkpoint={args.checkpoint} compile={args.compile_backend if args.compile else False}")
     cfg = mok.MoEConfig(hidden=H, intermediate=I, num_experts=E, top_k=k, shared_intermediate=Is)
     gen = torch.Generator().manual_seed(args.seed)
     losses = []
     with mok.Workspace(cfg, group, max_tokens=T, backend=backend) as ws:
         teacher = MoEBlock(ws, device=device, generator=gen).requires_grad_(False)
-        student = MoEBlock(ws, device=device, checkpoint=args.checkpoint, generator=gen)
+        student = MoEBlock(ws, device=device, checkpoint=args.checkpoint, custom_op=args.compile, generator=gen)
         student.router.load_state_dict(teacher.router.state_dict())  # same routing to start from
         opt = torch.optim.Adam(student.parameters(), lr=args.lr)
+
+        def loss_fn(x, target):
+            return torch.nn.functional.mse_loss(student(x).float(), target)
+
+        if args.compile:
+            # One graph for router, top-k, the layer (the custom op) and the loss; AOTAutograd
+            # compiles the matching backward, which loss.backward() runs.  The optimizer stays eager.
+            loss_fn = torch.compile(loss_fn, fullgraph=True, backend=args.compile_backend)
         data = [torch.randn(T, H, generator=gen).to(device, x_dtype) for _ in range(4)]
         for step in range(args.steps):
             t0 = time.perf_counter()
             x = data[step % len(data)]
             with torch.no_grad():
                 target = teacher(x).float()
-            loss = torch.nn.functional.mse_loss(student(x).float(), target)
+            loss = loss_fn(x, target)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()

@@ -2,6 +2,9 @@
 token count; :class:`WorkspaceRank`: one of those ranks, what the functional API runs on."""
 from __future__ import annotations
 
+import itertools
+import weakref
+
 from mok_rt.api.config import MoEConfig
 from mok_rt.api.validate import check_backend_precision
 from mok_rt.errors import ArgumentError, MokError
@@ -9,6 +12,26 @@ from mok_rt.errors import ArgumentError, MokError
 __all__ = ["Workspace", "WorkspaceRank", "BACKENDS"]
 
 BACKENDS = ("cuda", "reference")
+
+# Every Workspace and WorkspaceRank gets an int handle when it is made, never reused in this process:
+# framework glue that can pass only plain values (torch custom ops, mok_rt/frameworks/torch_ops.py)
+# names the workspace by it.  Held weakly: a handle stops resolving when its workspace is collected.
+_LIVE: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+_HANDLES = itertools.count(1)
+
+
+def _register(obj) -> int:
+    handle = next(_HANDLES)
+    _LIVE[handle] = obj
+    return handle
+
+
+def from_handle(handle: int):
+    """The live Workspace or WorkspaceRank whose ``_handle`` is ``handle``."""
+    obj = _LIVE.get(int(handle))
+    if obj is None:
+        raise ArgumentError("handle", f"no live mok_rt workspace has handle {handle} (was it garbage-collected?)")
+    return obj
 
 
 def _group_layout(group) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -36,6 +59,7 @@ class WorkspaceRank:
 
     def __init__(self, ws: "Workspace", rank_id: int, device_id: int):
         self._ws = ws
+        self._handle = _register(self)
         self.rank_id = rank_id
         self.device_id = device_id
         self.stream = None
@@ -123,6 +147,7 @@ class Workspace:
                  poison_outputs: bool = False, trace: bool = False, strict: bool = False):
         self._closed = True   # until everything exists: close() must work on a half-built workspace
         self._ep = None
+        self._handle = _register(self)
         devices, local = _group_layout(group)
         if len(devices) > 1:
             from mok_rt.dist.ep import check_same_config
