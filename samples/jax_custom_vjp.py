@@ -30,8 +30,14 @@ import time
 # Leave GPU memory to mok_rt's pool: JAX would otherwise grab 75% of it when it starts.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+try:
+    import jax  # noqa: E402
+    import jax.numpy as jnp  # noqa: E402
+except ImportError:
+    if __name__ == "__main__":
+        raise SystemExit("samples/jax_custom_vjp.py needs JAX, which is not installed: pip install jax "
+                         "(jax[cuda13] on a GPU machine)")
+    raise
 
 import mok_rt as mok  # noqa: E402
 

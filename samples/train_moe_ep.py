@@ -83,14 +83,24 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
-    import cupy as cp
+    if mok.device_count() == 0:
+        raise SystemExit("samples/train_moe_ep.py needs CUDA GPUs (expert parallelism runs on the CUDA backend "
+                         "only); on a machine without one, samples/train_moe.py runs on the NumPy reference")
+    try:
+        import cupy as cp
+    except ImportError:
+        raise SystemExit("samples/train_moe_ep.py needs CuPy: pip install -e '.[cupy]'") from None
 
     comm = None
     if args.one_process:
         gpus = mok.device_count()
         group = mok.SingleProcessGroup([g for g in range(gpus) for _ in range(args.ranks_per_gpu)])
     else:
-        from mpi4py import MPI
+        try:
+            from mpi4py import MPI
+        except ImportError:
+            raise SystemExit("one process per GPU needs mpi4py (pip install -e '.[mpi]') and mpirun; or run "
+                             "one process for every GPU: python samples/train_moe_ep.py --one-process") from None
         comm = MPI.COMM_WORLD
         group = mok.MPIGroup(comm)
     P, lead = group.size, 0 in group.local_ranks
