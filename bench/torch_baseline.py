@@ -1,6 +1,6 @@
 """The PyTorch MoE layer a user would run instead of mok_rt: the benchmark's baseline.
 
-One layer of DESIGN.md §2 built from stock PyTorch ops, the way Megatron-style trainers do it:
+One layer of docs/SEMANTICS.md built from stock PyTorch ops, the way Megatron-style trainers do it:
 
     argsort the routes by expert (permute) -> torch._grouped_mm over fused gate|up weights ->
     SwiGLU -> torch._grouped_mm over down weights -> weight each row by its router probability
@@ -47,7 +47,7 @@ class _AllToAll(torch.autograd.Function):
 
 def _swiglu(h: torch.Tensor, limit: float | None) -> torch.Tensor:
     gate, up = h.chunk(2, dim=-1)
-    if limit is not None:   # clamp semantics of DESIGN.md §2 (clamp masks the gradient)
+    if limit is not None:   # clamp semantics of docs/SEMANTICS.md (clamp masks the gradient)
         gate = gate.clamp(max=limit)
         up = up.clamp(min=-limit, max=limit)
     return F.silu(gate) * up

@@ -20,7 +20,7 @@ ngpu=$(nvidia-smi -L | wc -l); g1=$(( ngpu > 1 ? 1 : 0 ))
 ( export CUDA_VISIBLE_DEVICES=0
   timeout -k 5 "${P1_BUDGET:-240}" $py tests/test_moe_tma_gpu.py tests/test_moe_kernel_gpu.py tests/test_layer_gpu.py \
     tests/test_interop_gpu.py tests/test_dlpack_gpu.py tests/test_gemm_probe_gpu.py \
-    tests/test_trace_gpu.py \
+    tests/test_trace_gpu.py tests/test_graphs_gpu.py tests/test_torch_ops_gpu.py \
     >> "$out/p1_gpu0.txt" 2>&1; echo "rc=$?" >> "$out/p1_gpu0.txt" ) &
 ( export CUDA_VISIBLE_DEVICES=$g1
   timeout -k 5 "${P1_BUDGET:-240}" $py tests/test_ep_gpu.py tests/test_schedule_gpu.py tests/test_symmetric_gpu.py \

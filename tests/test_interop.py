@@ -91,7 +91,7 @@ def _oracle(p, limit=None):
 
 # --------------------------------------------------------------------------- plain-framework layers
 def _torch_layer(torch, x, ids, tw, wg, wu, wd, sg=None, su=None, sd=None, limit=None):
-    """DESIGN.md §2 written with torch ops (autograd differentiates it)."""
+    """docs/SEMANTICS.md written with torch ops (autograd differentiates it)."""
     def swiglu(g, u):
         if limit is not None:
             g, u = torch.clamp(g, max=limit), torch.clamp(u, -limit, limit)

@@ -1,7 +1,7 @@
 """Expert parallelism: the symmetric memory a workspace's ranks share, and its bookkeeping.
 
 One :class:`~mok_rt.dist.symmetric.SymmetricHeap` per workspace holds, in every rank's block, what
-peers write there (DESIGN.md §3 "Dispatch", "combine")::
+peers write there (docs/ARCHITECTURE.md: dispatch and combine)::
 
     [0, CONTROL)     int32 flags [NUM_PEER_FLAGS][MAX_EP_RANKS] (epochs, see params.cuh), the
                      routing exchange's barrier pad, the end-of-launch barrier's pad

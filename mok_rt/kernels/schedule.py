@@ -1,4 +1,4 @@
-"""The routing schedule, computed on the device (DESIGN.md §3, "Schedule").
+"""The routing schedule, computed on the device (docs/ARCHITECTURE.md, the schedule).
 
 Given the top-k expert ids of every rank, lay out the rows that land on one rank: by local
 expert, each expert's rows padded to the GEMM tile height ``block_m`` (so a row block belongs to

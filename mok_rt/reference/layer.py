@@ -1,4 +1,4 @@
-"""NumPy reference of the MoE layer (DESIGN.md §2): the oracle every other path is tested against.
+"""NumPy reference of the MoE layer (docs/SEMANTICS.md): the oracle every other path is tested against.
 
 Everything is computed in float64 whatever the input dtype (float64, float32, float16 or
 ``ml_dtypes.bfloat16`` are accepted and cast first); results are float64 arrays.

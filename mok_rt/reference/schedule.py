@@ -1,4 +1,4 @@
-"""NumPy twin of the device routing schedule (DESIGN.md §3, "Schedule").
+"""NumPy twin of the device routing schedule (docs/ARCHITECTURE.md, the schedule).
 
 The GPU schedule kernel must produce exactly these arrays.  Definitions (``P`` ranks, ``E``
 experts, ``E_l = E / P`` per rank, rank ``d`` owns experts ``d*E_l .. d*E_l + E_l - 1``):
