@@ -3,8 +3,15 @@
     python samples/jax_custom_vjp.py                        # CUDA backend when a GPU is present
     python samples/jax_custom_vjp.py --backend reference    # NumPy reference on the CPU (float32)
     python samples/jax_custom_vjp.py --checkpoint           # recompute activations in the backward
+    python samples/jax_custom_vjp.py --jit                  # the training step under jax.jit (reference)
 
-Eager only, not under ``jax.jit``: a mok_rt call is a Python host function that needs the
+``--jit`` trains through :mod:`mok_rt.frameworks.jax_ops` with the whole training step (forward,
+``jax.value_and_grad``, the Adam update) under ``jax.jit``.  That works on the reference backend
+(the default without a GPU), whose layer calls are ``jax.pure_callback`` host calls; on the CUDA
+backend ``--jit`` stops with a one-line message, for the reason below.  jax_ops always recomputes
+the activations in the backward, so ``--checkpoint`` is implied.
+
+Without ``--jit`` the sample's own wrapper runs eagerly, not under ``jax.jit``: a mok_rt call is a Python host function that needs the
 concrete device pointers of its inputs and enqueues CUDA launches itself.  Under ``jit`` the
 function is traced into one XLA program with abstract tracers (no pointers exist yet) and XLA
 cannot run Python launches in its stream; that needs an XLA FFI custom call (``jax.ffi``) with a
@@ -164,9 +171,16 @@ def main(argv=None) -> list[float]:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--checkpoint", action="store_true", help="recompute activations in the backward")
+    ap.add_argument("--jit", action="store_true",
+                    help="jit the training step (mok_rt.frameworks.jax_ops; reference backend only)")
     args = ap.parse_args(argv)
 
     backend = args.backend or ("cuda" if _gpu_available() else "reference")
+    if args.jit and backend == "cuda":
+        raise SystemExit("samples/jax_custom_vjp.py --jit needs --backend reference: mok_rt does not ship the "
+                         "XLA FFI custom calls that jax.jit needs on the GPU yet (run without --jit there)")
+    if args.jit:
+        args.checkpoint = True   # jax_ops recomputes the context in the backward
     if backend == "cuda":
         x_dtype, group = jnp.bfloat16, mok.SingleProcessGroup(devices=[0])
         H, I, E, k, Is, T = 1024, 512, 16, 4, 512, 4096
@@ -176,12 +190,18 @@ def main(argv=None) -> list[float]:
         H, I, E, k, Is, T = 128, 64, 8, 2, 64, 256
         placement = jax.default_device(jax.devices("cpu")[0])  # the reference backend reads host memory
     print(f"backend={backend} jax={jax.__version__} H={H} I={I} experts={E} top_k={k} "
-          f"shared={Is} tokens={T} checkpoint={args.checkpoint}")
+          f"shared={Is} tokens={T} checkpoint={args.checkpoint} jit={args.jit}")
     cfg = mok.MoEConfig(hidden=H, intermediate=I, num_experts=E, top_k=k, shared_intermediate=Is)
     losses = []
     with placement, mok.Workspace(cfg, group, max_tokens=T, backend=backend) as ws:
         key_t, key_s, key_x = jax.random.split(jax.random.PRNGKey(args.seed), 3)
-        moe = make_moe(ws, checkpoint=args.checkpoint)
+        if args.jit:
+            from mok_rt.frameworks import jax_ops
+
+            def moe(x, ids, tw, wg, wu, wd, sg=None, su=None, sd=None):
+                return jax_ops.moe_layer(ws, x, ids, tw, wg, wu, wd, shared=None if sg is None else (sg, su, sd))
+        else:
+            moe = make_moe(ws, checkpoint=args.checkpoint)
         teacher = init_block(cfg, key_t)
         student = dict(init_block(cfg, key_s), router=teacher["router"])  # same routing to start from
         data = [jax.random.normal(kx, (T, H), jnp.float32).astype(x_dtype) for kx in jax.random.split(key_x, 4)]
@@ -190,20 +210,29 @@ def main(argv=None) -> list[float]:
             diff = block_forward(moe, params, x, k).astype(jnp.float32) - target
             return jnp.mean(diff * diff)
 
-        grad_fn = jax.value_and_grad(loss_fn)   # eager: see the module docstring
+        b1, b2, eps = 0.9, 0.999, 1e-8
+
+        def target_fn(params, x):
+            return block_forward(moe, params, x, k).astype(jnp.float32)
+
+        def train_step(params, m, v, x, target, c1, c2):
+            loss, grads = jax.value_and_grad(loss_fn)(params, x, target)
+            m = jax.tree_util.tree_map(lambda a, g: b1 * a + (1 - b1) * g, m, grads)
+            v = jax.tree_util.tree_map(lambda a, g: b2 * a + (1 - b2) * g * g, v, grads)
+            params = jax.tree_util.tree_map(
+                lambda p, a, b: p - args.lr * (a / c1) / (jnp.sqrt(b / c2) + eps), params, m, v)
+            return loss, params, m, v
+
+        if args.jit:   # one XLA program per step; the layer calls are pure_callbacks inside it
+            target_fn, train_step = jax.jit(target_fn), jax.jit(train_step)
         m = jax.tree_util.tree_map(jnp.zeros_like, student)
         v = jax.tree_util.tree_map(jnp.zeros_like, student)
-        b1, b2, eps = 0.9, 0.999, 1e-8
         for step in range(args.steps):
             t0 = time.perf_counter()
             x = data[step % len(data)]
-            target = block_forward(moe, teacher, x, k).astype(jnp.float32)
-            loss, grads = grad_fn(student, x, target)
-            m = jax.tree_util.tree_map(lambda a, g: b1 * a + (1 - b1) * g, m, grads)
-            v = jax.tree_util.tree_map(lambda a, g: b2 * a + (1 - b2) * g * g, v, grads)
-            c1, c2 = 1 - b1 ** (step + 1), 1 - b2 ** (step + 1)
-            student = jax.tree_util.tree_map(
-                lambda p, a, b, c1=c1, c2=c2: p - args.lr * (a / c1) / (jnp.sqrt(b / c2) + eps), student, m, v)
+            target = target_fn(teacher, x)
+            c1, c2 = jnp.float32(1 - b1 ** (step + 1)), jnp.float32(1 - b2 ** (step + 1))
+            loss, student, m, v = train_step(student, m, v, x, target, c1, c2)
             losses.append(float(loss))   # waits for the step
             ws.check()                   # raise any error a kernel reported (bad ids, capacity)
             print(f"step {step:3d}  loss {losses[-1]:.6f}  ({(time.perf_counter() - t0) * 1e3:.1f} ms)", flush=True)

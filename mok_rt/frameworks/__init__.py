@@ -1,2 +1,3 @@
-"""Adapters that run the layer inside frameworks' compiled steps (PyTorch custom ops).  They sit above
-the public API and import their framework lazily: importing mok_rt never imports one."""
+"""Adapters that run the layer inside frameworks' compiled steps (``torch_ops``: PyTorch custom ops;
+``jax_ops``: a ``jax.custom_vjp``, under ``jax.jit`` on the reference backend).  They sit above
+the public API and are imported explicitly: importing mok_rt never imports a framework."""
