@@ -6,7 +6,6 @@ jax is optional: the whole module skips when it is not installed.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import pathlib
 import subprocess
@@ -28,35 +27,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 NAMES = ("w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down")
 
 
-@contextlib.contextmanager
+from test_interop import _jax_cpu as _host_jax, _problem  # noqa: E402  (the same host arrays and problems)
+
+
 def _jax_cpu(*, x64: bool):
-    """JAX arrays on the host (the reference backend reads host memory), float64 when ``x64``."""
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(jax.default_device(jax.devices("cpu")[0]))
-        if x64:
-            ctx = getattr(jax, "enable_x64", None)
-            if ctx is not None:
-                stack.enter_context(ctx(True))
-            else:
-                old = jax.config.jax_enable_x64
-                jax.config.update("jax_enable_x64", True)
-                stack.callback(jax.config.update, "jax_enable_x64", old)
-        yield
-
-
-def _problem(seed, *, T=29, H=64, I=64, E=4, k=2, Is=64):
-    rng = np.random.default_rng(seed)
-    p = {"x": rng.standard_normal((T, H)),
-         "ids": np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int64),
-         "tw": rng.random((T, k)),
-         "w_gate": rng.standard_normal((E, I, H)) * H ** -0.5,
-         "w_up": rng.standard_normal((E, I, H)) * H ** -0.5,
-         "w_down": rng.standard_normal((E, H, I)) * I ** -0.5,
-         "d_out": rng.standard_normal((T, H))}
-    if Is:
-        p.update(ws_gate=rng.standard_normal((Is, H)) * H ** -0.5, ws_up=rng.standard_normal((Is, H)) * H ** -0.5,
-                 ws_down=rng.standard_normal((H, Is)) * Is ** -0.5)
-    return p
+    return _host_jax(jax, x64=x64)
 
 
 def _ws(*, Is=64, T=64):

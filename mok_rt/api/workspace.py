@@ -34,6 +34,17 @@ def from_handle(handle: int):
     return obj
 
 
+def handle_of(ws) -> int:
+    """The int handle of ``ws`` (a Workspace, a WorkspaceRank, or already a live handle): how
+    framework adapters name a workspace where only ints may travel (custom ops, static args)."""
+    if isinstance(ws, int) and not isinstance(ws, bool):
+        from_handle(ws)
+        return ws
+    if not isinstance(ws, (Workspace, WorkspaceRank)):
+        raise ArgumentError("ws", f"expected a Workspace, a WorkspaceRank or a handle, got {type(ws).__name__}")
+    return ws._handle
+
+
 def _group_layout(group) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(device of every rank, ranks this process drives) for a ProcessGroup or a duck-typed one."""
     if group is None:

@@ -52,6 +52,7 @@ import jax.numpy as jnp
 
 import mok_rt as mok
 from mok_rt.api.workspace import from_handle as _from_handle
+from mok_rt.api.workspace import handle_of
 
 __all__ = ["moe_layer", "workspace_handle", "lookup_workspace", "kernel_dtypes", "check_traceable",
            "JIT_UNSUPPORTED"]
@@ -66,12 +67,7 @@ JIT_UNSUPPORTED = (
 # --------------------------------------------------------------------------- workspace handles
 def workspace_handle(ws) -> int:
     """The int handle of ``ws`` (a ``Workspace``, a ``WorkspaceRank`` or already a handle)."""
-    if isinstance(ws, int) and not isinstance(ws, bool):
-        lookup_workspace(ws)
-        return ws
-    if not isinstance(ws, (mok.Workspace, mok.WorkspaceRank)):
-        raise mok.ArgumentError("ws", f"expected a Workspace, a WorkspaceRank or a handle, got {type(ws).__name__}")
-    return ws._handle
+    return handle_of(ws)
 
 
 def lookup_workspace(handle: int):

@@ -46,6 +46,7 @@ import torch
 
 import mok_rt as mok
 from mok_rt.api.workspace import from_handle as _from_handle
+from mok_rt.api.workspace import handle_of
 
 __all__ = ["moe_layer", "register_workspace", "workspace_handle", "lookup_workspace", "moe_forward",
            "moe_backward", "kernel_dtypes"]
@@ -57,12 +58,7 @@ def register_workspace(ws) -> int:
     Every workspace has one from birth (``ws._handle``, unique in the process, never reused);
     the registry behind it holds workspaces weakly, so a handle stops resolving once its
     workspace is garbage-collected (the ops then raise ``ArgumentError("handle")``)."""
-    if isinstance(ws, int) and not isinstance(ws, bool):
-        lookup_workspace(ws)
-        return ws
-    if not isinstance(ws, (mok.Workspace, mok.WorkspaceRank)):
-        raise mok.ArgumentError("ws", f"expected a Workspace, a WorkspaceRank or a handle, got {type(ws).__name__}")
-    return ws._handle
+    return handle_of(ws)
 
 
 workspace_handle = register_workspace
