@@ -206,7 +206,7 @@ class CudaBackend:
     def _scratch_ptrs(self, kind: str, sizes: dict, stream, capturing: bool) -> dict:
         """This rank's scratch buffers of ``kind`` ("schedule", "forward", "backward") by name:
         reused while large enough, replaced by a larger one when a call needs more (the old one is
-        freed in stream order, after the calls that used it).  0 for a buffer of 0 bytes."""
+        freed in stream order after the calls that used it).  0 for a buffer of 0 bytes."""
         if capturing:
             # A captured call's scratch is its own, in the arena: a replay may run beside eager
             # calls or other graphs on streams this rank never sees, so nothing may share it.
@@ -217,7 +217,9 @@ class CudaBackend:
             have = self._scratch.get(key)
             if nbytes and (have is None or have[1] < nbytes):
                 if have is not None:
-                    self._graveyard.append(have[2])   # freed in stream order by the next eager call
+                    # Freed on this call's stream, which StreamOrder placed after every earlier
+                    # call of the rank (the last users of the old buffer), whatever their streams.
+                    have[2]._owner.close(stream)
                 t = Tensor.empty((nbytes,), dtypes.uint8, device_id=self.device_id, stream=stream)
                 have = self._scratch[key] = (t.ptr, nbytes, t)
             out[name] = have[0] if nbytes else 0
