@@ -53,6 +53,7 @@ import jax.numpy as jnp
 import mok_rt as mok
 from mok_rt.api.workspace import from_handle as _from_handle
 from mok_rt.api.workspace import handle_of
+from mok_rt.frameworks.common import shared_parts
 
 __all__ = ["moe_layer", "workspace_handle", "lookup_workspace", "kernel_dtypes", "check_traceable",
            "JIT_UNSUPPORTED"]
@@ -237,12 +238,7 @@ def moe_layer(ws, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared=None):
     :class:`mok_rt.ExpertWeights`), or None.  Eager on every backend; under ``jax.jit`` on the
     reference backend only (``TypeError`` on CUDA, see the module docstring)."""
     handle = workspace_handle(ws)
-    if shared is None:
-        sg = su = sd = None
-    elif isinstance(shared, mok.ExpertWeights):
-        sg, su, sd = shared.gate, shared.up, shared.down
-    else:
-        sg, su, sd = shared
+    sg, su, sd = shared_parts(shared)
     w = (w_gate, w_up, w_down, sg, su, sd)
     _check_shared(w)
     return _moe(handle, x, topk_ids, topk_weights, *w)

@@ -47,6 +47,7 @@ import torch
 import mok_rt as mok
 from mok_rt.api.workspace import from_handle as _from_handle
 from mok_rt.api.workspace import handle_of
+from mok_rt.frameworks.common import shared_parts
 
 __all__ = ["moe_layer", "register_workspace", "workspace_handle", "lookup_workspace", "moe_forward",
            "moe_backward", "kernel_dtypes"]
@@ -198,11 +199,6 @@ def moe_layer(ws, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared=None) 
     capture (CUDA backend, one rank)."""
     # A plain attribute read: dynamo guards on its value, so another workspace recompiles.
     handle = ws if isinstance(ws, int) else ws._handle
-    if shared is None:
-        sg = su = sd = None
-    elif isinstance(shared, mok.ExpertWeights):
-        sg, su, sd = shared.gate, shared.up, shared.down
-    else:
-        sg, su, sd = shared
+    sg, su, sd = shared_parts(shared)
     return moe_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, sg, su, sd, handle)
 
