@@ -117,19 +117,28 @@ def _torch(t, dtype, ws):
 
 
 # --------------------------------------------------------------------------- the ops
+class _Call:
+    """What both ops start with: the workspace, the kernels' dtypes, torch's stream, the schedule
+    and the inputs cast for the kernels."""
+
+    def __init__(self, handle, x, topk_ids, topk_weights, weights):
+        self.ws = lookup_workspace(handle)
+        _check_shared(*weights[3:])
+        self.act, self.route, self.grad = kernel_dtypes(self.ws.backend, x.dtype)
+        self.stream = _stream(x.device)
+        self.sched = mok.schedule(self.ws, topk_ids.detach().contiguous(), stream=self.stream)
+        self.experts, self.shared = _experts(self.act, *weights)
+        self.x, self.topk_weights = _as(x, self.act), _as(topk_weights, self.route)
+
+
 @torch.library.custom_op("mok_rt::moe_forward", mutates_args=())
 def moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,
                 w_up: torch.Tensor, w_down: torch.Tensor, ws_gate: Optional[torch.Tensor],
                 ws_up: Optional[torch.Tensor], ws_down: Optional[torch.Tensor], handle: int) -> torch.Tensor:
     """``out[t] = shared(x[t]) + Σ_j topk_weights[t, j] · expert_{topk_ids[t, j]}(x[t])`` (like x)."""
-    ws = lookup_workspace(handle)
-    _check_shared(ws_gate, ws_up, ws_down)
-    act, route, _ = kernel_dtypes(ws.backend, x.dtype)
-    stream = _stream(x.device)
-    sched = mok.schedule(ws, topk_ids.detach().contiguous(), stream=stream)
-    experts, shared = _experts(act, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
-    out, _ = mok.forward(ws, sched, _as(x, act), _as(topk_weights, route), experts, shared=shared, stream=stream)
-    return _torch(out, x.dtype, ws)
+    c = _Call(handle, x, topk_ids, topk_weights, (w_gate, w_up, w_down, ws_gate, ws_up, ws_down))
+    out, _ = mok.forward(c.ws, c.sched, c.x, c.topk_weights, c.experts, shared=c.shared, stream=c.stream)
+    return _torch(out, x.dtype, c.ws)
 
 
 @moe_forward.register_fake
@@ -143,20 +152,15 @@ def moe_backward(d_out: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, t
                  ws_up: Optional[torch.Tensor], ws_down: Optional[torch.Tensor], handle: int) -> List[torch.Tensor]:
     """``[dx, d_topk_weights, dw_gate, dw_up, dw_down]`` (+ the three shared-expert gradients
     when there is a shared expert), recomputing the forward's context first."""
-    ws = lookup_workspace(handle)
-    _check_shared(ws_gate, ws_up, ws_down)
-    act, route, grad = kernel_dtypes(ws.backend, x.dtype)
-    stream = _stream(x.device)
-    sched = mok.schedule(ws, topk_ids.detach().contiguous(), stream=stream)
-    experts, shared = _experts(act, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
-    ctx = mok.recompute_context(ws, sched, _as(x, act), _as(topk_weights, route), experts, shared=shared,
-                                stream=stream)
+    c = _Call(handle, x, topk_ids, topk_weights, (w_gate, w_up, w_down, ws_gate, ws_up, ws_down))
+    ctx = mok.recompute_context(c.ws, c.sched, c.x, c.topk_weights, c.experts, shared=c.shared, stream=c.stream)
     # Weight gradients land straight in torch-owned buffers (mok_rt writes through DLPack).
     weights = [w for w in (w_gate, w_up, w_down, ws_gate, ws_up, ws_down) if w is not None]
-    bufs = [torch.empty(w.shape, dtype=grad, device=w.device) for w in weights]
+    bufs = [torch.empty(w.shape, dtype=c.grad, device=w.device) for w in weights]
     dw_shared = mok.ExpertWeights(*bufs[3:]) if len(bufs) == 6 else None
-    g = mok.backward(ws, ctx, _as(d_out, act), dw=mok.ExpertWeights(*bufs[:3]), dw_shared=dw_shared, stream=stream)
-    return [_torch(g.dx, x.dtype, ws), _torch(g.d_topk_weights, route, ws), *bufs]
+    g = mok.backward(c.ws, ctx, _as(d_out, c.act), dw=mok.ExpertWeights(*bufs[:3]), dw_shared=dw_shared,
+                     stream=c.stream)
+    return [_torch(g.dx, x.dtype, c.ws), _torch(g.d_topk_weights, c.route, c.ws), *bufs]
 
 
 @moe_backward.register_fake
