@@ -97,6 +97,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "training; serial: the host waits for each call (adds its enqueue latency); graph: "
                          "one call captured in a CUDA graph, its replays timed (mok_rt; the baseline gets the "
                          "better of graph replay, where it captures, and pipelined)")
+    ap.add_argument("--grad-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                    help="mok_rt's weight-gradient buffers: bfloat16 (default; what the baseline's autograd "
+                         "produces for its bf16 weights) or float32 (a trainer's fp32 main grads)")
     ap.add_argument("--comm-sms", type=int, default=None,
                     help="MoEConfig.comm_sms with EP (tasks that push this rank's rows; default: the config's)")
     ap.add_argument("--out", default=None, help="directory for the results JSON (default bench/results)")
@@ -322,9 +325,10 @@ def _run_mok(torch, ranks, mok: _Mok, shape: Shape, tokens: int, inp: _Inputs, r
                           **knobs)
         state["ws"] = m.Workspace(cfg, mok.group, max_tokens=tokens, backend="reference" if ranks.cpu else "cuda",
                                   stream=_stream_for_mok(torch, ranks))
-        # Caller-owned fp32 weight-gradient buffers (a trainer's .grad), poisoned so that an
-        # element the kernel never writes fails the check.
-        bufs = [None if w is None else torch.full(tuple(w.shape), math.nan, device=x.device, dtype=torch.float32)
+        # Caller-owned weight-gradient buffers (a trainer's .grad) in --grad-dtype, poisoned so
+        # that an element the kernel never writes fails the check.
+        gdt = getattr(torch, args.grad_dtype)
+        bufs = [None if w is None else torch.full(tuple(w.shape), math.nan, device=x.device, dtype=gdt)
                 for w in weights]
         state["bufs"] = {"dw": m.ExpertWeights(*bufs[:3]),
                          "dw_shared": None if bufs[3] is None else m.ExpertWeights(*bufs[3:])}
@@ -510,7 +514,7 @@ def main(argv=None) -> int:
            "machine": _machine(torch, ranks), "commit": _commit(args.commit), "versions": _versions(torch, mok),
            "argv": sys.argv[1:], "ep": size, "iters": args.iters, "warmup": args.warmup, "seed": args.seed,
            "quick": args.quick, "cpu_smoke": args.cpu_smoke, "impl": args.impl, "tolerance": TOLERANCE,
-           "comm_sms": args.comm_sms,
+           "comm_sms": args.comm_sms, "grad_dtype": args.grad_dtype,
            "mok_error": mok.error, "complete": False,
            "timed": {"fwd": "schedule + forward", "fwd_bwd": "schedule + forward + backward",
                      "statistic": "median over iterations, max over ranks", "timing": args.timing,

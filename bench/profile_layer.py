@@ -28,10 +28,14 @@ def main() -> int:
     ap.add_argument("--trace", default=None, metavar="PATH",
                     help="record per-task timelines (Workspace(trace=True)); print the last iteration's "
                          "per-phase summary and write it as a Chrome trace (chrome://tracing, ui.perfetto.dev)")
+    ap.add_argument("--tokens", type=int, default=None, help="tokens (default: the shape's)")
+    ap.add_argument("--grad-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="dtype of the weight gradients (caller buffers)")
     args = ap.parse_args()
     import cupy as cp
     import mok_rt as mok
     H, I, E, k, T, Is = SHAPES[args.shape]
+    T = args.tokens if args.tokens is not None else T
     rng = np.random.default_rng(0)
     bf = ml_dtypes.bfloat16
     cp.random.seed(0)
@@ -52,6 +56,8 @@ def main() -> int:
     wd = randn((E, H, I), I ** -0.5)
     dout = randn((T, H))
     experts = mok.ExpertWeights(gate=wg, up=wu, down=wd)
+    gdt = bf if args.grad_dtype == "bfloat16" else np.float32
+    dw = mok.ExpertWeights(*(cp.zeros(w.shape, dtype=gdt) for w in (wg, wu, wd)))
     cfg = mok.MoEConfig(hidden=H, intermediate=I, num_experts=E, top_k=k, shared_intermediate=Is)
     flops = cfg.forward_flops(T)
     last = []
@@ -66,7 +72,7 @@ def main() -> int:
             t2 = time.perf_counter()
             stream.sync()
             t3 = time.perf_counter()
-            g = mok.backward(ws, ctx, dout)
+            g = mok.backward(ws, ctx, dout, dw=dw)
             t4 = time.perf_counter()
             ws.synchronize()
             t5 = time.perf_counter()

@@ -27,8 +27,8 @@ class ExpertWeights:
 @dataclass(frozen=True)
 class Gradients:
     """What :func:`mok_rt.backward` returns: ``dx`` ``[T, H]`` (x's dtype), ``d_topk_weights``
-    ``[T, k]`` f32, ``dw`` the routed experts' fp32 gradients, ``dw_shared`` the shared expert's
-    (None without one).  Where the caller passed gradient buffers, these are those buffers."""
+    ``[T, k]`` f32, ``dw`` the routed experts' gradients (fp32, or bf16 into bf16 buffers),
+    ``dw_shared`` the shared expert's (None without one).  Where the caller passed gradient buffers, these are those buffers."""
 
     dx: Any
     d_topk_weights: Any

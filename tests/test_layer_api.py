@@ -271,7 +271,7 @@ def test_read_only_dw_buffer_names_it():
 
 
 @pytest.mark.parametrize("part,bad,arg", [
-    (0, lambda a: a.astype(np.float16), "dw.gate"),           # gradients are fp32 (f64 on the oracle)
+    (0, lambda a: a.astype(np.float16), "dw.gate"),           # gradients are fp32 or bf16 (f64 on the oracle)
     (1, lambda a: a[:, :, :32].copy(), "dw.up"),
     (2, lambda a: np.swapaxes(a, 1, 2), "dw.down"),                # not contiguous
 ])
@@ -285,6 +285,35 @@ def test_bad_dw_buffers_are_named(part, bad, arg):
         with pytest.raises(mok.ArgumentError) as info:
             mok.backward(ws, ctx, np.zeros(out.shape), dw=mok.ExpertWeights(*bufs))
     assert info.value.argument == arg, str(info.value)
+
+
+def test_bf16_gradient_buffers_get_the_rounded_gradients():
+    """bf16 dw / dw_shared buffers: the gradients rounded once (accumulate: added in fp32 to what is
+    there, as the kernel does, then rounded); mixed dtypes name the first buffer that differs."""
+    bf = ml_dtypes.bfloat16
+    p = _problem(np.random.default_rng(23), Is=64)
+    with _ws(shared_intermediate=64) as ws:
+        sched = mok.schedule(ws, p["ids"])
+        out, ctx = mok.forward(ws, sched, p["x"], p["tw"], _experts(p), shared=_shared(p))
+        d_out = np.random.default_rng(5).standard_normal(out.shape)
+        ref = mok.backward(ws, ctx, d_out)     # float64 gradients: the oracle's own precision
+        want = [a.to_numpy() for a in (*ref.dw, *ref.dw_shared)]
+        bufs = [np.full(a.shape, np.nan, bf) for a in want]
+        g = mok.backward(ws, ctx, d_out, dw=mok.ExpertWeights(*bufs[:3]), dw_shared=mok.ExpertWeights(*bufs[3:]))
+        for a, w in zip(bufs, want):
+            np.testing.assert_array_equal(a.view(np.uint16), w.astype(bf).view(np.uint16))
+        start = [np.ones(a.shape, bf) for a in want]
+        g = mok.backward(ws, ctx, d_out, dw=mok.ExpertWeights(*start[:3]), dw_shared=mok.ExpertWeights(*start[3:]),
+                         accumulate=True)
+        assert g.dw.gate is start[0]
+        for a, w in zip(start, want):
+            np.testing.assert_array_equal(a.view(np.uint16), (1 + w.astype(np.float32)).astype(bf).view(np.uint16))
+        only = mok.backward(ws, ctx, d_out, dw=mok.ExpertWeights(*bufs[:3]))   # shared ones allocated alike
+        assert only.dw_shared.gate.to_numpy().dtype == bf
+        with pytest.raises(mok.ArgumentError) as info:
+            mok.backward(ws, ctx, d_out, dw=mok.ExpertWeights(*bufs[:3]),
+                         dw_shared=mok.ExpertWeights(*(np.zeros(a.shape, np.float32) for a in want[3:])))
+        assert info.value.argument == "dw_shared.gate", str(info.value)
 
 
 def test_backward_rejects_what_is_not_a_context():

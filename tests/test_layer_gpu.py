@@ -205,6 +205,38 @@ def test_recompute_context_alone_into_caller_buffers():
             np.testing.assert_allclose(cp.asnumpy(buf), 2 * a[n], rtol=1e-5, atol=1e-6, err_msg=n)
 
 
+@pytest.mark.parametrize("T,Is", [(300, 256), (1, 0), (1000, 0)])
+def test_bf16_weight_gradients_are_the_fp32_ones_rounded(T, Is):
+    """bf16 gradient buffers (poisoned) get the fp32 kernel's sums rounded once to nearest even:
+    bitwise round_bf16(fp32 result), overwrite and accumulate (from the same start values), on
+    ragged experts with empty ones (T=1) and with a shared expert."""
+    cfg = mok.MoEConfig(hidden=512, intermediate=256, num_experts=8, top_k=2, shared_intermediate=Is)
+    h = make_problem(21 + T, T=T, H=512, I=256, E=8, k=2, Is=Is)
+    d = _to_dev(h)
+    shapes = [d[n].shape for n in ("w_gate", "w_up", "w_down")] + ([a.shape for a in d["shared"]] if Is else [])
+    rng = np.random.default_rng(T)
+    start = [_bf16(rng.standard_normal(s)) for s in shapes]   # accumulate from bf16-exact values
+    with mok.Workspace(cfg, mok.SingleProcessGroup(devices=[0]), max_tokens=T, poison_outputs=True) as ws:
+        _, ctx = mok.forward(ws, mok.schedule(ws, d["ids"]), d["x"], d["tw"], _experts(d), shared=_shared(d))
+        for accumulate in (False, True):
+            f32 = [cp.asarray(a.astype(np.float32)) if accumulate else cp.full(a.shape, cp.nan, cp.float32)
+                   for a in start]
+            b16 = [cp.asarray(a if accumulate else np.full(a.shape, np.nan, BF16)) for a in start]
+            parts = lambda bufs: dict(dw=mok.ExpertWeights(*bufs[:3]),  # noqa: E731
+                                      dw_shared=mok.ExpertWeights(*bufs[3:]) if Is else None)
+            g32 = mok.backward(ws, ctx, d["d_out"], accumulate=accumulate, **parts(f32))
+            g16 = mok.backward(ws, ctx, d["d_out"], accumulate=accumulate, **parts(b16))
+            ws.synchronize()
+            np.testing.assert_array_equal(g16.dx.to_numpy().view(np.uint16), g32.dx.to_numpy().view(np.uint16))
+            for i, (a, b) in enumerate(zip(f32, b16)):
+                want = cp.asnumpy(a).astype(BF16)
+                assert np.isfinite(want.astype(np.float32)).all()
+                np.testing.assert_array_equal(cp.asnumpy(b).view(np.uint16), want.view(np.uint16),
+                                              err_msg=f"gradient {i} accumulate={accumulate}")
+        with pytest.raises(mok.ArgumentError, match="dw.down"):
+            mok.backward(ws, ctx, d["d_out"], dw=mok.ExpertWeights(*b16[:2], f32[2]))
+
+
 def test_bitwise_deterministic():
     cfg = mok.MoEConfig(hidden=1024, intermediate=512, num_experts=16, top_k=4, shared_intermediate=512)
     h = make_problem(11, T=1500, H=1024, I=512, E=16, k=4, Is=512)

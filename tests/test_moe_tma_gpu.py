@@ -31,9 +31,12 @@ TMA_CASES.update({
     "ragged": dict(seed=11, tokens=389, hidden=320, inter=192, experts=7, top_k=4, shared_inter=320, limit=None),
     # Many row blocks per expert (wgrad K of several hundred rows), clamp on.
     "deep_k": dict(seed=12, tokens=1024, hidden=512, inter=384, experts=4, top_k=2, shared_inter=128, limit=1.0),
-    # Enough token blocks for the combines' other splits (combine_parts: 2 from 64 blocks, 1 from 128).
+    # Token blocks for every split of the combines (combine_parts: 32 up to 8 blocks — the cases
+    # above —, 16 from 16, 4 from 64, 2 from 128, 1 from 256).
+    "blocks_20": dict(seed=16, tokens=2500, hidden=256, inter=128, experts=6, top_k=3, shared_inter=128, limit=None),
     "blocks_64": dict(seed=13, tokens=8100, hidden=128, inter=64, experts=3, top_k=1, shared_inter=64, limit=None),
     "blocks_128": dict(seed=14, tokens=16384, hidden=128, inter=64, experts=5, top_k=2, shared_inter=0, limit=None),
+    "blocks_257": dict(seed=17, tokens=32773, hidden=128, inter=64, experts=3, top_k=1, shared_inter=0, limit=None),
     # Wide rows for the ring-staged copies (staged_rows.cuh): the dispatch moves 5 rows of 8320 B per
     # stage (26 stages a block, the last of 3 rows) and d_topk_weights reads each token in two column
     # pieces (2560 + 1600: the k + 1 = 9 rows of a piece fill one 48 KB stage).

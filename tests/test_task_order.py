@@ -119,6 +119,10 @@ def test_tile_counts():
     d = L.LayerDims(tokens=16384, hidden=2048, intermediate=768, top_k=8, local_experts=128,
                     capacity_rows=16384 * 8 + 128 * 128)
     f, b = L.forward_plan(d).tiles, L.backward_plan(d).tiles
-    assert (f["gu_tiles"], f["h_tiles"], f["combine_parts"]) == (6, 8, 1)   # 768 / 128, 2048 / 256, 128 blocks
+    assert (f["gu_tiles"], f["h_tiles"], f["combine_parts"]) == (6, 8, 2)   # 768 / 128, 2048 / 256, 128 blocks
     assert (b["i_tiles"], b["h_tiles"], b["h_rows"], b["i_rows"]) == (3, 8, 16, 6)
-    assert [_moe_plan.combine_parts(n) for n in (1, 63, 64, 127, 128)] == [4, 4, 2, 2, 1]
+    assert [_moe_plan.combine_parts(n) for n in (1, 8, 9, 16, 63, 64, 127, 128, 255, 256, 1000)] == \
+        [32, 32, 32, 16, 8, 4, 4, 2, 2, 1, 1]
+    for n in range(1, 300):   # at least 256 combine tasks where 32 parts allow; a power of two (divides 128)
+        parts = _moe_plan.combine_parts(n)
+        assert 128 % parts == 0 and (n * parts >= 256 or parts == 32) and (parts == 1 or n * parts // 2 < 256)

@@ -212,13 +212,15 @@ struct MoEBackwardCounters {
 static_assert(sizeof(MoEBackwardCounters) == 11 * 8, "MoEBackwardCounters layout: update mok_rt/kernels/moe_params.py");
 static_assert(offsetof(MoEBackwardCounters, ctas_done) == 80, "MoEBackwardCounters layout");
 
-struct MoEWeightGrads {  // fp32; overwritten, or added to when accumulate = 1
-  float* dw_gate;   // [E_l, I, H]
-  float* dw_up;     // [E_l, I, H]
-  float* dw_down;   // [E_l, H, I]
-  float* d_shared_gate;  // [I_s, H]
-  float* d_shared_up;    // [I_s, H]
-  float* d_shared_down;  // [H, I_s]
+// fp32, or bf16 when MoEBackwardParams::grad_bf16 (the caller's buffers decide); overwritten, or
+// added to when accumulate = 1.
+struct MoEWeightGrads {
+  void* dw_gate;   // [E_l, I, H]
+  void* dw_up;     // [E_l, I, H]
+  void* dw_down;   // [E_l, H, I]
+  void* d_shared_gate;  // [I_s, H]
+  void* d_shared_up;    // [I_s, H]
+  void* d_shared_down;  // [H, I_s]
 };
 static_assert(sizeof(MoEWeightGrads) == 6 * 8, "MoEWeightGrads layout: update mok_rt/kernels/moe_params.py");
 static_assert(offsetof(MoEWeightGrads, d_shared_gate) == 24, "MoEWeightGrads layout");
@@ -243,8 +245,8 @@ struct MoEBackwardParams {
   unsigned long long* trace;  // null, or one TraceRec per task of the plan (trace.cuh)
   MoEDims dims;
   MoEBackwardPlan plan;
-  int accumulate;             // 1: add weight gradients into the existing fp32 contents
-  int pad_;
+  int accumulate;             // 1: add weight gradients into the existing contents
+  int grad_bf16;              // 1: the weight gradients are bf16 (one rounding of the fp32 sum), 0: fp32
   MoEPeers peers;
 };
 static_assert(sizeof(MoEBackwardParams) == 1208 && offsetof(MoEBackwardParams, w) == 64 &&
@@ -252,6 +254,7 @@ static_assert(sizeof(MoEBackwardParams) == 1208 && offsetof(MoEBackwardParams, w
                   offsetof(MoEBackwardParams, grads) == 248 && offsetof(MoEBackwardParams, x) == 296 &&
                   offsetof(MoEBackwardParams, err) == 376 && offsetof(MoEBackwardParams, dims) == 392 &&
                   offsetof(MoEBackwardParams, plan) == 448 && offsetof(MoEBackwardParams, accumulate) == 624 &&
+                  offsetof(MoEBackwardParams, grad_bf16) == 628 &&
                   offsetof(MoEBackwardParams, peers) == 632,
               "MoEBackwardParams layout: update mok_rt/kernels/moe_params.py");
 

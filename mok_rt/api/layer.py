@@ -66,8 +66,9 @@ def backward(ws, ctx: Context, d_out, *, dw: ExpertWeights | None = None, dw_sha
     """Gradients of the layer given ``d_out`` ``[T, H]``; the schedule, the inputs and the
     weights come from ``ctx``.
 
-    Weight gradients are fp32.  ``dw=`` / ``dw_shared=`` (ExpertWeights of caller-owned fp32
-    buffers) are written in place, or added into with ``accumulate=True`` (gradient accumulation
+    Weight gradients are fp32.  ``dw=`` / ``dw_shared=`` (ExpertWeights of caller-owned buffers,
+    fp32 or bf16, one dtype for all: bf16 gets the fp32 sums rounded once, and gradients not
+    passed are allocated in it) are written in place, or added into with ``accumulate=True`` (gradient accumulation
     across micro-batches without copies); the returned :class:`Gradients` then holds them.  With
     expert parallelism ``dw`` is this rank's experts' gradients, from every rank's tokens."""
     rank = as_rank(ws)

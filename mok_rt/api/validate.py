@@ -2,7 +2,7 @@
 
 Each check runs on the host before anything is launched and names the argument it rejects; the
 backends trust what it returns.  The CUDA contract (bf16 activations and weights, f32 routing
-weights and weight gradients, int32/int64 ids) holds on every backend; the reference backend
+weights, fp32 or bf16 weight gradients, int32/int64 ids) holds on every backend; the reference backend
 also takes float32/float64 tensors unless the workspace is ``strict``.
 """
 from __future__ import annotations
@@ -119,8 +119,14 @@ def import_layer_args(ws, *, tokens: int, x, topk_weights, experts, shared, stre
     return LayerArgs(**views)
 
 
+def _grad_dtypes(ws):
+    return (dtypes.float32, dtypes.bfloat16) + ((dtypes.float64,) if _oracle(ws) else ())
+
+
 def import_grad_buffers(ws, dw, dw_shared, *, accumulate: bool, stream) -> dict:
-    """Caller-owned weight-gradient buffers by internal name (None: the backend allocates one)."""
+    """Caller-owned weight-gradient buffers by internal name (None: the backend allocates one).
+    fp32 or bf16 (float64 too on the reference backend), all of one dtype: the kernel writes every
+    weight gradient of a call in one dtype, and allocates the ones not passed in it."""
     cfg = ws.config
     H, I, Is, El = cfg.hidden, cfg.intermediate, cfg.shared_intermediate, ws.experts_per_rank
     out = dict.fromkeys(GRAD_NAMES)
@@ -136,8 +142,21 @@ def import_grad_buffers(ws, dw, dw_shared, *, accumulate: bool, stream) -> dict:
             continue
         given = _triple(given, name)
         for part, obj, shape, key in zip(("gate", "up", "down"), given, shapes, names):
-            out[key] = _view(ws, obj, f"{name}.{part}", shape=shape, dtype=_f32(ws), stream=stream, writable=True)
+            out[key] = _view(ws, obj, f"{name}.{part}", shape=shape, dtype=_grad_dtypes(ws), stream=stream,
+                             writable=True)
+    first = None
+    for key, label in zip(GRAD_NAMES, ("dw.gate", "dw.up", "dw.down", "dw_shared.gate", "dw_shared.up",
+                                       "dw_shared.down")):
+        v = out[key]
+        if v is None:
+            continue
+        if first is None:
+            first = (label, v.dtype)
+        elif v.dtype != first[1]:
+            raise ArgumentError(label, f"has dtype {v.dtype.name} but {first[0]} is {first[1].name}: the weight "
+                                       f"gradients of one call share one dtype")
     return out
+
 
 
 def check_backend_precision(backend: str, precision: str) -> None:

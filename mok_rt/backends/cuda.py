@@ -346,6 +346,8 @@ class CudaBackend:
         sizes = self._shapes_for(T).backward
         # dx, d_topk_weights and the weight gradients the caller did not pass: one block.
         parts = {"dx": ((T, H), dtypes.bfloat16), "d_topk_weights": ((T, k), dtypes.float32)}
+        # One dtype for every weight gradient of the call (api/validate.py): the caller's, else fp32.
+        grad_dtype = next((v.dtype for v in out.values() if v is not None), dtypes.float32)
         grads = {}
         for b in P.BACKWARD_BUFFERS:
             if b.struct != "grads":
@@ -355,7 +357,7 @@ class CudaBackend:
             elif out.get(b.name) is not None:
                 grads[b.name] = out[b.name]
             else:
-                parts[b.name] = (b.shape(dims), dtypes.float32)
+                parts[b.name] = (b.shape(dims), grad_dtype)
         results = self._block(parts, stream, capturing, poison=True)
         grads.update({n: v for n, v in results.items() if n not in ("dx", "d_topk_weights")})
         dx, dtw = results["dx"], results["d_topk_weights"]
@@ -377,7 +379,8 @@ class CudaBackend:
         plan = L.backward_plan(dims, push_tasks=0 if peers is None else peers.push_tasks)
         trace = self._trace_buffer("backward", plan, stream, capturing)
         L.launch_backward(bb, self._sched_bufs(sched), dims, stream=stream, err_ptr=self.error.device_ptr,
-                          device_id=self.device_id, knobs=self.knobs, accumulate=accumulate, peers=peers,
+                          device_id=self.device_id, knobs=self.knobs, accumulate=accumulate,
+                          grad_bf16=grad_dtype == dtypes.bfloat16, peers=peers,
                           trace_ptr=trace, plan=plan)
         dx._owner = (dx._owner, args, dout)   # keep the inputs alive with the result
         return dict(dx=dx, d_topk_weights=dtw, **grads)

@@ -119,17 +119,20 @@ class ReferenceBackend:
         x_dtype, tw_dtype = args.x.dtype.numpy, args.topk_weights.dtype.numpy
         result = {"dx": Tensor.from_numpy(np.ascontiguousarray(g.dx.astype(x_dtype))),
                   "d_topk_weights": Tensor.from_numpy(np.ascontiguousarray(g.d_topk_weights.astype(tw_dtype)))}
+        # One dtype for every weight gradient of the call (api/validate.py): the caller's, else fp32.
+        grad_np = next((v.dtype.numpy for v in out.values() if v is not None), np.float32)
         for name, ref_name in zip(GRAD_NAMES, ("dw_gate", "dw_up", "dw_down", "dws_gate", "dws_up", "dws_down")):
             val = getattr(g, ref_name)
             view = out.get(name)
             if val is None or view is None:
-                result[name] = None if val is None else Tensor.from_numpy(np.ascontiguousarray(val.astype(np.float32)))
+                result[name] = None if val is None else Tensor.from_numpy(np.ascontiguousarray(val.astype(grad_np)))
                 continue
             arr = host_array(view)
-            if accumulate:
-                arr += val.astype(arr.dtype)
+            if accumulate:   # as the kernel adds: in fp32 (float64 buffers: float64), then into the buffer
+                wide = np.float64 if arr.dtype == np.float64 else np.float32
+                arr[...] = (arr.astype(wide) + val.astype(wide)).astype(arr.dtype)
             else:
-                arr[...] = val
+                arr[...] = val.astype(arr.dtype)
             result[name] = view
         return result
 
@@ -147,7 +150,8 @@ class ReferenceBackend:
             if name not in shapes:
                 result[name] = None
             elif out.get(name) is None:
-                result[name] = self._nan(shapes[name], np.float32)
+                result[name] = self._nan(shapes[name], next((v.dtype.numpy for v in out.values() if v is not None),
+                                                            np.float32))
             else:
                 host_array(out[name])[...] = np.nan
                 result[name] = out[name]

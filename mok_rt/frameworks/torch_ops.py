@@ -32,7 +32,7 @@ the activations, or the call's inputs) is released at once.
 Dtypes.  On the CUDA backend the kernels compute in bf16 with fp32 routing weights: ``x``, the
 weights and ``d_out`` are cast to bf16 and ``topk_weights`` to fp32 inside the ops (a no-op when
 they already are), so fp32 master weights work and their gradients come back in fp32 without a
-bf16 round trip.  The reference backend (CPU tensors) computes in ``x``'s dtype when it is
+bf16 round trip; bf16 weights get bf16 gradients from the kernel (the fp32 sums rounded once).  The reference backend (CPU tensors) computes in ``x``'s dtype when it is
 float32 or float64, else in float32.  Outputs: ``out`` and ``dx`` like ``x``; ``d_topk_weights``
 and the weight gradients in the compute dtype of the routing weights / gradients (fp32 on CUDA;
 on the reference backend float32, or float64 for float64 inputs); autograd then casts each
@@ -116,6 +116,14 @@ def _torch(t, dtype, ws):
     return v.clone() if ws.backend == "cuda" else v
 
 
+def _grad_dtype(backend: str, grad: torch.dtype, weights) -> torch.dtype:
+    """bf16 parameters get bf16 gradients straight from the kernel on CUDA (one rounding of the
+    fp32 sums, half the bytes written, no cast after); otherwise the kernels' gradient dtype."""
+    if backend == "cuda" and all(w.dtype == torch.bfloat16 for w in weights):
+        return torch.bfloat16
+    return grad
+
+
 # --------------------------------------------------------------------------- the ops
 class _Call:
     """What both ops start with: the workspace, the kernels' dtypes, torch's stream, the schedule
@@ -156,7 +164,8 @@ def moe_backward(d_out: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, t
     ctx = mok.recompute_context(c.ws, c.sched, c.x, c.topk_weights, c.experts, shared=c.shared, stream=c.stream)
     # Weight gradients land straight in torch-owned buffers (mok_rt writes through DLPack).
     weights = [w for w in (w_gate, w_up, w_down, ws_gate, ws_up, ws_down) if w is not None]
-    bufs = [torch.empty(w.shape, dtype=c.grad, device=w.device) for w in weights]
+    gdt = _grad_dtype(c.ws.backend, c.grad, weights)
+    bufs = [torch.empty(w.shape, dtype=gdt, device=w.device) for w in weights]
     dw_shared = mok.ExpertWeights(*bufs[3:]) if len(bufs) == 6 else None
     g = mok.backward(c.ws, ctx, _as(d_out, c.act), dw=mok.ExpertWeights(*bufs[:3]), dw_shared=dw_shared,
                      stream=c.stream)
@@ -169,7 +178,8 @@ def _(d_out, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws
     weights = [w for w in (w_gate, w_up, w_down, ws_gate, ws_up, ws_down) if w is not None]
     return [torch.empty_like(x, memory_format=torch.contiguous_format),
             topk_weights.new_empty(topk_weights.shape, dtype=route),
-            *(w.new_empty(w.shape, dtype=grad) for w in weights)]
+            *(w.new_empty(w.shape, dtype=_grad_dtype(lookup_workspace(handle).backend, grad, weights))
+              for w in weights)]
 
 
 def _setup_context(ctx, inputs, output):

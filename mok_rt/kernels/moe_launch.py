@@ -403,11 +403,12 @@ def launch_forward(bufs: ForwardBuffers, sched: ScheduleBuffers, dims: LayerDims
 
 def launch_backward(bufs: BackwardBuffers, sched: ScheduleBuffers, dims: LayerDims, *, stream, err_ptr: int,
                     device_id: int = 0, knobs: KernelKnobs = KernelKnobs(), accumulate: bool = False,
-                    peers: PeerSpec | None = None, trace_ptr: int = 0, plan: _moe_plan.Plan | None = None) -> None:
+                    grad_bf16: bool = False, peers: PeerSpec | None = None, trace_ptr: int = 0,
+                    plan: _moe_plan.Plan | None = None) -> None:
     """Enqueue the fused backward on ``stream``: counters memset, then one persistent launch.
 
-    Writes dx, d_topk_weights and the fp32 weight gradients (added to their contents when
-    ``accumulate``).  Needs the forward context of the same schedule and inputs.  With ``peers``
+    Writes dx, d_topk_weights and the weight gradients, fp32 or (``grad_bf16``) bf16, added to
+    their contents when ``accumulate``.  Needs the forward context of the same schedule and inputs.  With ``peers``
     the dy_routed / dx_slot pointers must be this rank's routed / slot rows in its block.
     ``trace_ptr``: as for launch_forward (backward_plan(...).total records).
     """
@@ -416,6 +417,7 @@ def launch_backward(bufs: BackwardBuffers, sched: ScheduleBuffers, dims: LayerDi
         plan = backward_plan(dims, push_tasks=0 if peers is None else peers.push_tasks)
     p = _params(P.MoEBackwardParams, bufs, _BACKWARD_TABLE, sched, plan, dims, knobs, peers, err_ptr, trace_ptr)
     p.accumulate = int(bool(accumulate))
+    p.grad_bf16 = int(bool(grad_bf16))
     _launch_megakernel(p, bufs, dims, plan, backward=True, stream=stream, device_id=device_id, knobs=knobs)
 
 

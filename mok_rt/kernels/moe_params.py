@@ -39,10 +39,14 @@ SMEM_BYTES = _STAGES * (BLOCK_M + TILE_N) * _BK * 2 + 1024 + 2 * _STAGES * 8 + 2
 
 
 def combine_parts(token_blocks: int) -> int:
-    """Combine tasks per token block.  The combines run last and read k rows per token: each token
-    block is split so that the tail fills a 132-SM GPU without adding tasks where one per block
-    already does: 128+ blocks: 1, 64+: 2, fewer: 4 (divides BLOCK_M)."""
-    return 1 if token_blocks >= 128 else 2 if token_blocks >= 64 else 4
+    """Combine tasks per token block.  The combines run last, nothing overlaps them, and a task's
+    threads walk its tokens in dependent rounds of k row loads: the time of the tail is the rounds
+    of one task, so the token blocks are split into at least 256 tasks (two per SM of a 132-SM GPU)
+    of at least 4 tokens: 256+ blocks: 1, 128+: 2, 64+: 4, ... 8 or fewer: 32 (divides BLOCK_M)."""
+    parts = 1
+    while parts < 32 and token_blocks * parts < 256:
+        parts *= 2
+    return parts
 
 
 # ---- the buffer table ---------------------------------------------------------------------------
@@ -112,6 +116,7 @@ FORWARD_BUFFERS: tuple[Buffer, ...] = (
 )
 BACKWARD_BUFFERS: tuple[Buffer, ...] = (
     *_SCHEDULE, *_WEIGHTS, *_CONTEXT,
+    # The weight gradients are fp32 or, with grad_bf16, bf16: their sizes here are fp32's (the most).
     Buffer("dw_gate", "grads", "f32", lambda d: (d.local_experts, d.intermediate, d.hidden), "output"),
     Buffer("dw_up", "grads", "f32", lambda d: (d.local_experts, d.intermediate, d.hidden), "output"),
     Buffer("dw_down", "grads", "f32", lambda d: (d.local_experts, d.hidden, d.intermediate), "output"),
@@ -269,7 +274,7 @@ class MoEBackwardParams(ctypes.Structure):
         ("dims", MoEDims),
         ("plan", MoEBackwardPlan),
         ("accumulate", ctypes.c_int32),
-        ("pad_", ctypes.c_int32),
+        ("grad_bf16", ctypes.c_int32),
         ("peers", MoEPeers),
     ]
 
@@ -326,7 +331,8 @@ LAYOUT = {
     MoEForwardParams: (1032, {"w": 64, "ctx": 112, "cnt": 160, "x": 224, "err": 256, "dims": 272, "plan": 328,
                               "context_only": 448, "peers": 456}),
     MoEBackwardParams: (1208, {"w": 64, "ctx": 112, "cnt": 160, "grads": 248, "x": 296, "err": 376, "dims": 392,
-                               "plan": 448, "accumulate": 624, "peers": 632}),
+                               "plan": 448, "accumulate": 624, "grad_bf16": 628,
+                               "peers": 632}),
     MoEForwardMaps: (10 * TENSOR_MAP_BYTES, {}),
     MoEBackwardMaps: (18 * TENSOR_MAP_BYTES, {}),
     MoEForwardTmaParams: (2368, {"p": 1280}),

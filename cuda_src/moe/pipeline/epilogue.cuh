@@ -128,5 +128,34 @@ __device__ __forceinline__ void store_f32(const float (&acc)[kAccRegs], const Fr
   }
 }
 
+// Tile rows r < rows, columns c < cols to bf16 dst[r * ld + c]: the fp32 sum (plus what is there,
+// read as bf16, when accumulating) rounded once to nearest even.  One writer per element:
+// deterministic.  A quad writes 64 contiguous bytes of a row per group; the two groups of a
+// 128-byte line follow each other, so L2 sees whole lines.
+template <bool kStreaming>
+__device__ __forceinline__ void store_bf16(const float (&acc)[kAccRegs], const Frag& f, bf16* dst, int ld, int rows,
+                                           int cols, bool accumulate) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = f.row0 + 8 * h;
+    const bool ok = r < rows;
+    bf16* const d = dst + (size_t)r * ld;  // dereferenced only where ok
+#pragma unroll
+    for (int q = 0; q < kGroups; ++q) {
+      if (32 * q >= cols) break;  // warp-uniform
+      float v[8];
+      group_f32(acc, q, h, v);
+      bf16* const at = d + f.chunk_col(q);
+      if (accumulate) {
+        float old[8];
+        unpack_bf16x8(ld_global_u4_if(ok, at), old);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] += old[i];
+      }
+      st_global_u4_if<kStreaming>(ok, at, pack_bf16x8(v));
+    }
+  }
+}
+
 }  // namespace pipe
 }  // namespace mok

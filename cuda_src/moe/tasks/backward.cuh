@@ -234,6 +234,16 @@ struct TmaBackward {
   }
 
   // ---- workers -------------------------------------------------------------------------------------
+  // A weight-gradient tile to grads[at + r * ld + c] in the caller's dtype (p.grad_bf16: uniform
+  // over the launch), streaming: nothing in the launch reads it again.
+  __device__ void store_wgrad(const float (&acc)[pipe::kAccRegs], const pipe::Frag& f, void* grads, size_t at, int ld,
+                              int rows, int cols) const {
+    if (p.grad_bf16)
+      pipe::store_bf16<true>(acc, f, static_cast<bf16*>(grads) + at, ld, rows, cols, p.accumulate != 0);
+    else
+      pipe::store_f32<true>(acc, f, static_cast<float*>(grads) + at, ld, rows, cols, p.accumulate != 0);
+  }
+
   // The weight gradients: short K, long fp32 epilogues (pipeline/pipeline.cuh, "GEMMs in turns").
   __device__ static bool in_turns(const pipe::Job& job) {
     return job.kind == kBwdWgradDown || job.kind == kBwdWgradGateUp || job.kind == kBwdSharedWgradDown ||
@@ -243,7 +253,6 @@ struct TmaBackward {
                       int consumer, const MbarWaitCtx& w, const pipe::Turns& turns) const {
     const MoEDims& d = p.dims;
     const pipe::Frag f = pipe::Frag::of(consumer);
-    const bool acc_in = p.accumulate != 0;
     switch (job.kind) {
       case kBwdPush:
         tasks.push(job.a);
@@ -305,31 +314,29 @@ struct TmaBackward {
       case kBwdWgradDown: {
         if (!pipe::gemm_in_turns<wg::kMNMajor, wg::kMNMajor>(s, ps, acc, job.k_tiles, consumer, w, turns)) return false;
         const int e = job.a, h0 = job.b * kBlockM, i0 = job.c * pipe::kBN;
-        pipe::store_f32<true>(acc, f, p.grads.dw_down + ((size_t)e * d.hidden + h0) * d.inter + i0, d.inter,
-                      min_int(kBlockM, d.hidden - h0), min_int(pipe::kBN, d.inter - i0), acc_in);
+        store_wgrad(acc, f, p.grads.dw_down, ((size_t)e * d.hidden + h0) * d.inter + i0, d.inter,
+                    min_int(kBlockM, d.hidden - h0), min_int(pipe::kBN, d.inter - i0));
         return true;
       }
       case kBwdWgradGateUp: {
         if (!pipe::gemm_in_turns<wg::kMNMajor, wg::kMNMajor>(s, ps, acc, job.k_tiles, consumer, w, turns)) return false;
         const int e = job.a, i0 = job.c * kBlockM, h0 = job.d * pipe::kBN;
-        float* dw = job.b ? p.grads.dw_up : p.grads.dw_gate;
-        pipe::store_f32<true>(acc, f, dw + ((size_t)e * d.inter + i0) * d.hidden + h0, d.hidden,
-                      min_int(kBlockM, d.inter - i0), min_int(pipe::kBN, d.hidden - h0), acc_in);
+        store_wgrad(acc, f, job.b ? p.grads.dw_up : p.grads.dw_gate, ((size_t)e * d.inter + i0) * d.hidden + h0,
+                    d.hidden, min_int(kBlockM, d.inter - i0), min_int(pipe::kBN, d.hidden - h0));
         return true;
       }
       case kBwdSharedWgradDown: {
         if (!pipe::gemm_in_turns<wg::kMNMajor, wg::kMNMajor>(s, ps, acc, job.k_tiles, consumer, w, turns)) return false;
         const int h0 = job.b * kBlockM, i0 = job.c * pipe::kBN;
-        pipe::store_f32<true>(acc, f, p.grads.d_shared_down + (size_t)h0 * d.shared_inter + i0, d.shared_inter,
-                      min_int(kBlockM, d.hidden - h0), min_int(pipe::kBN, d.shared_inter - i0), acc_in);
+        store_wgrad(acc, f, p.grads.d_shared_down, (size_t)h0 * d.shared_inter + i0, d.shared_inter,
+                    min_int(kBlockM, d.hidden - h0), min_int(pipe::kBN, d.shared_inter - i0));
         return true;
       }
       case kBwdSharedWgradGateUp: {
         if (!pipe::gemm_in_turns<wg::kMNMajor, wg::kMNMajor>(s, ps, acc, job.k_tiles, consumer, w, turns)) return false;
         const int i0 = job.c * kBlockM, h0 = job.d * pipe::kBN;
-        float* dw = job.b ? p.grads.d_shared_up : p.grads.d_shared_gate;
-        pipe::store_f32<true>(acc, f, dw + (size_t)i0 * d.hidden + h0, d.hidden, min_int(kBlockM, d.shared_inter - i0),
-                      min_int(pipe::kBN, d.hidden - h0), acc_in);
+        store_wgrad(acc, f, job.b ? p.grads.d_shared_up : p.grads.d_shared_gate, (size_t)i0 * d.hidden + h0, d.hidden,
+                    min_int(kBlockM, d.shared_inter - i0), min_int(pipe::kBN, d.hidden - h0));
         return true;
       }
       default:
