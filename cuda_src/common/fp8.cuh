@@ -40,6 +40,7 @@
 #pragma once
 #include <stdint.h>
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 namespace mok {
 namespace fp8 {
