@@ -7,8 +7,9 @@
   multiple of 128): bitwise against the float64 emulation on operands where no step rounds
   (tests/fp8_probe_host.exact_problem); within TOL_GEMM (relative Frobenius) on random operands
   quantised by the device quantisers; its epilogue quantiser bitwise against the oracle applied to
-  the GEMM's own fp32 output; the same bits from every launch and from 1, 3 or all CTAs.
-* test_fp8_timing prints "FP8PROBE <name> <ms> <TFLOP/s>" (median of 20 launches, bf16 output).
+  the GEMM's own fp32 output; the same bits from every launch, from 1, 3 or all CTAs, and from
+  both consumer schedules (fp8_gemm_probe, fp8_gemm_probe_overlap).
+* test_fp8_timing prints "FP8PROBE <kernel> <shape> <ms> <TFLOP/s>" (median of 20 launches, bf16 output).
 
 TOL_GEMM: the fp32 side of the engine (scale products, one fma per promoted K block) costs about
 1e-7 here (tests/test_fp8_probe_host.py).  The rest is the tensor cores': Hopper's FP8 MMA does
@@ -46,6 +47,9 @@ THREADS = 384
 SMEM_BYTES = 6 * (128 * 128 + 128 * 128) + 6 * 512 + 2 * 6 * 8 + 1024   # fp8probe::kGemmSmemBytes
 assert SMEM_BYTES == 200800
 TIMEOUT_NS = 2_000_000_000
+# The two consumer schedules (same promotion order, so the same bits): one K block in flight per
+# warpgroup, or two (block kb + 1's MMAs overlap block kb's promotion).
+KERNELS = ("fp8_gemm_probe", "fp8_gemm_probe_overlap")
 F32_NAN = 0x7FC00000
 
 
@@ -213,7 +217,8 @@ class Gemm:
     """One grouped FP8 GEMM on the device from device operands: qa [cap, K] u8, sa_kmajor
     [KB, sa_ld] f32, qb [G, N, K] u8, sb [G, NB, KB] f32."""
 
-    def __init__(self, *, rows, n, k, qa, sa_kmajor, qb, sb, c_bf16=False, quantize_out=False):
+    def __init__(self, *, rows, n, k, qa, sa_kmajor, qb, sb, c_bf16=False, quantize_out=False,
+                 kernel=KERNELS[0]):
         self.rows, self.n, self.k = list(rows), n, k
         self.groups = len(self.rows)
         self.off, self.tiles = H.group_offsets(self.rows)
@@ -239,7 +244,7 @@ class Gemm:
         p.timeout_ns = TIMEOUT_NS
         p.groups, p.n, p.k, p.max_rows, p.c_bf16, p.cq_ld = self.groups, n, k, self.cap, int(c_bf16), self.cq_ld
         self.params = p
-        self.kernel = _kernel("fp8_gemm_probe")
+        self.kernel = _kernel(kernel)
         self.num_tiles = int(self.tiles[-1]) * nb
 
     def launch(self, stream, max_ctas=None):
@@ -289,16 +294,18 @@ EXACT = {
     "one_block": dict(rows=[128], n=128, k=128, extra=0),
     "tiny": dict(rows=[5], n=8, k=16, extra=3),
     "long_k": dict(rows=[256, 129], n=256, k=1024, extra=0),
+    "three_blocks": dict(rows=[128, 64], n=128, k=384, extra=1),
 }
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("case", sorted(EXACT))
-def test_gemm_exact_bitwise(stream, case):
+def test_gemm_exact_bitwise(stream, case, kernel):
     cfg = EXACT[case]
     rng = np.random.default_rng(len(case))
     cap = sum(cfg["rows"]) + cfg["extra"]
     a, b = H.exact_problem(rng, cfg["rows"], cfg["n"], cfg["k"], cap)
-    gm = _gemm_from_host(a, b, cfg["rows"], quantize_out=True)
+    gm = _gemm_from_host(a, b, cfg["rows"], quantize_out=True, kernel=kernel)
     want = H.emulate_gemm(a, b, gm.off)
     assert np.array_equal(want.astype(np.float32).astype(np.float64), want)   # fp32-exact by construction
     c = gm.run(stream)
@@ -318,8 +325,9 @@ RANDOM = {
 }
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("case", sorted(RANDOM))
-def test_gemm_random(stream, case):
+def test_gemm_random(stream, case, kernel):
     """Operands made by the device quantisers (checked bitwise against the oracle on the way), then
     the GEMM against the float64 emulation of the same quantised operands."""
     cfg = RANDOM[case]
@@ -335,7 +343,7 @@ def test_gemm_random(stream, case):
     assert np.array_equal(cp.asnumpy(qa), H.bits_u8(a_ref.values))
     assert np.array_equal(cp.asnumpy(sa).view(np.uint32), H.bits_u32(H.act_scales_kmajor(a_ref.scales, ld)))
     assert np.array_equal(cp.asnumpy(qb), H.bits_u8(b_ref.values))
-    gm = Gemm(rows=rows, n=n, k=k, qa=qa, sa_kmajor=sa, qb=qb, sb=sb, quantize_out=True)
+    gm = Gemm(rows=rows, n=n, k=k, qa=qa, sa_kmajor=sa, qb=qb, sb=sb, quantize_out=True, kernel=kernel)
     c = gm.run(stream)
     got = gm.c_f64(c)[: gm.total]
     want = H.emulate_gemm(a_ref, b_ref, gm.off)
@@ -343,16 +351,20 @@ def test_gemm_random(stream, case):
     # Row-wise too: rows have very different magnitudes (activation_rows), so a norm over all of
     # C would hide the small rows.
     row_err = max(H.rel_err(got[i], want[i]) for i in range(gm.total) if np.any(want[i]))
-    print(f"\nFP8ERR {case} frobenius {err:.3g} worst_row {row_err:.3g}")
+    print(f"\nFP8ERR {kernel} {case} frobenius {err:.3g} worst_row {row_err:.3g}")
     assert err <= TOL_GEMM and row_err <= 5 * TOL_GEMM, f"relative error {err:.3g}, worst row {row_err:.3g}"
     _check_out_quantizer(gm, c)
     _check_repeatable(stream, gm, c)
+    other = [kn for kn in KERNELS if kn != kernel][0]
+    assert cp.array_equal(Gemm(rows=rows, n=n, k=k, qa=qa, sa_kmajor=sa, qb=qb, sb=sb, kernel=other).run(stream), c), \
+        f"{kernel} and {other} disagree"
 
 
-def test_gemm_no_rows(stream):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_gemm_no_rows(stream, kernel):
     rng = np.random.default_rng(3)
     a, b = H.exact_problem(rng, [0, 0], 128, 128, 128)
-    gm = _gemm_from_host(a, b, [0, 0])
+    gm = _gemm_from_host(a, b, [0, 0], kernel=kernel)
     assert np.isnan(gm.c_f64(gm.run(stream))).all()
 
 
@@ -368,8 +380,9 @@ TIMING = {
 }
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("shape", list(TIMING))
-def test_fp8_timing(stream, capsys, shape):
+def test_fp8_timing(stream, capsys, shape, kernel):
     t = TIMING[shape]
     g, rows, n, k = t["groups"], t["rows"], t["n"], t["k"]
     m = g * rows
@@ -379,7 +392,7 @@ def test_fp8_timing(stream, capsys, shape):
     qb = H.no_nan_bytes(cp.random.randint(0, 256, size=(g, n, k), dtype=cp.uint8))
     sa = cp.random.uniform(0.5, 1.5, size=(kb, m)).astype(cp.float32) * np.float32(1 / 448)
     sb = cp.random.uniform(0.5, 1.5, size=(g, nb, kb)).astype(cp.float32) * np.float32(1 / 448)
-    gm = Gemm(rows=[rows] * g, n=n, k=k, qa=qa, sa_kmajor=sa, qb=qb, sb=sb, c_bf16=True)
+    gm = Gemm(rows=[rows] * g, n=n, k=k, qa=qa, sa_kmajor=sa, qb=qb, sb=sb, c_bf16=True, kernel=kernel)
     c = gm.run(stream)
     # float64 check on up to 4 groups x 128 rows (bf16 output).
     tab = H.e4m3_table()
@@ -409,4 +422,4 @@ def test_fp8_timing(stream, capsys, shape):
     ms = float(np.median(times))
     tflops = 2.0 * m * n * k / (ms * 1e-3) / 1e12
     with capsys.disabled():
-        print(f"\nFP8PROBE {shape} {ms:.3f} {tflops:.1f}")
+        print(f"\nFP8PROBE {kernel} {shape} {ms:.3f} {tflops:.1f}")

@@ -5,6 +5,9 @@
 //                     e4m3 A and B (K-major), fp32 scales, fp32 promotion per 128-deep K block,
 //                     fp32 or bf16 C; optionally also C quantised again (1 x 128 along N, the
 //                     gate|up epilogue's aq = Q(a)), straight from the fp32 registers.
+// fp8_gemm_probe_overlap  the same with two K blocks in flight per consumer warpgroup (three
+//                     accumulator sets: block kb + 1's MMAs run during block kb's promotion);
+//                     same promotion order, so the same bits.
 // fp8_quantize_rows   bf16 rows -> e4m3 + 1 x 128 scales (the dispatch's quantiser).
 // fp8_quantize_weights  bf16 [G, R, C] -> e4m3 in 128 x 128 blocks, forward copy [G, R, C] and
 //                     transposed copy [G, C, R] (the dgrad operand) with their scales.
@@ -15,7 +18,7 @@
 // fp32 total), N/2 registers each: 256 per thread at N = 256, more than a thread can hold.
 // At N = 128 it is 128 + ~60 for addresses, scales and the epilogue (see the ptxas report).
 //
-// Launch (all kernels): fp8_gemm_probe: 384 threads, kGemmSmemBytes (200800) dynamic smem, any
+// Launch: fp8_gemm_probe(_overlap): 384 threads, kGemmSmemBytes (200800) dynamic smem, any
 // grid; tiles (row block of a group, 128-column tile) are dealt round-robin over the CTAs.
 // fp8_quantize_rows: any grid x 256 threads.  fp8_quantize_weights: G * RB * CB CTAs x 256.
 // Tensor maps (tests/test_fp8_gemm_probe_gpu.py):
@@ -125,6 +128,43 @@ __device__ __forceinline__ Tile decode(const Fp8GemmParams& p, int tile, int n_t
   return Tile{lo, row0, __ldg(p.group_offset + lo + 1), (tile % n_tiles) * kBN};
 }
 
+// One K block issued by a consumer warpgroup: its ring slot and the two promotion scales.
+struct KBlock {
+  int slot;
+  float s_lo, s_hi;  // fp32(s_a[row] * s_b) for the thread's rows g and g + 8
+};
+
+struct KStep {
+  const Ring& ring;
+  const float* sb;   // this tile's B scales, one per K block
+  int consumer, local_row;
+  const MbarWaitCtx& w;
+
+  // Waits for block kb's stage, reads its scales and issues its four k32 MMAs into acc (one
+  // commit group).  A failed wait marks `failed` and goes on (the warpgroup decides at tile end).
+  __device__ __forceinline__ KBlock issue(wg::PipeState& ps, float (&acc)[kAccRegs], int kb, bool& failed) const {
+    const float s_b = __ldg(sb + kb);  // issued before the wait: its latency hides behind it
+    if (!failed) failed = !mbar_wait(ring.full(ps.slot), ps.phase, w);
+    const KBlock b{ps.slot, ld_shared_f32(ring.sa(ps.slot) + 4u * local_row) * s_b,
+                   ld_shared_f32(ring.sa(ps.slot) + 4u * (local_row + 8)) * s_b};
+    wgmma_fence();  // acc was read by the last promotion
+    wgmma_e4m3_kblock<kBN>(acc, smem_desc_kmajor_sw128(ring.a_tile(ps.slot) + consumer * 64 * kBK),
+                           smem_desc_kmajor_sw128(ring.b_tile(ps.slot)));
+    wgmma_commit();
+    ps.advance(kStages);
+    return b;
+  }
+  // After the caller's wait_group covering b: sum += acc * scales, then release b's slot.
+  __device__ __forceinline__ void retire(float (&sum)[kAccRegs], float (&acc)[kAccRegs], const KBlock& b,
+                                         bool arriver) const {
+    wgmma_fence_operand(acc);
+    fp8_promote(sum, acc, b.s_lo, b.s_hi);
+    if (arriver) mbar_arrive(ring.empty(b.slot));  // operands and scales of this slot consumed
+  }
+};
+
+// kOverlap: keep two K blocks in flight (three accumulator sets) instead of one.
+template <bool kOverlap>
 __device__ void gemm(const Fp8GemmParams& p, unsigned char* smem) {
   const Ring ring{(smem_u32(smem) + 1023u) & ~1023u};
   if (threadIdx.x == 0) {
@@ -177,30 +217,47 @@ __device__ void gemm(const Fp8GemmParams& p, unsigned char* smem) {
   const bool arriver = (threadIdx.x & 31) == 0;
   const int n_blocks = (p.n + kBN - 1) / kBN;
   wg::PipeState ps;
-  float acc[kAccRegs], sum[kAccRegs];
-#pragma unroll
-  for (int i = 0; i < kAccRegs; ++i) acc[i] = 0.f;
   for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const Tile t = decode(p, tile, n_tiles);
     const float* sb = p.sb + ((size_t)t.g * n_blocks + t.n0 / kBN) * k_blocks;
+    // Declared per tile: the MMAs' "+f" operands would otherwise keep the partial sets live (and
+    // in registers) through the epilogue, although scale-d = 0 never reads them.
+    float acc[kAccRegs], acc2[kOverlap ? kAccRegs : 1], sum[kAccRegs];
 #pragma unroll
-    for (int i = 0; i < kAccRegs; ++i) sum[i] = 0.f;
+    for (int i = 0; i < kAccRegs; ++i) sum[i] = acc[i] = 0.f;
+#pragma unroll
+    for (int i = 0; i < (kOverlap ? kAccRegs : 1); ++i) acc2[i] = 0.f;
     bool failed = false;
-    for (int kb = 0; kb < k_blocks; ++kb) {
-      const float s_b = __ldg(sb + kb);  // issued before the wait: its latency hides behind it
-      if (!failed) failed = !mbar_wait(ring.full(ps.slot), ps.phase, w);
-      const float s_lo = ld_shared_f32(ring.sa(ps.slot) + 4u * local_row);
-      const float s_hi = ld_shared_f32(ring.sa(ps.slot) + 4u * (local_row + 8));
-      wgmma_fence();  // the previous promotion read acc
-      const uint64_t da = smem_desc_kmajor_sw128(ring.a_tile(ps.slot) + consumer * 64 * kBK);
-      const uint64_t db = smem_desc_kmajor_sw128(ring.b_tile(ps.slot));
-      wgmma_e4m3_kblock<kBN>(acc, da, db);
-      wgmma_commit();
-      wgmma_wait<0>();  // the partial sum is needed now; the other warpgroup's MMAs fill the gap
-      wgmma_fence_operand(acc);
-      fp8_promote(sum, acc, s_lo * s_b, s_hi * s_b);
-      if (arriver) mbar_arrive(ring.empty(ps.slot));  // operands and scales of this slot consumed
-      ps.advance(kStages);
+    const KStep st{ring, sb, consumer, local_row, w};
+    if constexpr (!kOverlap) {
+      for (int kb = 0; kb < k_blocks; ++kb) {
+        const KBlock b = st.issue(ps, acc, kb, failed);
+        wgmma_wait<0>();  // the partial sum is needed now; the other warpgroup's MMAs fill the gap
+        st.retire(sum, acc, b, arriver);
+      }
+    } else {
+      // Two partial sets: block kb + 1's MMAs run while block kb is promoted.  Same promotion
+      // order as above, so the same bits.
+      KBlock ba = st.issue(ps, acc, 0, failed);
+      int kb = 0;
+      for (; kb + 2 < k_blocks; kb += 2) {  // acc: block kb in flight; kb + 1 and kb + 2 exist
+        const KBlock bb = st.issue(ps, acc2, kb + 1, failed);
+        wgmma_wait<1>();
+        st.retire(sum, acc, ba, arriver);
+        ba = st.issue(ps, acc, kb + 2, failed);
+        wgmma_wait<1>();
+        st.retire(sum, acc2, bb, arriver);
+      }
+      if (kb + 1 < k_blocks) {
+        const KBlock bb = st.issue(ps, acc2, kb + 1, failed);
+        wgmma_wait<1>();
+        st.retire(sum, acc, ba, arriver);
+        wgmma_wait<0>();
+        st.retire(sum, acc2, bb, arriver);
+      } else {
+        wgmma_wait<0>();
+        st.retire(sum, acc, ba, arriver);
+      }
     }
     if (wg::warpgroup_any(failed, consumer)) return;
 
@@ -314,15 +371,30 @@ __device__ void quantize_weights(const QuantWeightsParams& p) {
 
 using namespace mok;
 
+namespace mok {
+namespace fp8probe {
+template <bool kOverlap>
+__device__ __forceinline__ void entry(const Fp8GemmParams& p, unsigned char* smem) {
+  if (__syncthreads_or(threadIdx.x == 0 && error_set(p.err))) return;
+  if (blockDim.x != kThreads) {
+    if (threadIdx.x == 0) set_error(p.err, kErrInternal, __LINE__, blockDim.x, kThreads);
+    return;
+  }
+  gemm<kOverlap>(p, smem);
+}
+}  // namespace fp8probe
+}  // namespace mok
+
 extern "C" __global__ void __launch_bounds__(fp8probe::kThreads, 1)
 fp8_gemm_probe(const __grid_constant__ Fp8GemmParams p) {
   extern __shared__ __align__(1024) unsigned char smem[];
-  if (__syncthreads_or(threadIdx.x == 0 && error_set(p.err))) return;
-  if (blockDim.x != fp8probe::kThreads) {
-    if (threadIdx.x == 0) set_error(p.err, kErrInternal, __LINE__, blockDim.x, fp8probe::kThreads);
-    return;
-  }
-  fp8probe::gemm(p, smem);
+  fp8probe::entry<false>(p, smem);
+}
+
+extern "C" __global__ void __launch_bounds__(fp8probe::kThreads, 1)
+fp8_gemm_probe_overlap(const __grid_constant__ Fp8GemmParams p) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  fp8probe::entry<true>(p, smem);
 }
 
 extern "C" __global__ void __launch_bounds__(256) fp8_quantize_rows(const __grid_constant__ QuantRowsParams p) {
