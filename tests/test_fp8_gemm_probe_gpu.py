@@ -388,8 +388,8 @@ def test_fp8_timing(stream, capsys, shape, kernel):
     m = g * rows
     kb, nb = H.cdiv(k, FP8_BLOCK), H.cdiv(n, H.BLOCK_N)
     cp.random.seed(5)
-    qa = H.no_nan_bytes(cp.random.randint(0, 256, size=(m, k), dtype=cp.uint8))
-    qb = H.no_nan_bytes(cp.random.randint(0, 256, size=(g, n, k), dtype=cp.uint8))
+    qa = H.no_nan_bytes(cp.random.randint(0, 256, size=(m, k), dtype=cp.int32).astype(cp.uint8))
+    qb = H.no_nan_bytes(cp.random.randint(0, 256, size=(g, n, k), dtype=cp.int32).astype(cp.uint8))
     sa = cp.random.uniform(0.5, 1.5, size=(kb, m)).astype(cp.float32) * np.float32(1 / 448)
     sb = cp.random.uniform(0.5, 1.5, size=(g, nb, kb)).astype(cp.float32) * np.float32(1 / 448)
     gm = Gemm(rows=[rows] * g, n=n, k=k, qa=qa, sa_kmajor=sa, qb=qb, sb=sb, c_bf16=True, kernel=kernel)

@@ -74,6 +74,8 @@ struct QuantWeightsParams {
   float* st;                 // fp32 [G, CB, RB]
   int groups, r, c;
 };
+static_assert(sizeof(QuantRowsParams) == 48 && sizeof(QuantWeightsParams) == 56,
+              "parameter layouts: update tests/test_fp8_gemm_probe_gpu.py");
 
 namespace fp8probe {
 
