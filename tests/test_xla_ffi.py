@@ -9,6 +9,7 @@ No jax needed; tests/test_jax_ops.py runs the same handlers inside XLA.
 from __future__ import annotations
 
 import ctypes as C
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -24,7 +25,7 @@ class FakeXla:
 
     STREAM = 0xC0FFEE
 
-    def __init__(self, *, version=(0, 3), api_struct_size=None, extra=0):
+    def __init__(self, *, version=(0, 3), api_struct_size=None, extra=0, ordinal=None):
         self.errors = []          # (message, errc) of every XLA_FFI_Error created
         self.keep = []            # ctypes objects the frames point into
         self.extra = extra        # bytes every struct XLA hands over grows by (a newer minor)
@@ -41,12 +42,20 @@ class FakeXla:
             a.stream = self.STREAM
             return None
 
-        self._fns = [F._API_FN(error_create), F._API_FN(stream_get)]
+        def device_ordinal_get(p):
+            a = F._DeviceOrdinalGetArgs.from_address(p)
+            assert a.struct_size == F.SIZE_DEVICE_ORDINAL_GET and a.ctx == 0xC7
+            a.device_ordinal = ordinal
+            return None
+
+        self._fns = [F._API_FN(error_create), F._API_FN(stream_get), F._API_FN(device_ordinal_get)]
         self.api = F._Api()
         self.api.struct_size = api_struct_size or C.sizeof(F._Api)
         self.api.api_version = F._ApiVersion(F.SIZE_API_VERSION, None, *version)
         self.api.Error_Create = C.cast(self._fns[0], C.c_void_p)
         self.api.Stream_Get = C.cast(self._fns[1], C.c_void_p)
+        if ordinal is not None:
+            self.api.DeviceOrdinal_Get = C.cast(self._fns[2], C.c_void_p)
 
     def _grown(self, cls):
         """A struct type with ``extra`` unknown bytes after the known fields."""
@@ -267,3 +276,67 @@ def test_layer_handlers_on_the_reference_backend_match_the_api():
         on_gpu = F.make_handler(lambda c: ffi_layer.run_forward("CUDA", c), name="g", api_version=(0, 3))
         assert on_gpu(xla.frame(ins, [(out, 11)], {"handle": ws._handle}))
         assert "backend='reference'" in xla.errors[-1][0] and "on the CPU" in xla.errors[-1][0]
+
+
+def test_cuda_handler_plumbing_without_a_gpu(monkeypatch):
+    """The CUDA platform's handler bodies with mok_rt's calls and the driver faked: every call gets
+    XLA's stream, XLA's buffers are wrapped in place on the workspace's device, the weight
+    gradients are XLA's result buffers, and out / dx / d_topk_weights are copied on that stream."""
+    from mok_rt.interop.tensor import Tensor
+    from mok_rt.runtime import driver as drv
+
+    T, H, I, E, k = 5, 64, 64, 4, 2
+    xla = FakeXla(ordinal=1)
+    ws = SimpleNamespace(backend="cuda", device_id=1)
+    monkeypatch.setattr(ffi_layer, "from_handle", lambda h: ws if h == 77 else None)
+    log = []
+
+    def result(shape, dtype, ptr):
+        return Tensor._from_pointer(ptr, shape, dtype, 1, None)
+
+    def schedule(w, ids, *, stream):
+        log.append(("schedule", ids.ptr, ids.dtype, ids.device_id, stream))
+        return "sched"
+
+    def forward(w, sched, x, tw, experts, *, shared, stream):
+        log.append(("forward", x.ptr, tw.ptr, experts.down.ptr, shared, stream))
+        return result((T, H), "bfloat16", 0xA000), "ctx"
+
+    def recompute_context(w, sched, x, tw, experts, *, shared, stream):
+        log.append(("recompute", x.ptr, stream))
+        return "ctx"
+
+    def backward(w, ctx, d_out, *, dw, dw_shared, stream):
+        log.append(("backward", d_out.ptr, dw.gate.ptr, dw.down.ptr, dw.down.readonly, dw_shared, stream))
+        return SimpleNamespace(dx=result((T, H), "bfloat16", 0xB000), d_topk_weights=result((T, k), "float32", 0xC000))
+
+    for name, fn in (("schedule", schedule), ("forward", forward), ("recompute_context", recompute_context),
+                     ("backward", backward)):
+        monkeypatch.setattr(mok, name, fn)
+    monkeypatch.setattr(drv, "call", lambda name, *args: log.append((name, *[int(a) for a in args[:2]], *args[2:3],
+                                                                             int(args[3]))))
+    bf = lambda *s: np.zeros(s, np.uint16)  # noqa: E731  (bf16 bytes; never read: the kernels are faked)
+    x, ids, tw, d_out = bf(T, H), np.zeros((T, k), np.int32), np.zeros((T, k), np.float32), bf(T, H)
+    w = [bf(E, I, H), bf(E, I, H), bf(E, H, I)]
+    ins = [(x, 16), (ids, 4), (tw, 11)] + [(a, 16) for a in w]
+    S = FakeXla.STREAM
+
+    out = bf(T, H)
+    fwd = F.make_handler(lambda c: ffi_layer.run_forward("CUDA", c), name="f", api_version=(0, 3))
+    assert fwd(xla.frame(ins, [(out, 16)], {"handle": 77})) is None, xla.errors
+    assert log == [("schedule", ids.ctypes.data, "int32", 1, S),
+                   ("forward", x.ctypes.data, tw.ctypes.data, w[2].ctypes.data, None, S),
+                   ("cuMemcpyDtoDAsync", out.ctypes.data, 0xA000, T * H * 2, S)]
+    log.clear()
+    grads = [bf(T, H), np.zeros((T, k), np.float32)] + [np.zeros(a.shape, np.float32) for a in w]
+    bwd = F.make_handler(lambda c: ffi_layer.run_backward("CUDA", c), name="b", api_version=(0, 3))
+    assert bwd(xla.frame([(d_out, 16)] + ins, [(grads[0], 16)] + [(g, 11) for g in grads[1:]], {"handle": 77})) is None
+    assert log == [("schedule", ids.ctypes.data, "int32", 1, S), ("recompute", x.ctypes.data, S),
+                   ("backward", d_out.ctypes.data, grads[2].ctypes.data, grads[4].ctypes.data, False, None, S),
+                   ("cuMemcpyDtoDAsync", grads[0].ctypes.data, 0xB000, T * H * 2, S),
+                   ("cuMemcpyDtoDAsync", grads[1].ctypes.data, 0xC000, T * k * 4, S)]
+    # XLA's device is not the workspace's: refused before anything is enqueued.
+    log.clear()
+    other = FakeXla(ordinal=0)
+    assert fwd(other.frame(ins, [(out, 16)], {"handle": 77})) and not log
+    assert "drives device 1 but XLA runs this call on its device 0" in other.errors[-1][0]
