@@ -10,13 +10,13 @@ cd "$(dirname "$0")/.."; export PYTHONPATH="$PWD"; out="${OUT:-gpu_logs}"; mkdir
 t0=$(date +%s); stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 py="python3 -m pytest -q -rs -p no:cacheprovider"
 
-{ nvidia-smi -L; python3 -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices())
+{ nvidia-smi -L; python3 -c "import jax, jaxlib; print('jax', jax.__version__, jaxlib.__version__, jax.devices())
 from mok_rt.frameworks import jax_ops; print('XLA FFI API version reported:', jax_ops.register_targets())"; } \
     > "$out/ffi_env.txt" 2>&1
 stamp "env done"
 timeout -k 5 300 $py tests/test_jax_ops_gpu.py > "$out/ffi_gpu_tests.txt" 2>&1; rc_gpu=$?
 stamp "GPU tests rc=$rc_gpu"
-timeout -k 5 120 $py tests/test_xla_ffi.py tests/test_jax_ops.py > "$out/ffi_cpu_tests.txt" 2>&1; rc_cpu=$?
+timeout -k 5 240 $py tests/test_xla_ffi.py tests/test_jax_ops.py -k "not sample" > "$out/ffi_cpu_tests.txt" 2>&1; rc_cpu=$?
 stamp "CPU-platform tests rc=$rc_cpu"
 timeout -k 5 150 python3 samples/jax_custom_vjp.py --jit --backend cuda --steps 10 > "$out/ffi_sample.txt" 2>&1; rc_s=$?
 stamp "sample --jit rc=$rc_s"

@@ -72,11 +72,12 @@ class FakeXla:
         self.keep += [arr, dims, b]
         return C.addressof(b)
 
-    def _list(self, ptrs, kind):
+    def _list(self, ptrs):
         types = (C.c_int * len(ptrs))(*([1] * len(ptrs)))
         arr = (C.c_void_p * len(ptrs))(*ptrs)
         self.keep += [types, arr]
-        return F._Args(F.SIZE_ARGS, None, len(ptrs), C.cast(types, C.POINTER(C.c_int)), C.cast(arr, C.POINTER(C.c_void_p)))
+        return F._Args(F.SIZE_ARGS, None, len(ptrs), C.cast(types, C.POINTER(C.c_int)),
+                       C.cast(arr, C.POINTER(C.c_void_p)))
 
     def frame(self, args, rets, attrs: dict, *, stage=3, frame_size=None):
         """A call frame; ``args`` / ``rets``: (array, dtype code) pairs; ``attrs``: name -> int
@@ -107,8 +108,8 @@ class FakeXla:
         cf = self._grown(F._CallFrame)()
         cf.struct_size = frame_size or (F.SIZE_CALL_FRAME + self.extra)
         cf.api, cf.ctx, cf.stage = C.addressof(self.api), 0xC7, stage
-        cf.args = self._list([self.buffer(a, c) for a, c in args], "args")
-        cf.rets = self._list([self.buffer(a, c) for a, c in rets], "rets")
+        cf.args = self._list([self.buffer(a, c) for a, c in args])
+        cf.rets = self._list([self.buffer(a, c) for a, c in rets])
         cf.attrs = F._Attrs(F.SIZE_ATTRS, None, n, C.cast(type_arr, C.POINTER(C.c_int)),
                             C.cast(name_arr, C.POINTER(C.POINTER(F._ByteSpan))),
                             C.cast(ptr_arr, C.POINTER(C.c_void_p)))

@@ -228,13 +228,12 @@ class FfiCall:
     attrs: dict
     api_version: tuple
     _api: _Api = field(repr=False)
-    _api_ptr: int = field(repr=False)
     _ctx: int = field(repr=False)
 
     def stream(self) -> int:
         """The platform stream (a ``CUstream`` on GPU) the call must run on (``XLA_FFI_Stream_Get``)."""
         args = _StreamGetArgs(SIZE_STREAM_GET, None, self._ctx, None)
-        _check(self._api_ptr, _api_fn(self._api, "Stream_Get")(_c.addressof(args)), "XLA_FFI_Stream_Get")
+        _check(_api_fn(self._api, "Stream_Get")(_c.addressof(args)), "XLA_FFI_Stream_Get")
         return int(args.stream or 0)
 
     def device_ordinal(self) -> int | None:
@@ -242,8 +241,7 @@ class FfiCall:
         if not _has_fn(self._api, "DeviceOrdinal_Get"):
             return None
         args = _DeviceOrdinalGetArgs(SIZE_DEVICE_ORDINAL_GET, None, self._ctx, -1)
-        _check(self._api_ptr, _api_fn(self._api, "DeviceOrdinal_Get")(_c.addressof(args)),
-               "XLA_FFI_DeviceOrdinal_Get")
+        _check(_api_fn(self._api, "DeviceOrdinal_Get")(_c.addressof(args)), "XLA_FFI_DeviceOrdinal_Get")
         return int(args.device_ordinal)
 
 
@@ -277,7 +275,7 @@ class _XlaError(Exception):
         self.ptr = ptr
 
 
-def _check(api_ptr: int, err, what: str) -> None:
+def _check(err, what: str) -> None:
     if err:
         raise _XlaError(int(err), what)
 
@@ -333,7 +331,7 @@ def _decode(cf: _CallFrame) -> FfiCall:
         name = _span(cf.attrs.names[i].contents)
         attrs[name] = _decode_attr(cf.attrs.types[i], cf.attrs.ptrs[i], name)
     return FfiCall(_decode_buffers(cf.args, "Args"), _decode_buffers(cf.rets, "Rets"), attrs, version,
-                   api, int(cf.api), int(cf.ctx or 0))
+                   api, int(cf.ctx or 0))
 
 
 # --------------------------------------------------------------------------- errors and metadata
