@@ -23,6 +23,7 @@ the capsule (NumPy < 2.1 asked for a versioned one) are ctypes callbacks used in
 from __future__ import annotations
 
 import ctypes
+import math
 import weakref
 from dataclasses import dataclass, field
 from typing import Union
@@ -332,7 +333,7 @@ class TensorView:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+        return math.prod(self.shape)   # plain ints: no NumPy reduction on the host path
 
     @property
     def nbytes(self) -> int:
