@@ -143,6 +143,8 @@ class _Buffer:
 
 
 class _Stream:
+    """A cuda.core Stream: a handle, synchronised at once."""
+
     def __init__(self, handle: int):
         self.handle = handle
 
@@ -208,16 +210,26 @@ def null_driver():
     def default_stream(device_id: int):
         return device(device_id).create_stream()
 
+    def wrap_stream(stream, device_id: int):
+        if stream is None:
+            return default_stream(device_id)
+        if isinstance(stream, _Stream):
+            return stream
+        proto = getattr(stream, "__cuda_stream__", None)
+        return _Stream(int(proto()[1]) if proto is not None else int(stream))
+
     saved = [(_driver, "_drv", fake), (_device, "_device", device), (_device, "default_stream", default_stream),
-             (_tensor, "_activate", device), (_tensor, "_core_stream", lambda s: s)]
+             (_device, "wrap_stream", wrap_stream), (_tensor, "_activate", device),
+             (_tensor, "_core_stream", lambda s: s)]
     saved = [(mod, name, getattr(mod, name), new) for mod, name, new in saved]
     caches = (_driver.init, _cubins.device_capability, _cubins.device_name, _cubins._library_at)
     for c in caches:
         c.cache_clear()
     handles, loaded = dict(_cubins._handles), set(_cubins._loaded)
     from mok_rt.kernels import moe_launch as _launch
+    from mok_rt.kernels import moe_maps as _maps
     from mok_rt.runtime import launch as _rlaunch
-    fit, smem = dict(_launch._fit_cache), dict(_rlaunch._smem_set)
+    memos = [(d, dict(d)) for d in (_launch._fit_cache, _launch._maps_cache, _maps._cache, _rlaunch._smem_set)]
     try:
         for mod, name, _, new in saved:
             setattr(mod, name, new)
@@ -231,10 +243,9 @@ def null_driver():
         _cubins._handles.update(handles)
         _cubins._loaded.clear()
         _cubins._loaded.update(loaded)
-        _launch._fit_cache.clear()
-        _launch._fit_cache.update(fit)
-        _rlaunch._smem_set.clear()
-        _rlaunch._smem_set.update(smem)
+        for d, before in memos:   # occupancy, shared-memory limits, encoded maps: back as they were
+            d.clear()
+            d.update(before)
 
 
 def _cache(fn):
@@ -253,3 +264,40 @@ def device_tensor(shape, dtype, *, device_id: int = 0, ptr: int):
     from mok_rt.interop import dtypes
     from mok_rt.interop.tensor import Tensor
     return Tensor._from_pointer(ptr, shape, dtypes.as_dtype(dtype), device_id, None)
+
+
+class FakeDeviceArray:
+    """A DLPack producer over a fake device pointer that is about as cheap as CuPy's C
+    ``__dlpack__`` (mok_rt's own Tensor export builds a carrier array per call, which would
+    make the harness time the producer more than the consumer): the capsule is NumPy's, over a
+    carrier array made once, with the device and data pointer set."""
+
+    def __init__(self, shape, dtype, *, ptr: int, device_id: int = 0):
+        import numpy as np
+        from mok_rt.interop import dtypes
+        from mok_rt.interop import dlpack
+        self._dt = dtypes.as_dtype(dtype)
+        self.shape, self.ptr, self.device_id = tuple(shape), ptr, device_id
+        carrier = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[self._dt.itemsize]
+        self._carrier = np.lib.stride_tricks.as_strided(np.zeros(1, carrier), shape, (0,) * len(shape))
+        self._dlpack = dlpack
+
+    def __dlpack_device__(self):
+        return (self._dlpack.kDLCUDA, self.device_id)
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        d = self._dlpack
+        versioned = max_version is not None and max_version[0] >= 1
+        cap = self._carrier.__dlpack__(max_version=(1, 0)) if versioned else self._carrier.__dlpack__()
+        name = d._NAME_V if versioned else d._NAME_LEGACY
+        addr = d._PyCapsule_GetPointer(cap, name)
+        m = (d.DLManagedTensorVersioned if versioned else d.DLManagedTensor).from_address(addr)
+        t = m.dl_tensor
+        t.data, t.device = self.ptr, d.DLDevice(d.kDLCUDA, self.device_id)
+        t.dtype = d.DLDataType(self._dt.code, self._dt.bits, self._dt.lanes)
+        if t.strides:   # NumPy writes the carrier's 0 strides; the array is C-contiguous
+            acc = 1
+            for i in range(len(self.shape) - 1, -1, -1):
+                t.strides[i] = acc
+                acc *= self.shape[i]
+        return cap

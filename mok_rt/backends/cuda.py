@@ -2,16 +2,20 @@
 
 Memory, per call and per rank:
   * results (the schedule's arrays; the forward's context and ``out``; ``dx``, ``d_topk_weights``
-    and new weight gradients) come in one block per call: from the device's stream-ordered pool
-    when eager, freed with the last result that uses it; from the workspace's graph arena while
+    and new weight gradients) come in one block per call: when eager, from the device's
+    stream-ordered pool or a block of an earlier call whose results are all gone, reused on the
+    stream it was last used on (cuda_calls.Recycler); from the workspace's graph arena while
     the stream captures a CUDA graph (runtime/memory.py: kept until the workspace closes, each
     replay rewrites them);
   * scratch (counters, fp32 partial sums, the backward's routed rows) is the rank's own, reused
     by every eager call and grown to the largest token count seen; eager calls on different
     streams are ordered (runtime/memory.StreamOrder), so sharing it is safe.  A captured call's
     scratch is its own, from the graph arena (its replays run on streams the rank never sees).
-Plans and sizes are cached per token count.  Nothing here waits for the GPU or reads a
-routing-dependent count.  With expert parallelism (``ep``: a :class:`mok_rt.dist.ep.EPRank`) the
+Plans, sizes and block layouts are cached per token count, and the prepared launches (filled
+parameter structs, tensor maps, grids) per call signature: kind, flags, token count, stream and
+every pointer (cuda_calls.PreparedCalls), so a call that repeats one of the last few enqueues its
+launches without rebuilding them.  Nothing here waits for the GPU or reads a routing-dependent
+count.  With expert parallelism (``ep``: a :class:`mok_rt.dist.ep.EPRank`) the
 rows that travel between ranks live in the workspace's symmetric heap (see ep.py).
 """
 from __future__ import annotations
@@ -327,11 +331,12 @@ class CudaBackend:
         arrays = lay.tensors(base, self.device_id, owner, None if capturing else stream, handle)
         scratch = self._scratch_ptrs("schedule", words, stream, capturing)
         key = ("schedule", T, handle, ids.ptr, common["ids_int64"], base, tuple(scratch.values()))
-        passes = None if capturing else self._calls.get(key)
+        cacheable = self._cacheable(capturing)
+        passes = self._calls.get(key) if cacheable else None
         if passes is None:
             s = build_schedule([ids.ptr], [T], max_total_routes=max(T, 1) * cfg.top_k, **common,
                                outputs=lambda parts: arrays, scratch=lambda w: {n: scratch[n] for n in w})
-            if not capturing:
+            if cacheable:
                 self._calls.put(key, s._passes)
             return s
         s = Schedule(num_ranks=1, rank=ws.rank_id, num_experts=cfg.num_experts, top_k=cfg.top_k,

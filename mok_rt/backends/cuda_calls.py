@@ -29,6 +29,7 @@ __all__ = ["ALIGN", "Layout", "Recycler", "PreparedCalls"]
 
 ALIGN = 256                 # byte alignment of every buffer carved from a call's block
 _MAX_SPARES = 8             # recycled result blocks kept per rank (the oldest are freed)
+_MAX_SPARE_AGE = 8          # eager calls a spare waits to be taken before it is freed
 _PREPARED_CALLS = 16        # prepared launches kept per rank (a step is 3 calls; a few steps' buffers)
 
 
@@ -82,21 +83,24 @@ class _Block:
 
 
 class Recycler:
-    """The result blocks of one rank's eager calls (module docstring)."""
+    """The result blocks of one rank's eager calls (module docstring).  A spare that no call of
+    the last ``max_age`` eager calls took is freed, and at most ``limit`` are kept: a loop whose
+    token count changes does not hold the blocks of sizes it no longer uses."""
 
-    def __init__(self, device_id: int, limit: int = _MAX_SPARES):
+    def __init__(self, device_id: int, limit: int = _MAX_SPARES, max_age: int = _MAX_SPARE_AGE):
         self.device_id = device_id
-        self.limit = limit
+        self.limit, self.max_age = limit, max_age
         self.graveyard: list = []      # blocks released since the last eager call (Tensors)
-        self.spares: list = []         # reusable blocks, oldest first
+        self.spares: list = []         # reusable blocks, oldest first: [Tensor, call index when released]
         self.allocations = 0           # blocks taken from the pool (tests)
+        self._calls = 0                # eager calls so far
 
     def take(self, nbytes: int, stream, handle: int):
         """(pointer, owner) of a block of ``nbytes`` for a call on ``stream``: a spare of that size
         last used on that stream, else a new one from the pool.  Only during an eager call."""
         spares = self.spares
         for i in range(len(spares) - 1, -1, -1):
-            t = spares[i]
+            t = spares[i][0]
             if t._producer_stream == handle and t._shape[0] == nbytes:
                 del spares[i]
                 return t._ptr, _Block(t, self.graveyard)
@@ -105,13 +109,17 @@ class Recycler:
         return t._ptr, _Block(t, self.graveyard)
 
     def recycle(self) -> None:
-        """Graveyard to spares, the oldest spares beyond the limit freed (on their own streams,
-        like every pool block).  Only outside captures: it may free."""
+        """Graveyard to spares; spares too old or too many are freed (on their own streams, like
+        every pool block).  Once per eager call, never during a capture: it may free."""
+        self._calls += 1
+        now = self._calls
+        spares = self.spares
         if self.graveyard:
-            self.spares.extend(self.graveyard)
+            spares.extend([t, now] for t in self.graveyard)
             self.graveyard.clear()
-        if len(self.spares) > self.limit:
-            del self.spares[:len(self.spares) - self.limit]
+        if spares and (now - spares[0][1] > self.max_age or len(spares) > self.limit):
+            keep = [s for s in spares if now - s[1] <= self.max_age]
+            spares[:] = keep[max(0, len(keep) - self.limit):]
 
     def clear(self) -> None:
         self.graveyard.clear()
