@@ -64,10 +64,11 @@ class _Shapes:
     dims: L.LayerDims
     forward: dict
     backward: dict
+    schedule_scratch: dict      # bytes of each scratch array of the schedule's passes (one GPU)
     forward_scratch: dict
     backward_scratch: dict      # one GPU: the heap rows are scratch too
     backward_scratch_ep: dict   # expert parallelism: the heap rows live in the symmetric heap
-    layouts: dict = field(default_factory=dict)
+    layouts: dict = field(default_factory=dict)   # result blocks by call kind (and flags)
 
     def layout(self, key, parts) -> Layout:
         lay = self.layouts.get(key)
@@ -103,7 +104,7 @@ class CudaBackend:
         self._traces: collections.deque[tuple[str, tuple, Tensor]] = collections.deque(maxlen=_MAX_PENDING_TRACES)
         self._arena = GraphArena(self.device_id)
         self._order = StreamOrder()
-        self._scratch: dict[str, tuple] = {}    # "kind.name" -> (pointer, bytes, owning Tensor or None)
+        self._scratch: dict[tuple, tuple] = {}  # (kind, name) -> (pointer, bytes, owning Tensor)
         self._shapes: dict[int, _Shapes] = {}
         self._captured = False                  # a graph was captured: synchronize waits for the device
         self._blocks = Recycler(self.device_id)  # eager calls' result blocks (cuda_calls.py)
@@ -239,7 +240,9 @@ class CudaBackend:
             dims = self._dims(tokens)
             fwd, bwd = L.forward_buffer_bytes(dims), L.backward_buffer_bytes(dims)
             scratch_roles = ("scratch", "counters", "heap")
-            sh = _Shapes(dims=dims, forward=fwd, backward=bwd,
+            cfg = self.ws.config
+            words = scratch_words(num_experts=cfg.num_experts, max_total_routes=max(tokens, 1) * cfg.top_k)
+            sh = _Shapes(dims=dims, forward=fwd, backward=bwd, schedule_scratch={n: 4 * w for n, w in words.items()},
                          forward_scratch={n: nb for n, nb in fwd.items() if _FORWARD[n].role in ("scratch", "counters")},
                          backward_scratch={n: nb for n, nb in bwd.items() if _BACKWARD[n].role in scratch_roles},
                          backward_scratch_ep={n: nb for n, nb in bwd.items() if _BACKWARD[n].role in scratch_roles
@@ -322,14 +325,9 @@ class CudaBackend:
         lay = sh.layout("schedule", lambda: {n: (shape, dtypes.int32) for n, shape in output_shapes(
             num_ranks=1, num_experts=cfg.num_experts, top_k=cfg.top_k, block_m=cfg.block_m,
             max_rows=ws.capacity_rows, tokens=T).items()})
-        words = sh.layouts.get("schedule.scratch")
-        if words is None:
-            words = sh.layouts["schedule.scratch"] = {
-                n: 4 * w for n, w in scratch_words(num_experts=cfg.num_experts,
-                                                   max_total_routes=max(T, 1) * cfg.top_k).items()}
         base, owner = self._results(lay.total, stream, handle, capturing, poison=False)
         arrays = lay.tensors(base, self.device_id, owner, None if capturing else stream, handle)
-        scratch = self._scratch_ptrs("schedule", words, stream, capturing)
+        scratch = self._scratch_ptrs("schedule", sh.schedule_scratch, stream, capturing)
         key = ("schedule", T, handle, ids.ptr, common["ids_int64"], base, tuple(scratch.values()))
         cacheable = self._cacheable(capturing)
         passes = self._calls.get(key) if cacheable else None
@@ -357,7 +355,7 @@ class CudaBackend:
         capturing, handle = self._begin(stream)
         T = sched.tokens
         sh = self._shapes_for(T)
-        dims, sizes = sh.dims, sh.forward
+        dims = sh.dims
         # The context is owned by the returned state, `out` is returned: one block; the scratch is the rank's.
         lay = sh.layout(("forward", context_only), lambda: self._forward_parts(sh, context_only))
         base, owner = self._results(lay.total, stream, handle, capturing)
