@@ -248,11 +248,29 @@ def test_spares_of_sizes_no_longer_used_are_freed(fake):
         for _ in range(2):
             _step(ws, big)
         ws.synchronize()               # (released blocks become spares at the next call or synchronize)
-        big_sizes = {t._shape[0] for t, _ in impl._blocks.spares}
+        big_sizes = {t._shape[0] for t, _, _ in impl._blocks.spares}
         assert big_sizes
         for _ in range(4):
             _step(ws, small)
         ws.synchronize()
-        sizes = {t._shape[0] for t, _ in impl._blocks.spares}
+        sizes = {t._shape[0] for t, _, _ in impl._blocks.spares}
         assert sizes and not sizes & big_sizes
         assert fake.devices[0].freed   # (handed back to the pool)
+
+
+def test_zero_tokens_and_recomputed_contexts_hit_too(fake, launches):
+    with _workspace() as ws:
+        calls = ws._single()._impl._calls
+        empty = _Inputs(tokens=0)
+        for _ in range(2):
+            out, g = _step(ws, empty)
+            assert out.shape == (0, H) and g.dx.shape == (0, H)
+            del out, g
+        assert calls.hits == 3
+        a = _Inputs(base=1 << 45)
+        for _ in range(2):
+            sched = mok.schedule(ws, a.ids)
+            ctx = mok.recompute_context(ws, sched, a.x, a.tw, a.experts)
+            g = mok.backward(ws, ctx, a.d_out)
+            del sched, ctx, g
+        assert calls.hits == 6

@@ -181,7 +181,7 @@ class CudaBackend:
         return False, handle
 
     # -- memory ------------------------------------------------------------------------------------
-    def _results(self, total: int, stream, handle: int, capturing: bool, *, poison: bool = True):
+    def _results(self, total: int, stream, handle: int, capturing: bool, *, poison: bool = True, tag=None):
         """(base pointer, owner) of one block of ``total`` bytes for a call's results: from the
         graph arena while capturing (kept until the workspace closes), else a recycled block or
         a new one from the pool (cuda_calls.Recycler).  Poisoned when the workspace asks."""
@@ -190,7 +190,7 @@ class CudaBackend:
         if capturing:
             base, owner = self._arena.allocate(total), self._arena
         else:
-            base, owner = self._blocks.take(total, stream, handle)
+            base, owner = self._blocks.take(total, stream, handle, tag)
         if poison and self._poison:
             # NaN for bf16/f32, -1 for ints: an element the kernels fail to write cannot pass.
             call("cuMemsetD8Async", driver.CUdeviceptr(base), 0xFF, total, driver.CUstream(handle))
@@ -325,7 +325,7 @@ class CudaBackend:
         lay = sh.layout("schedule", lambda: {n: (shape, dtypes.int32) for n, shape in output_shapes(
             num_ranks=1, num_experts=cfg.num_experts, top_k=cfg.top_k, block_m=cfg.block_m,
             max_rows=ws.capacity_rows, tokens=T).items()})
-        base, owner = self._results(lay.total, stream, handle, capturing, poison=False)
+        base, owner = self._results(lay.total, stream, handle, capturing, poison=False, tag="schedule")
         arrays = lay.tensors(base, self.device_id, owner, None if capturing else stream, handle)
         scratch = self._scratch_ptrs("schedule", sh.schedule_scratch, stream, capturing)
         key = ("schedule", T, handle, ids.ptr, common["ids_int64"], base, tuple(scratch.values()))
@@ -358,7 +358,7 @@ class CudaBackend:
         dims = sh.dims
         # The context is owned by the returned state, `out` is returned: one block; the scratch is the rank's.
         lay = sh.layout(("forward", context_only), lambda: self._forward_parts(sh, context_only))
-        base, owner = self._results(lay.total, stream, handle, capturing)
+        base, owner = self._results(lay.total, stream, handle, capturing, tag="forward")
         ptrs = lay.pointers(base)
         out = None if context_only else lay.tensor("out", base, self.device_id, owner,
                                                    None if capturing else stream, handle)
@@ -412,7 +412,7 @@ class CudaBackend:
         # dx, d_topk_weights and the weight gradients the caller did not pass: one block.
         given = tuple(n for n in _GRAD_NAMES if sizes[n] and out.get(n) is not None)
         lay = sh.layout(("backward", given), lambda: self._backward_parts(sh, given))
-        base, owner = self._results(lay.total, stream, handle, capturing)
+        base, owner = self._results(lay.total, stream, handle, capturing, tag="backward")
         results = lay.tensors(base, self.device_id, owner, None if capturing else stream, handle)
         grads = {n: (None if not sizes[n] else out[n] if n in given else results[n]) for n in _GRAD_NAMES}
         dx, dtw = results["dx"], results["d_topk_weights"]

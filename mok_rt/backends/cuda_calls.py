@@ -71,15 +71,15 @@ class Layout:
 
 class _Block:
     """Owns a call's block of pool memory; when the last result using it goes, the block goes to
-    the rank's graveyard (see :class:`Recycler`)."""
+    the rank's graveyard (see :class:`Recycler`) with the tag of the call kind that used it."""
 
-    __slots__ = ("tensor", "graveyard")
+    __slots__ = ("tensor", "tag", "graveyard")
 
-    def __init__(self, tensor, graveyard: list):
-        self.tensor, self.graveyard = tensor, graveyard
+    def __init__(self, tensor, tag, graveyard: list):
+        self.tensor, self.tag, self.graveyard = tensor, tag, graveyard
 
     def __del__(self):
-        self.graveyard.append(self.tensor)
+        self.graveyard.append((self.tensor, self.tag))
 
 
 class Recycler:
@@ -90,23 +90,30 @@ class Recycler:
     def __init__(self, device_id: int, limit: int = _MAX_SPARES, max_age: int = _MAX_SPARE_AGE):
         self.device_id = device_id
         self.limit, self.max_age = limit, max_age
-        self.graveyard: list = []      # blocks released since the last eager call (Tensors)
-        self.spares: list = []         # reusable blocks, oldest first: [Tensor, call index when released]
+        self.graveyard: list = []      # (Tensor, tag) of blocks released since the last eager call
+        self.spares: list = []         # reusable blocks, oldest first: [Tensor, tag, call index when released]
         self.allocations = 0           # blocks taken from the pool (tests)
         self._calls = 0                # eager calls so far
 
-    def take(self, nbytes: int, stream, handle: int):
+    def take(self, nbytes: int, stream, handle: int, tag=None):
         """(pointer, owner) of a block of ``nbytes`` for a call on ``stream``: a spare of that size
-        last used on that stream, else a new one from the pool.  Only during an eager call."""
+        last used on that stream (preferably by a call of the same ``tag``, so that each call kind
+        keeps getting the same block and its prepared launch keeps hitting), else a new one from
+        the pool.  Only during an eager call."""
         spares = self.spares
+        found = -1
         for i in range(len(spares) - 1, -1, -1):
             t = spares[i][0]
             if t._producer_stream == handle and t._shape[0] == nbytes:
-                del spares[i]
-                return t._ptr, _Block(t, self.graveyard)
-        t = Tensor.empty((nbytes,), dtypes.uint8, device_id=self.device_id, stream=stream)
-        self.allocations += 1
-        return t._ptr, _Block(t, self.graveyard)
+                found = i
+                if spares[i][1] == tag:
+                    break
+        if found >= 0:
+            t = spares.pop(found)[0]
+        else:
+            t = Tensor.empty((nbytes,), dtypes.uint8, device_id=self.device_id, stream=stream)
+            self.allocations += 1
+        return t._ptr, _Block(t, tag, self.graveyard)
 
     def recycle(self) -> None:
         """Graveyard to spares; spares too old or too many are freed (on their own streams, like
@@ -115,10 +122,10 @@ class Recycler:
         now = self._calls
         spares = self.spares
         if self.graveyard:
-            spares.extend([t, now] for t in self.graveyard)
+            spares.extend([t, tag, now] for t, tag in self.graveyard)
             self.graveyard.clear()
-        if spares and (now - spares[0][1] > self.max_age or len(spares) > self.limit):
-            keep = [s for s in spares if now - s[1] <= self.max_age]
+        if spares and (now - spares[0][2] > self.max_age or len(spares) > self.limit):
+            keep = [s for s in spares if now - s[2] <= self.max_age]
             spares[:] = keep[max(0, len(keep) - self.limit):]
 
     def clear(self) -> None:
