@@ -259,7 +259,20 @@ def _time_torch(torch, ranks, inp: _Inputs, base, args) -> tuple[list[float], li
     f, fb = best(fwd), best(fwd_bwd)
     inp.clear_grads()
     base.zero_grad()
-    return f, fb
+    return f, fb, _torch_step_memory(torch, ranks, fwd_bwd)
+
+
+def _torch_step_memory(torch, ranks, step) -> dict | None:
+    """The baseline's peak memory of one fwd+bwd above what it held before (activations,
+    gradients and temporaries from torch's allocator); None on the CPU."""
+    if ranks.cpu:
+        return None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return {"step_peak_gib": round((torch.cuda.max_memory_allocated() - before) / 2 ** 30, 3)}
 
 
 # -- mok_rt ----------------------------------------------------------------------------------------
@@ -377,11 +390,24 @@ def _run_mok(torch, ranks, mok: _Mok, shape: Shape, tokens: int, inp: _Inputs, r
             same = same and torch.equal(_as_torch(torch, t), state["first"][name])
         return f, fb, same
 
+    def step_memory():
+        """After the check run (the fresh workspace's first, eager, step): mok_rt's high-water
+        mark (scratch and result blocks; later eager steps reuse both) plus the caller's gradient
+        buffers, which the baseline's step allocates itself."""
+        mem = state["ws"].memory_bytes()
+        grads = sum(b.numel() * b.element_size() for part in state["bufs"].values() if part is not None
+                    for b in part)
+        gib = lambda n: round(n / 2 ** 30, 3)  # noqa: E731
+        result["memory"] = {"workspace_peak_gib": gib(mem["peak"]), "scratch_gib": gib(mem["scratch"]),
+                            "grad_buffers_gib": gib(grads), "step_peak_gib": gib(mem["peak"] + grads)}
+
     try:
         _, err = _attempt(ranks, "mok_rt workspace", setup)
         if err:
             return {"error": err}, {"error": "mok_rt did not run"}
         errors, err = _attempt(ranks, "mok_rt check run", check_run)
+        if not err and not ranks.cpu:
+            step_memory()
         release_ref()
         if err:
             return {"error": err}, {"error": "mok_rt did not run"}
@@ -463,7 +489,7 @@ def run_shape(torch, ranks: _Ranks, mok: _Mok, shape: Shape, args) -> dict:
         _free(torch)
         if want_torch and rec["torch"] is None:
             times, err = _attempt(ranks, "baseline timing", lambda: _time_torch(torch, ranks, inp, base, args))
-            rec["torch"] = {"error": err} if err else _figures(ranks, *times, flops)
+            rec["torch"] = {"error": err} if err else {**_figures(ranks, *times[:2], flops), "memory": times[2]}
         rec["ratio"] = _ratios(rec)
         return rec
     finally:

@@ -148,4 +148,10 @@ def format_table(doc: dict) -> str:
                 lines.append(f"    {part}: {e[:200]}")
         if r.get("error"):
             lines.append(f"    error: {r['error'][:200]}")
+        tm, mm = (r.get("torch") or {}).get("memory"), (r.get("mok") or {}).get("memory")
+        if tm or mm:
+            lines.append("    step memory (GiB): " + "  ".join(
+                [f"torch {tm['step_peak_gib']:.2f}" if tm else "torch -"] +
+                ([f"mok {mm['step_peak_gib']:.2f} (workspace peak {mm['workspace_peak_gib']:.2f} + grad buffers "
+                  f"{mm['grad_buffers_gib']:.2f})"] if mm else ["mok -"])))
     return "\n".join(lines)

@@ -274,3 +274,33 @@ def test_zero_tokens_and_recomputed_contexts_hit_too(fake, launches):
             g = mok.backward(ws, ctx, a.d_out)
             del sched, ctx, g
         assert calls.hits == 6
+
+
+def test_memory_bytes_counts_results_and_spares_and_keeps_the_peak(fake):
+    """memory_bytes: scratch + result blocks (live and spare) + arena, and the high-water mark of
+    their sum; steady steps hold steady, and aged-out spares leave ``results`` (not ``peak``)."""
+    with _workspace(max_tokens=2 * T) as ws:
+        big, small = _Inputs(tokens=2 * T), _Inputs(tokens=T, base=1 << 45)
+        m0 = ws.memory_bytes()
+        assert m0 == {"scratch": 0, "graph_arena": 0, "results": 0, "peak": 0}
+        out, g = _step(ws, big)
+        m1 = ws.memory_bytes()
+        assert m1["results"] > 0 and m1["scratch"] > 0
+        assert m1["peak"] == m1["scratch"] + m1["results"] + m1["graph_arena"]
+        del out, g
+        for _ in range(3):
+            _step(ws, big)
+        ws.synchronize()
+        steady = ws.memory_bytes()
+        for _ in range(3):
+            _step(ws, big)
+        ws.synchronize()
+        assert ws.memory_bytes() == steady           # recycled blocks: nothing new
+        for _ in range(12):
+            _step(ws, small)
+        ws.synchronize()
+        m2 = ws.memory_bytes()
+        assert m2["results"] < steady["results"]     # the big blocks aged out
+        # (the small blocks came while the big spares were still kept: the peak saw both)
+        assert m2["peak"] >= steady["peak"] >= steady["scratch"] + steady["results"]
+        assert m2["peak"] >= m2["scratch"] + m2["results"]

@@ -105,9 +105,13 @@ class WorkspaceRank:
         self._backend().check()
 
     def memory_bytes(self) -> dict:
-        """Device memory this rank holds between calls, in bytes: ``scratch`` (reused by every
-        call, grown to the largest token count seen) and ``graph_arena`` (the results of captured
-        calls, kept until the workspace closes)."""
+        """Device memory this rank holds now, in bytes: ``scratch`` (reused by every call, grown
+        to the largest token count seen), ``graph_arena`` (the results and scratch of captured
+        calls, kept until the workspace closes), ``results`` (the result blocks of eager calls:
+        those whose results are still referenced, plus up to 8 released ones kept for the next
+        calls to reuse, each freed after 8 calls that do not take it) and ``peak``, the largest
+        sum of the three since the workspace was made (its memory high-water mark; the reference
+        backend reports zeros)."""
         return self._backend().memory_bytes()
 
     def take_traces(self) -> list:
@@ -316,11 +320,11 @@ class Workspace:
         self._each("check")
 
     def memory_bytes(self) -> dict:
-        """Device memory the workspace's local ranks hold between calls, summed (see
-        :meth:`WorkspaceRank.memory_bytes`); per-call results are not included."""
+        """Device memory the workspace's local ranks hold, summed over them (see
+        :meth:`WorkspaceRank.memory_bytes`; ``peak`` is the sum of the ranks' peaks)."""
         if self._closed:
             raise ArgumentError("ws", "the workspace is closed")
-        total = {"scratch": 0, "graph_arena": 0}
+        total = {"scratch": 0, "graph_arena": 0, "results": 0, "peak": 0}
         for r in self._ranks.values():
             for k, v in r.memory_bytes().items():
                 total[k] += v

@@ -110,6 +110,7 @@ class CudaBackend:
         self._blocks = Recycler(self.device_id)  # eager calls' result blocks (cuda_calls.py)
         self._calls = PreparedCalls()           # prepared launches of calls that repeat (cuda_calls.py)
         self._poison = bool(ws.poison_outputs)
+        self._peak = 0                          # memory_bytes()["peak"]
 
     # -- lifetime / errors ---------------------------------------------------------------------
     def close(self) -> None:
@@ -189,8 +190,12 @@ class CudaBackend:
             return 0, None
         if capturing:
             base, owner = self._arena.allocate(total), self._arena
+            self._note_peak()
         else:
+            before = self._blocks.allocations
             base, owner = self._blocks.take(total, stream, handle, tag)
+            if self._blocks.allocations != before:   # the peak only moves when memory is allocated
+                self._note_peak()
         if poison and self._poison:
             # NaN for bf16/f32, -1 for ints: an element the kernels fail to write cannot pass.
             call("cuMemsetD8Async", driver.CUdeviceptr(base), 0xFF, total, driver.CUstream(handle))
@@ -211,7 +216,9 @@ class CudaBackend:
         if capturing:
             # A captured call's scratch is its own, in the arena: a replay may run beside eager
             # calls or other graphs on streams this rank never sees, so nothing may share it.
-            return {name: self._arena.allocate(nbytes) for name, nbytes in sizes.items()}
+            ptrs = {name: self._arena.allocate(nbytes) for name, nbytes in sizes.items()}
+            self._note_peak()
+            return ptrs
         out = {}
         scratch = self._scratch
         for name, nbytes in sizes.items():
@@ -227,12 +234,26 @@ class CudaBackend:
                     have[2]._owner.close(stream)
                 t = Tensor.empty((nbytes,), dtypes.uint8, device_id=self.device_id, stream=stream)
                 have = scratch[key] = (t.ptr, nbytes, t)
+                self._note_peak()
             out[name] = have[0]
         return out
 
     def memory_bytes(self) -> dict:
-        """Device memory this rank holds between calls: its scratch and its graph arena."""
-        return {"scratch": sum(v[1] for v in self._scratch.values()), "graph_arena": self._arena.nbytes}
+        """Device memory this rank holds now: its scratch, its graph arena, the result blocks of
+        eager calls (live results, and spares kept for reuse), and the peak of their sum."""
+        now = self._held()
+        self._peak = max(self._peak, now)
+        return {"scratch": sum(v[1] for v in self._scratch.values()), "graph_arena": self._arena.nbytes,
+                "results": self._blocks.held_bytes, "peak": self._peak}
+
+    def _held(self) -> int:
+        return sum(v[1] for v in self._scratch.values()) + self._arena.nbytes + self._blocks.held_bytes
+
+    def _note_peak(self) -> None:
+        """After a call's allocations: the high-water mark memory_bytes reports."""
+        now = self._held()
+        if now > self._peak:
+            self._peak = now
 
     def _shapes_for(self, tokens: int) -> _Shapes:
         sh = self._shapes.get(tokens)

@@ -93,6 +93,7 @@ class Recycler:
         self.graveyard: list = []      # (Tensor, tag) of blocks released since the last eager call
         self.spares: list = []         # reusable blocks, oldest first: [Tensor, tag, call index when released]
         self.allocations = 0           # blocks taken from the pool (tests)
+        self.held_bytes = 0            # bytes of every block from the pool not yet freed (live or spare)
         self._calls = 0                # eager calls so far
 
     def take(self, nbytes: int, stream, handle: int, tag=None):
@@ -113,6 +114,7 @@ class Recycler:
         else:
             t = Tensor.empty((nbytes,), dtypes.uint8, device_id=self.device_id, stream=stream)
             self.allocations += 1
+            self.held_bytes += nbytes
         return t._ptr, _Block(t, tag, self.graveyard)
 
     def recycle(self) -> None:
@@ -126,11 +128,15 @@ class Recycler:
             self.graveyard.clear()
         if spares and (now - spares[0][2] > self.max_age or len(spares) > self.limit):
             keep = [s for s in spares if now - s[2] <= self.max_age]
-            spares[:] = keep[max(0, len(keep) - self.limit):]
+            keep = keep[max(0, len(keep) - self.limit):]
+            kept = {id(s[0]) for s in keep}
+            self.held_bytes -= sum(s[0]._shape[0] for s in spares if id(s[0]) not in kept)
+            spares[:] = keep
 
     def clear(self) -> None:
         self.graveyard.clear()
         self.spares.clear()
+        self.held_bytes = 0
 
 
 class PreparedCalls:

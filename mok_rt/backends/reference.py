@@ -66,7 +66,7 @@ class ReferenceBackend:
         return []   # no kernels, no timelines
 
     def memory_bytes(self) -> dict:
-        return {"scratch": 0, "graph_arena": 0}
+        return {"scratch": 0, "graph_arena": 0, "results": 0, "peak": 0}
 
     def schedule(self, ids_view, *, stream):
         cfg, ws = self.ws.config, self.ws
