@@ -62,8 +62,8 @@ in the ``custom_vjp`` backward, a ``float0`` zero to JAX's callers).  Dtypes, as
 weights; on the reference backend in ``x``'s dtype when it is float32 or float64, else float32.
 The casts happen in JAX around the custom calls.  ``out`` and ``dx`` have ``x``'s dtype;
 ``d_topk_weights`` and the weight gradients come out of the kernel in the routing / gradient
-compute dtype (fp32, or float64 for float64 inputs on the reference backend) and are then cast to
-each input's dtype.
+compute dtype (fp32, or float64 for float64 inputs on the reference backend; bf16 on CUDA when
+every weight is bf16) and are then cast to each input's dtype.
 """
 from __future__ import annotations
 
@@ -156,8 +156,11 @@ def _call_forward(handle, x, ids, tw, w):
 
 def _call_backward(handle, d_out, x, ids, tw, w):
     register_targets()
-    act, route, grad = kernel_dtypes(lookup_workspace(handle).backend, x.dtype)
+    backend = lookup_workspace(handle).backend
+    act, route, grad = kernel_dtypes(backend, x.dtype)
     present = _present(w)
+    if backend == "cuda" and all(a.dtype == jnp.bfloat16 for a in present):
+        grad = jnp.dtype(jnp.bfloat16)   # bf16 weights: bf16 gradients from the kernel (fp32 sums rounded once)
     shapes = (jax.ShapeDtypeStruct(x.shape, act), jax.ShapeDtypeStruct(tw.shape, route),
               *(jax.ShapeDtypeStruct(a.shape, grad) for a in present))
     return jax.ffi.ffi_call(BACKWARD_TARGET, shapes, vmap_method="sequential")(
