@@ -17,7 +17,8 @@ from mok_rt.kernels import moe_params as P
 from mok_rt.kernels import moe_params_fp8 as F
 from mok_rt.kernels import moe_plan as _moe_plan
 from mok_rt.runtime.cubins import get_kernel
-from mok_rt.runtime.launch import launch
+from mok_rt.runtime.driver import call, driver
+from mok_rt.runtime.launch import launch, stream_handle
 from mok_rt.runtime.tensormap import Swizzle, TensorMapSpec
 
 __all__ = ["Fp8ForwardBuffers", "forward_plan", "forward_buffer_bytes", "map_specs", "launch_forward_fp8"]
@@ -146,7 +147,9 @@ def launch_forward_fp8(bufs, sched: L.ScheduleBuffers, dims: L.LayerDims, *, str
             _maps_cache.pop(next(iter(_maps_cache)))
     else:
         ctypes.memmove(ctypes.addressof(params.maps), raw, len(raw))
-    L._zero_counters(bufs.counters, plan.counter_words, stream)
+    # The dependency counters start every launch at zero (one memset on the stream).
+    call("cuMemsetD32Async", driver.CUdeviceptr(bufs.counters), 0, plan.counter_words,
+         driver.CUstream(stream_handle(stream)))
     if plan.total == 0:
         return
     eng = _KERNELS
