@@ -2,10 +2,12 @@
 """Host cost of one training step of the layer: how long schedule + forward + backward take to
 enqueue (not to run), and where that time goes (cProfile).
 
-    python bench/host_profile.py [--tokens 2048] [--steps 50] [--profile]
+    python bench/host_profile.py [--tokens 2048] [--steps 50] [--profile] [--null-driver]
 
 The GPU work of each step is waited for after the host clock stops, so the figure is the
-enqueue path alone (the median over steps; the first steps are warm-up).
+enqueue path alone (the median over steps; the first steps are warm-up).  ``--null-driver`` runs
+the same steps on any machine against bench/null_driver.py (every driver call succeeds at once,
+inputs are fake device pointers): the Python cost alone, plus the Python calls per step.
 """
 from __future__ import annotations
 
@@ -28,20 +30,43 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--profile", action="store_true", help="print the top cProfile entries")
+    ap.add_argument("--null-driver", action="store_true",
+                    help="no GPU: time the Python path against bench/null_driver.py")
     a = ap.parse_args()
+    if a.null_driver:
+        import sys
+        from pathlib import Path
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from null_driver import null_driver
+        with null_driver():
+            run(a, null=True)
+    else:
+        run(a, null=False)
 
-    import cupy as cp
+
+def run(a, *, null: bool) -> None:
     import mok_rt as mok
     T, H, I, E, k = a.tokens, a.hidden, a.intermediate, a.experts, a.top_k
-    rng = np.random.default_rng(0)
     bf = ml_dtypes.bfloat16
-    dev = lambda v: cp.asarray(v)  # noqa: E731
-    x = dev(rng.standard_normal((T, H)).astype(bf))
-    d_out = dev(rng.standard_normal((T, H)).astype(bf))
-    ids = dev(np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32))
-    tw = dev(rng.random((T, k)).astype(np.float32))
-    experts = mok.ExpertWeights(*(dev((rng.standard_normal(s) * 0.02).astype(bf))
-                                  for s in ((E, I, H), (E, I, H), (E, H, I))))
+    shapes = dict(x=((T, H), bf), d_out=((T, H), bf), ids=((T, k), np.int32), tw=((T, k), np.float32),
+                  gate=((E, I, H), bf), up=((E, I, H), bf), down=((E, H, I), bf))
+    if null:
+        from null_driver import FakeDeviceArray
+        base = 1 << 44
+        t = {}
+        for n, (shape, dt) in shapes.items():
+            t[n] = FakeDeviceArray(shape, dt, ptr=base)
+            base += -(-int(np.prod(shape)) * np.dtype(dt).itemsize // 4096) * 4096
+    else:
+        import cupy as cp
+        rng = np.random.default_rng(0)
+        t = dict(x=rng.standard_normal((T, H)).astype(bf), d_out=rng.standard_normal((T, H)).astype(bf),
+                 ids=np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32),
+                 tw=rng.random((T, k)).astype(np.float32),
+                 **{n: (rng.standard_normal(shapes[n][0]) * 0.02).astype(bf) for n in ("gate", "up", "down")})
+        t = {n: cp.asarray(v) for n, v in t.items()}
+    x, d_out, ids, tw = t["x"], t["d_out"], t["ids"], t["tw"]
+    experts = mok.ExpertWeights(t["gate"], t["up"], t["down"])
     cfg = mok.MoEConfig(hidden=H, intermediate=I, num_experts=E, top_k=k)
     with mok.Workspace(cfg, mok.SingleProcessGroup(devices=[0]), max_tokens=T) as ws:
         def step():
@@ -56,16 +81,19 @@ def main() -> None:
             times.append(time.perf_counter() - t0)
             ws.synchronize()
         warm = times[5:] or times
-        print(f"host enqueue of schedule+forward+backward, T={T}: median {statistics.median(warm) * 1e3:.3f} ms, "
-              f"min {min(warm) * 1e3:.3f} ms over {len(warm)} steps")
+        where = " (null driver: Python only)" if null else ""
+        print(f"host enqueue of schedule+forward+backward, T={T}{where}: median "
+              f"{statistics.median(warm) * 1e3:.3f} ms, min {min(warm) * 1e3:.3f} ms over {len(warm)} steps")
+        prof = cProfile.Profile()
+        for _ in range(20):
+            prof.enable()
+            step()
+            prof.disable()
+            ws.synchronize()
+        stats = pstats.Stats(prof)
+        print(f"Python function calls per step: {stats.total_calls / 20:.0f}")
         if a.profile:
-            prof = cProfile.Profile()
-            for _ in range(20):
-                prof.enable()
-                step()
-                prof.disable()
-                ws.synchronize()
-            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+            stats.sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":

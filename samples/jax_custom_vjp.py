@@ -3,27 +3,27 @@
     python samples/jax_custom_vjp.py                        # CUDA backend when a GPU is present
     python samples/jax_custom_vjp.py --backend reference    # NumPy reference on the CPU (float32)
     python samples/jax_custom_vjp.py --checkpoint           # recompute activations in the backward
-    python samples/jax_custom_vjp.py --jit                  # the training step under jax.jit (reference)
+    python samples/jax_custom_vjp.py --jit                  # the training step under jax.jit (GPU or CPU)
 
 ``--jit`` trains through :mod:`mok_rt.frameworks.jax_ops` with the whole training step (forward,
-``jax.value_and_grad``, the Adam update) under ``jax.jit``.  That works on the reference backend
-(the default without a GPU), whose layer calls are ``jax.pure_callback`` host calls; on the CUDA
-backend ``--jit`` stops with a one-line message, for the reason below.  jax_ops always recomputes
-the activations in the backward, so ``--checkpoint`` is implied.
+``jax.value_and_grad``, the Adam update) in one XLA program under ``jax.jit``, on either backend:
+the layer's forward and backward are XLA FFI custom calls whose ctypes handlers run mok_rt on
+XLA's own stream (CUDA backend) or the NumPy reference on XLA's host buffers (reference backend).
+jax_ops always recomputes the activations in the backward, so ``--checkpoint`` is implied.  After
+each step the sample calls ``ws.check()``: errors only the GPU sees (bad expert ids, capacity)
+surface there, as after any asynchronous mok_rt call.
 
-Without ``--jit`` the sample's own wrapper runs eagerly, not under ``jax.jit``: a mok_rt call is a Python host function that needs the
-concrete device pointers of its inputs and enqueues CUDA launches itself.  Under ``jit`` the
-function is traced into one XLA program with abstract tracers (no pointers exist yet) and XLA
-cannot run Python launches in its stream; that needs an XLA FFI custom call (``jax.ffi``) with a
-C handler launching the kernels on XLA's stream, which mok_rt does not ship.  In eager mode
+Without ``--jit`` the sample's own wrapper (``make_moe``) calls mok_rt eagerly on concrete arrays:
+a mok_rt call is a Python host function that needs the concrete device pointers of its inputs.
 ``jax.grad`` / ``jax.value_and_grad`` hand the fwd and bwd rules concrete arrays (checked by
-tests/test_interop*.py), and the rest of the model may still be jitted around the layer.  A
-``jax.pure_callback`` would work under ``jit`` for the reference backend, but on a GPU it moves
-every tensor through host memory, which defeats the purpose.
+tests/test_interop*.py), and the rest of the model may still be jitted around the layer.  This
+wrapper keeps mok_rt's context between forward and backward (unless ``--checkpoint``), which a
+jitted ``custom_vjp`` cannot: its residuals must be arrays.
 
-Streams: JAX does not expose its CUDA streams, so mok_rt runs on the workspace's stream and
-DLPack orders the two in both directions (JAX's ``__dlpack__(stream=ours)`` makes our stream wait
-for JAX's pending writes; ``jax.dlpack.from_dlpack(result)`` makes JAX's stream wait for ours).
+Streams, eager wrapper: JAX does not expose its CUDA streams to Python, so mok_rt runs on the
+workspace's stream and DLPack orders the two in both directions (JAX's ``__dlpack__(stream=ours)``
+makes our stream wait for JAX's pending writes; ``jax.dlpack.from_dlpack(result)`` makes JAX's
+stream wait for ours).  Under ``--jit`` XLA hands its stream to the custom calls.
 
 jax is a sample-only dependency: mok_rt itself never imports it.
 """
@@ -97,8 +97,8 @@ def make_moe(ws, *, checkpoint: bool = False):
 
     def run_forward(x, ids, tw, *w):
         if any(_is_tracer(a) for a in (x, ids, tw, *w) if a is not None):
-            raise TypeError("mok_rt's JAX layer runs eagerly: call it outside jax.jit (see the module "
-                            "docstring: under jit it would need an XLA FFI custom call)")
+            raise TypeError("this eager wrapper calls mok_rt on concrete arrays: call it outside jax.jit, "
+                            "or use mok_rt.frameworks.jax_ops (XLA FFI custom calls) under jit (--jit)")
         act, route = _kernel_dtypes(ws, x)
         experts, shared = _expert_weights(act, w)
         sched = mok.schedule(ws, ids)
@@ -172,13 +172,10 @@ def main(argv=None) -> list[float]:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--checkpoint", action="store_true", help="recompute activations in the backward")
     ap.add_argument("--jit", action="store_true",
-                    help="jit the training step (mok_rt.frameworks.jax_ops; reference backend only)")
+                    help="jit the training step (mok_rt.frameworks.jax_ops: XLA FFI custom calls)")
     args = ap.parse_args(argv)
 
     backend = args.backend or ("cuda" if _gpu_available() else "reference")
-    if args.jit and backend == "cuda":
-        raise SystemExit("samples/jax_custom_vjp.py --jit needs --backend reference: mok_rt does not ship the "
-                         "XLA FFI custom calls that jax.jit needs on the GPU yet (run without --jit there)")
     if args.jit:
         args.checkpoint = True   # jax_ops recomputes the context in the backward
     if backend == "cuda":
@@ -223,7 +220,7 @@ def main(argv=None) -> list[float]:
                 lambda p, a, b: p - args.lr * (a / c1) / (jnp.sqrt(b / c2) + eps), params, m, v)
             return loss, params, m, v
 
-        if args.jit:   # one XLA program per step; the layer calls are pure_callbacks inside it
+        if args.jit:   # one XLA program per step; the layer calls are FFI custom calls inside it
             target_fn, train_step = jax.jit(target_fn), jax.jit(train_step)
         m = jax.tree_util.tree_map(jnp.zeros_like, student)
         v = jax.tree_util.tree_map(jnp.zeros_like, student)

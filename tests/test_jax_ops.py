@@ -1,6 +1,8 @@
-"""mok_rt.frameworks.jax_ops on the CPU: the layer as a jax.custom_vjp on the reference backend,
-eager and under jax.jit (through jax.pure_callback), against the float64 oracle; the clear
-TypeError on the CUDA backend under jit; and ``samples/jax_custom_vjp.py --jit``.
+"""mok_rt.frameworks.jax_ops on the CPU: the layer as a jax.custom_vjp through XLA FFI custom calls
+(ctypes handlers registered for the "cpu" platform, running the reference backend), eager and
+under jax.jit, bitwise against each other and against the float64 oracle; the call frame's
+attributes, the registration metadata, errors (device-class ones at ws.check(), host ones as the
+XLA call's error); and ``samples/jax_custom_vjp.py --jit``.
 
 jax is optional: the whole module skips when it is not installed.
 """
@@ -21,7 +23,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 jax = pytest.importorskip("jax", reason="jax is not installed (pip install -e '.[jax]')")
 import jax.numpy as jnp  # noqa: E402
 
-from mok_rt.frameworks import jax_ops  # noqa: E402
+from mok_rt.frameworks import jax_ops, xla_ffi  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NAMES = ("w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down")
@@ -92,6 +94,8 @@ def test_gradients_match_the_float64_reference(shared):
             ws, a["x"], ids, a["tw"], a["w_gate"], a["w_up"], a["w_down"],
             shared=mok.ExpertWeights(a["ws_gate"], a["ws_up"], a["ws_down"]) if shared else None))(a)
         _, g = jax.jit(jax.value_and_grad(_loss_fn(ws, ids, d_out, shared)))(a)
+        # XLA's CPU runtime runs the program asynchronously: wait before the workspace closes.
+        out, g = jax.block_until_ready((out, g))
     np.testing.assert_allclose(np.asarray(out), ref_out, rtol=1e-12, atol=1e-12)
     pairs = {"x": "dx", "tw": "d_topk_weights", "w_gate": "dw_gate", "w_up": "dw_up", "w_down": "dw_down",
              "ws_gate": "dws_gate", "ws_up": "dws_up", "ws_down": "dws_down"}
@@ -135,33 +139,76 @@ def test_workspace_handle_is_static_and_accepted():
         jax_ops.moe_layer(h, *a[:1], ids, *a[1:], shared=(a[2], None, a[4]))
 
 
-def test_cuda_backend_under_jit_raises_a_clear_type_error(monkeypatch):
-    # No GPU here: the check itself, then the layer with the workspace's backend patched to "cuda".
-    x = jnp.ones((2, 3))
-    jax_ops.check_traceable("cuda", x, None)           # concrete arrays: the eager DLPack path
-    jax_ops.check_traceable("reference", x)
-
-    def traced(x):
-        with pytest.raises(TypeError, match="XLA FFI"):
-            jax_ops.check_traceable("cuda", x)
-        jax_ops.check_traceable("reference", x)        # pure_callback: fine
-        return x
-
-    jax.jit(traced)(x)
-
-    p = _problem(82, Is=0)
+def test_the_layer_is_two_typed_ffi_custom_calls():
+    """No host callback: the jitted step's HLO holds the two FFI targets and the workspace handle."""
+    p = _problem(83, Is=0)
     with _jax_cpu(x64=False), _ws(Is=0) as ws:
         a = [jnp.asarray(p[n], jnp.float32) for n in ("x", "tw", "w_gate", "w_up", "w_down")]
         ids = jnp.asarray(p["ids"], jnp.int32)
+        loss = lambda x: jnp.sum(jax_ops.moe_layer(ws, x, ids, *a[1:]))  # noqa: E731
+        hlo = jax.jit(jax.value_and_grad(loss)).lower(a[0]).as_text()
+    assert jax_ops.FORWARD_TARGET in hlo and jax_ops.BACKWARD_TARGET in hlo
+    assert "callback" not in hlo.lower()
+    assert f"handle = {ws._handle}" in hlo
+
+
+def test_registration_reports_the_header_version_and_no_command_buffers():
+    from test_xla_ffi import _metadata_frame
+
+    version = jax_ops.register_targets()
+    assert jax_ops.register_targets() == version                      # once per process
+    assert version == xla_ffi.header_api_version(jax.ffi.include_dir())
+    keep = []
+    for target in (jax_ops.FORWARD_TARGET, jax_ops.BACKWARD_TARGET):
+        for platform in ("cpu", "CUDA"):
+            frame, md = _metadata_frame(keep)
+            assert jax_ops._HANDLERS[target, platform](frame) is None
+            assert (md.api_version.major_version, md.api_version.minor_version) == version
+            assert md.traits == 0, "the handlers run Python per execution: never command-buffer compatible"
+
+
+def test_device_errors_surface_at_check_after_a_jitted_step():
+    """An expert id out of range: the step completes (NaN), ws.check() raises ExpertIdError, as
+    after any asynchronous mok_rt call; the next good step is clean."""
+    p = _problem(84, Is=0)
+    with _jax_cpu(x64=False), _ws(Is=0) as ws:
+        a = [jnp.asarray(p[n], jnp.float32) for n in ("x", "tw", "w_gate", "w_up", "w_down")]
+        step = jax.jit(jax.value_and_grad(lambda x, ids: jnp.sum(jax_ops.moe_layer(ws, x, ids, *a[1:]))))
+        bad = jnp.asarray(p["ids"], jnp.int32).at[3, 1].set(9)
+        v, g = jax.block_until_ready(step(a[0], bad))
+        assert np.isnan(np.asarray(v))
+        with pytest.raises(mok.ExpertIdError, match=r"topk_ids\[3, 1\] = 9"):
+            ws.check()
+        v, g = jax.block_until_ready(step(a[0], jnp.asarray(p["ids"], jnp.int32)))
+        ws.check()
+        assert np.isfinite(np.asarray(v)) and np.all(np.isfinite(np.asarray(g)))
+        # Eager too (the same custom call).
+        jax.block_until_ready(jax_ops.moe_layer(ws, a[0], bad, *a[1:]))
+        with pytest.raises(mok.ExpertIdError):
+            ws.synchronize()
+
+
+def test_host_errors_fail_the_xla_call_and_the_process_lives(monkeypatch):
+    p = _problem(85, Is=0)
+    with _jax_cpu(x64=False), _ws(Is=0) as ws:
+        a = [jnp.asarray(p[n], jnp.float32) for n in ("x", "tw", "w_gate", "w_up", "w_down")]
+        ids = jnp.asarray(p["ids"], jnp.int32)
+        f = jax.jit(lambda x, tw, g, u, d: jax_ops.moe_layer(ws, x, ids, tw, g, u, d))
+        jax.block_until_ready(f(*a))
         with monkeypatch.context() as m:   # undone before the workspace closes
             m.setattr(ws, "backend", "cuda")
-            assert jax_ops.lookup_workspace(ws._handle).backend == "cuda"
-            with pytest.raises(TypeError, match="jax.jit.*XLA FFI custom calls.*not ship") as e:
-                jax.jit(lambda x, tw, g, u, d: jax_ops.moe_layer(ws, x, ids, tw, g, u, d))(*a)
-            # Under jax.value_and_grad too (the fwd rule checks before anything runs).
-            with pytest.raises(TypeError, match="XLA FFI"):
-                jax.jit(jax.grad(lambda x: jnp.sum(jax_ops.moe_layer(ws, x, ids, *a[1:]))))(a[0])
-        assert "eagerly" in str(e.value) and "reference" in str(e.value)
+            # A CUDA workspace's call placed on the CPU platform: the handler refuses it.
+            with pytest.raises(jax.errors.JaxRuntimeError,
+                               match=r"mok_rt_moe_forward: ArgumentError: ws: .*cpu platform.*backend='cuda'"):
+                jax.block_until_ready(jax.jit(lambda x: jax_ops.moe_layer(ws, x, ids, *a[1:]))(a[0]))
+            with pytest.raises(jax.errors.JaxRuntimeError, match="mok_rt_moe_(forward|backward): ArgumentError"):
+                jax.block_until_ready(jax.jit(jax.grad(lambda x: jnp.sum(jax_ops.moe_layer(ws, x, ids, *a[1:]))))(a[0]))
+    # The compiled program outlives the workspace: running it now fails cleanly.  (JAX's C++
+    # dispatch raises the failed execution's status as ValueError when it sees it synchronously.)
+    with _jax_cpu(x64=False):
+        with pytest.raises((jax.errors.JaxRuntimeError, ValueError), match="mok_rt_moe_forward: ArgumentError: ws: "
+                                                                           "the workspace is closed"):
+            jax.block_until_ready(f(*a))
 
 
 def test_import_mok_rt_does_not_import_jax():

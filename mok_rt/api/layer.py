@@ -14,6 +14,12 @@ def _check_schedule(rank, sched):
         raise ArgumentError("sched", "was not made by mok_rt.schedule for this workspace (rank)")
 
 
+def _handle(s):
+    """The int CUstream the inputs are imported on (computed once per call rather than once per
+    tensor); None on the reference backend."""
+    return None if s is None else int(s.handle)
+
+
 def _layer_call(ws, sched, x, topk_weights, experts, shared, stream):
     """What forward and recompute_context share: the rank, its backend, the validated tensors and
     the stream."""
@@ -22,7 +28,7 @@ def _layer_call(ws, sched, x, topk_weights, experts, shared, stream):
     _check_schedule(rank, sched)
     s = resolve_stream(rank, stream)
     args = import_layer_args(rank, tokens=sched.tokens, x=x, topk_weights=topk_weights, experts=experts,
-                             shared=shared, stream=s)
+                             shared=shared, stream=_handle(s))
     return rank, impl, args, s
 
 
@@ -36,7 +42,7 @@ def schedule(ws, topk_ids, *, stream=None):
     rank = as_rank(ws)
     impl = rank._backend()
     s = resolve_stream(rank, stream)
-    sched = impl.schedule(import_ids(rank, topk_ids, stream=s), stream=s)
+    sched = impl.schedule(import_ids(rank, topk_ids, stream=_handle(s)), stream=s)
     sched._rank_owner = rank
     return sched
 
@@ -78,8 +84,9 @@ def backward(ws, ctx: Context, d_out, *, dw: ExpertWeights | None = None, dw_sha
                                    f"got {type(ctx).__name__}")
     _check_schedule(rank, ctx.schedule)
     s = resolve_stream(rank, stream)
-    dout = import_d_out(rank, d_out, tokens=ctx.tokens, stream=s)
-    buffers = import_grad_buffers(rank, dw, dw_shared, accumulate=bool(accumulate), stream=s)
+    h = _handle(s)
+    dout = import_d_out(rank, d_out, tokens=ctx.tokens, stream=h)
+    buffers = import_grad_buffers(rank, dw, dw_shared, accumulate=bool(accumulate), stream=h)
     g = impl.backward(ctx.schedule, ctx.saved, dout, ctx.inputs, out=buffers, accumulate=bool(accumulate), stream=s)
     routed = dw if dw is not None else ExpertWeights(g["dw_gate"], g["dw_up"], g["dw_down"])
     shared = None

@@ -2,16 +2,20 @@
 
 Memory, per call and per rank:
   * results (the schedule's arrays; the forward's context and ``out``; ``dx``, ``d_topk_weights``
-    and new weight gradients) come in one block per call: from the device's stream-ordered pool
-    when eager, freed with the last result that uses it; from the workspace's graph arena while
+    and new weight gradients) come in one block per call: when eager, from the device's
+    stream-ordered pool or a block of an earlier call whose results are all gone, reused on the
+    stream it was last used on (cuda_calls.Recycler); from the workspace's graph arena while
     the stream captures a CUDA graph (runtime/memory.py: kept until the workspace closes, each
     replay rewrites them);
   * scratch (counters, fp32 partial sums, the backward's routed rows) is the rank's own, reused
     by every eager call and grown to the largest token count seen; eager calls on different
     streams are ordered (runtime/memory.StreamOrder), so sharing it is safe.  A captured call's
     scratch is its own, from the graph arena (its replays run on streams the rank never sees).
-Plans and sizes are cached per token count.  Nothing here waits for the GPU or reads a
-routing-dependent count.  With expert parallelism (``ep``: a :class:`mok_rt.dist.ep.EPRank`) the
+Plans, sizes and block layouts are cached per token count, and the prepared launches (filled
+parameter structs, tensor maps, grids) per call signature: kind, flags, token count, stream and
+every pointer (cuda_calls.PreparedCalls), so a call that repeats one of the last few enqueues its
+launches without rebuilding them.  Nothing here waits for the GPU or reads a routing-dependent
+count.  With expert parallelism (``ep``: a :class:`mok_rt.dist.ep.EPRank`) the
 rows that travel between ranks live in the workspace's symmetric heap (see ep.py).
 """
 from __future__ import annotations
@@ -29,7 +33,9 @@ from mok_rt.kernels import moe_fp8 as M8
 from mok_rt.kernels import moe_launch as L
 from mok_rt.kernels import moe_params as P
 from mok_rt.kernels import trace as _trace
-from mok_rt.kernels.schedule import build_schedule, build_schedule_ep
+from mok_rt.kernels.schedule import (Schedule, build_schedule, build_schedule_ep, output_shapes, poison_schedule,
+                                     scratch_words)
+from mok_rt.backends.cuda_calls import Layout, PreparedCalls, Recycler
 from mok_rt.runtime.device import activate
 from mok_rt.runtime.driver import call, driver
 from mok_rt.runtime.errorword import ErrorWord, device_error
@@ -37,7 +43,6 @@ from mok_rt.runtime.launch import multiprocessor_count
 from mok_rt.runtime.memory import GraphArena, StreamOrder, is_capturing
 
 _MAX_PENDING_TRACES = 64   # traced launches kept until take_traces() (the oldest are dropped)
-_ALIGN = 256               # byte alignment of every buffer carved from a call's block
 _DTYPES = {"bf16": dtypes.bfloat16, "f32": dtypes.float32, "i32": dtypes.int32}
 _FORWARD = {b.name: b for b in P.FORWARD_BUFFERS}
 _BACKWARD = {b.name: b for b in P.BACKWARD_BUFFERS}
@@ -47,37 +52,33 @@ _FP8_FORWARD = {b.name: b for b in M8.F.FP8_FORWARD_BUFFERS}
 
 @dataclass
 class _ForwardState:
-    """The forward's context buffers (views of the call's block), and the inputs that must
-    outlive the launch."""
+    """The forward's context buffers (their addresses in the call's block, 0 for a buffer of 0
+    bytes), and what must outlive the launch: the block's owner and the inputs."""
 
     dims: L.LayerDims
     bufs: dict
     keep: tuple = field(default=(), repr=False)
 
 
-class _Block:
-    """Owns a call's block of pool memory; when the last result using it goes, the block is not
-    freed at once but handed to the rank's graveyard, emptied by its next eager call.  A free is a
-    stream operation, and one issued while some stream captures a graph (a result of the previous
-    step dropped during the capture of this one) would invalidate that capture."""
-
-    __slots__ = ("tensor", "graveyard")
-
-    def __init__(self, tensor, graveyard: list):
-        self.tensor, self.graveyard = tensor, graveyard
-
-    def __del__(self):
-        self.graveyard.append(self.tensor)
-
-
 @dataclass(frozen=True)
 class _Shapes:
-    """What one token count fixes: the launch dims and the byte sizes of every buffer (``forward``:
-    the workspace precision's forward, bf16 or FP8)."""
+    """What one token count fixes: the launch dims, the byte sizes of every buffer, the scratch
+    each call kind needs and the layouts of its result blocks (filled as they are first needed)."""
 
     dims: L.LayerDims
     forward: dict
     backward: dict
+    schedule_scratch: dict      # bytes of each scratch array of the schedule's passes (one GPU)
+    forward_scratch: dict
+    backward_scratch: dict      # one GPU: the heap rows are scratch too
+    backward_scratch_ep: dict   # expert parallelism: the heap rows live in the symmetric heap
+    layouts: dict = field(default_factory=dict)   # result blocks by call kind (and flags)
+
+    def layout(self, key, parts) -> Layout:
+        lay = self.layouts.get(key)
+        if lay is None:
+            lay = self.layouts[key] = Layout(parts())
+        return lay
 
 
 class CudaBackend:
@@ -107,11 +108,14 @@ class CudaBackend:
         self._traces: collections.deque[tuple[str, tuple, Tensor]] = collections.deque(maxlen=_MAX_PENDING_TRACES)
         self._arena = GraphArena(self.device_id)
         self._order = StreamOrder()
-        self._scratch: dict[str, tuple] = {}    # "kind.name" -> (pointer, bytes, owning Tensor or None)
+        self._scratch: dict[tuple, tuple] = {}  # (kind, name) -> (pointer, bytes, owning Tensor)
         self._shapes: dict[int, _Shapes] = {}
         self._captured = False                  # a graph was captured: synchronize waits for the device
-        self._graveyard: list = []              # pool blocks released since the last eager call (_Block)
-        self._fp8 = cfg.precision == "fp8_block"  # the forward runs moe_forward_fp8 (one rank; no backward yet)
+        self._blocks = Recycler(self.device_id)  # eager calls' result blocks (cuda_calls.py)
+        self._calls = PreparedCalls()           # prepared launches of calls that repeat (cuda_calls.py)
+        self._poison = bool(ws.poison_outputs)
+        self._fp8 = cfg.precision == "fp8_block"   # the forward runs moe_forward_fp8 (one rank; no backward yet)
+        self._fp8_sizes: dict[int, dict] = {}      # token count -> moe_forward_fp8's buffer bytes
 
     # -- lifetime / errors ---------------------------------------------------------------------
     def close(self) -> None:
@@ -124,7 +128,8 @@ class CudaBackend:
             self._order.close()
             self._arena.close()
             self._scratch.clear()
-            self._graveyard.clear()
+            self._calls.clear()
+            self._blocks.clear()
             if self.ep is None:   # an EP rank's error word belongs to the heap
                 self.error.close()
 
@@ -136,7 +141,7 @@ class CudaBackend:
 
     def synchronize(self) -> None:
         self._sync_streams()
-        self._graveyard.clear()
+        self._blocks.recycle()
         if self._captured:   # replays run on streams mok_rt never sees
             activate(self.device_id)
             call("cuCtxSynchronize")
@@ -161,10 +166,10 @@ class CudaBackend:
         if self.ep is not None:
             self.ep.shared.health.check(self.ep.rank)
 
-    def _begin(self, stream) -> bool:
+    def _begin(self, stream) -> tuple[bool, int]:
         """Every call starts here: refuse calls once an EP group's shared state is undefined,
         order the call after the previous one's stream, note the stream for synchronize.
-        Returns whether the stream is capturing a graph."""
+        Returns whether the stream is capturing a graph, and the stream's handle."""
         self._check_usable()
         activate(self.device_id)   # events, arena blocks and launches belong to this rank's device
         handle = int(stream.handle)
@@ -175,39 +180,35 @@ class CudaBackend:
                                               "launch meets its peers under a new epoch); capture one-rank "
                                               "workspaces only")
             self._captured = True
-            return True
+            return True, handle
         self._streams[handle] = stream
         self._order.enter(handle)
-        self._graveyard.clear()   # each block frees on the stream it was allocated on
-        return False
+        self._blocks.recycle()   # released blocks become spares; each frees on its own stream
+        return False, handle
 
     # -- memory ------------------------------------------------------------------------------------
+    def _results(self, total: int, stream, handle: int, capturing: bool, *, poison: bool = True, tag=None):
+        """(base pointer, owner) of one block of ``total`` bytes for a call's results: from the
+        graph arena while capturing (kept until the workspace closes), else a recycled block or
+        a new one from the pool (cuda_calls.Recycler).  Poisoned when the workspace asks."""
+        if not total:
+            return 0, None
+        if capturing:
+            base, owner = self._arena.allocate(total), self._arena
+        else:
+            base, owner = self._blocks.take(total, stream, handle, tag)
+        if poison and self._poison:
+            # NaN for bf16/f32, -1 for ints: an element the kernels fail to write cannot pass.
+            call("cuMemsetD8Async", driver.CUdeviceptr(base), 0xFF, total, driver.CUstream(handle))
+        return base, owner
+
     def _block(self, parts: dict, stream, capturing: bool, *, poison: bool) -> dict:
         """One allocation for a call's results, carved into tensors: ``parts`` maps a name to
         (shape, DType); every part starts on a 256-byte boundary."""
-        offsets, total = {}, 0
-        for name, (shape, dt) in parts.items():
-            offsets[name] = total
-            n = dt.itemsize
-            for d in shape:
-                n *= d
-            total += -(-n // _ALIGN) * _ALIGN
-        if capturing:
-            base, owner = self._arena.allocate(total), self._arena
-        elif total:
-            t = Tensor.empty((total,), dtypes.uint8, device_id=self.device_id, stream=stream)
-            base, owner = t.ptr, _Block(t, self._graveyard)
-        else:
-            base, owner = 0, None
-        if poison and self.ws.poison_outputs and total:
-            # NaN for bf16/f32, -1 for ints: an element the kernels fail to write cannot pass.
-            call("cuMemsetD8Async", driver.CUdeviceptr(base), 0xFF, total, driver.CUstream(int(stream.handle)))
-        # A captured call's results are written by replays on whatever stream replays the graph:
-        # they name no producer stream, and the caller orders its reads after the replay.
-        producer = None if capturing else stream
-        return {name: Tensor._from_pointer(base + offsets[name] if total else 0, shape, dt, self.device_id, owner,
-                                           stream=producer)
-                for name, (shape, dt) in parts.items()}
+        lay = Layout(parts)
+        handle = int(stream.handle)
+        base, owner = self._results(lay.total, stream, handle, capturing, poison=poison)
+        return lay.tensors(base, self.device_id, owner, None if capturing else stream, handle)
 
     def _scratch_ptrs(self, kind: str, sizes: dict, stream, capturing: bool) -> dict:
         """This rank's scratch buffers of ``kind`` ("schedule", "forward", "backward") by name:
@@ -218,17 +219,21 @@ class CudaBackend:
             # calls or other graphs on streams this rank never sees, so nothing may share it.
             return {name: self._arena.allocate(nbytes) for name, nbytes in sizes.items()}
         out = {}
+        scratch = self._scratch
         for name, nbytes in sizes.items():
-            key = f"{kind}.{name}"
-            have = self._scratch.get(key)
-            if nbytes and (have is None or have[1] < nbytes):
+            if not nbytes:
+                out[name] = 0
+                continue
+            key = (kind, name)
+            have = scratch.get(key)
+            if have is None or have[1] < nbytes:
                 if have is not None:
                     # Freed on this call's stream, which StreamOrder placed after every earlier
                     # call of the rank (the last users of the old buffer), whatever their streams.
                     have[2]._owner.close(stream)
                 t = Tensor.empty((nbytes,), dtypes.uint8, device_id=self.device_id, stream=stream)
-                have = self._scratch[key] = (t.ptr, nbytes, t)
-            out[name] = have[0] if nbytes else 0
+                have = scratch[key] = (t.ptr, nbytes, t)
+            out[name] = have[0]
         return out
 
     def memory_bytes(self) -> dict:
@@ -239,8 +244,15 @@ class CudaBackend:
         sh = self._shapes.get(tokens)
         if sh is None:
             dims = self._dims(tokens)
-            fwd = M8.forward_buffer_bytes(dims) if self._fp8 else L.forward_buffer_bytes(dims)
-            sh = _Shapes(dims=dims, forward=fwd, backward=L.backward_buffer_bytes(dims))
+            fwd, bwd = L.forward_buffer_bytes(dims), L.backward_buffer_bytes(dims)
+            scratch_roles = ("scratch", "counters", "heap")
+            cfg = self.ws.config
+            words = scratch_words(num_experts=cfg.num_experts, max_total_routes=max(tokens, 1) * cfg.top_k)
+            sh = _Shapes(dims=dims, forward=fwd, backward=bwd, schedule_scratch={n: 4 * w for n, w in words.items()},
+                         forward_scratch={n: nb for n, nb in fwd.items() if _FORWARD[n].role in ("scratch", "counters")},
+                         backward_scratch={n: nb for n, nb in bwd.items() if _BACKWARD[n].role in scratch_roles},
+                         backward_scratch_ep={n: nb for n, nb in bwd.items() if _BACKWARD[n].role in scratch_roles
+                                              and n not in ("dy_routed", "dx_slot")})
             if len(self._shapes) > 64:
                 self._shapes.clear()
             self._shapes[tokens] = sh
@@ -288,32 +300,107 @@ class CudaBackend:
 
     # -- the API -----------------------------------------------------------------------------------
     def schedule(self, ids, *, stream):
-        capturing = self._begin(stream)
+        capturing, handle = self._begin(stream)
         cfg, ws = self.ws.config, self.ws
         T = ids.shape[0]
-
-        def outputs(parts):
-            return self._block({n: (shape, dtypes.int32) for n, shape in parts.items()}, stream, capturing,
-                               poison=False)
-
-        def scratch(words):
-            return self._scratch_ptrs("schedule", {n: 4 * w for n, w in words.items()}, stream, capturing)
-
         common = dict(ids_int64=ids.dtype == dtypes.int64, num_experts=cfg.num_experts, top_k=cfg.top_k,
                       rank=ws.rank_id, block_m=cfg.block_m, max_rows=ws.capacity_rows, device_id=self.device_id,
-                      stream=stream, err_ptr=self.error.device_ptr, poison=ws.poison_outputs,
-                      outputs=outputs, scratch=scratch)
-        if self.ep is None:
-            s = build_schedule([ids.ptr], [T], max_total_routes=max(T, 1) * cfg.top_k, **common)
+                      stream=stream, err_ptr=self.error.device_ptr, poison=ws.poison_outputs)
+        if self.ep is not None:
+            def outputs(parts):
+                return self._block({n: (shape, dtypes.int32) for n, shape in parts.items()}, stream, capturing,
+                                   poison=False)
+
+            def scratch(words):
+                return self._scratch_ptrs("schedule", {n: 4 * w for n, w in words.items()}, stream, capturing)
+
+            s = build_schedule_ep(ids.ptr, T, exchange=self.ep.exchange(), max_tokens=ws.max_tokens, **common,
+                                  outputs=outputs, scratch=scratch)
         else:
-            s = build_schedule_ep(ids.ptr, T, exchange=self.ep.exchange(), max_tokens=ws.max_tokens, **common)
+            s = self._schedule_one(ids, T, stream, handle, capturing, common)
         s._keep = ids
+        s._launch_bufs = self._sched_bufs(s)
+        s._launch_key = tuple(getattr(s._launch_bufs, n) for n in _SCHED_NAMES)
         return s
 
+    def _schedule_one(self, ids, T: int, stream, handle: int, capturing: bool, common: dict):
+        """One GPU's schedule: its arrays in one block, its passes prepared once per (ids, block,
+        scratch, stream) and enqueued again when a call repeats them."""
+        cfg, ws = self.ws.config, self.ws
+        sh = self._shapes_for(T)
+        lay = sh.layout("schedule", lambda: {n: (shape, dtypes.int32) for n, shape in output_shapes(
+            num_ranks=1, num_experts=cfg.num_experts, top_k=cfg.top_k, block_m=cfg.block_m,
+            max_rows=ws.capacity_rows, tokens=T).items()})
+        base, owner = self._results(lay.total, stream, handle, capturing, poison=False, tag="schedule")
+        arrays = lay.tensors(base, self.device_id, owner, None if capturing else stream, handle)
+        scratch = self._scratch_ptrs("schedule", sh.schedule_scratch, stream, capturing)
+        key = ("schedule", T, handle, ids.ptr, common["ids_int64"], base, tuple(scratch.values()))
+        cacheable = self._cacheable(capturing)
+        passes = self._calls.get(key) if cacheable else None
+        if passes is None:
+            s = build_schedule([ids.ptr], [T], max_total_routes=max(T, 1) * cfg.top_k, **common,
+                               outputs=lambda parts: arrays, scratch=lambda w: {n: scratch[n] for n in w})
+            if cacheable:
+                self._calls.put(key, s._passes)
+            return s
+        s = Schedule(num_ranks=1, rank=ws.rank_id, num_experts=cfg.num_experts, top_k=cfg.top_k,
+                     block_m=cfg.block_m, max_rows=ws.capacity_rows, tokens=T, device_id=self.device_id, **arrays)
+        if self._poison:
+            poison_schedule(s, stream)
+        for run in passes:
+            run()
+        return s
+
+    def _cacheable(self, capturing: bool) -> bool:
+        """Whether a call's prepared launch may be kept: not while capturing (its arena pointers are
+        never seen again), not with traces (a new record buffer per launch) nor with expert
+        parallelism (a new epoch per launch)."""
+        return not capturing and self.ep is None and not self.ws.trace
+
+    def _run_forward(self, sched, args, stream, *, context_only: bool):
+        if self._fp8:
+            return self._run_forward_fp8(sched, args, stream, context_only=context_only)
+        capturing, handle = self._begin(stream)
+        T = sched.tokens
+        sh = self._shapes_for(T)
+        dims = sh.dims
+        # The context is owned by the returned state, `out` is returned: one block; the scratch is the rank's.
+        lay = sh.layout(("forward", context_only), lambda: self._forward_parts(sh, context_only))
+        base, owner = self._results(lay.total, stream, handle, capturing, tag="forward")
+        ptrs = lay.pointers(base)
+        out = None if context_only else lay.tensor("out", base, self.device_id, owner,
+                                                   None if capturing else stream, handle)
+        scratch = self._scratch_ptrs("forward", sh.forward_scratch, stream, capturing)
+        ptr = _ptr
+        inputs = (args.x.ptr, ptr(args.topk_weights), args.w_gate.ptr, args.w_up.ptr, args.w_down.ptr,
+                  ptr(args.shared_gate), ptr(args.shared_up), ptr(args.shared_down))
+        cacheable = self._cacheable(capturing)
+        key = ("forward", context_only, T, handle, base, sched._launch_key, inputs, tuple(scratch.values()))
+        prep = self._calls.get(key) if cacheable else None
+        if prep is None:
+            fb = L.ForwardBuffers(
+                x=inputs[0], topk_weights=inputs[1], w_gate=inputs[2], w_up=inputs[3], w_down=inputs[4],
+                shared_gate=inputs[5], shared_up=inputs[6], shared_down=inputs[7], out=ptr(out),
+                **{n: ptrs[n] for n in ptrs if n != "out"}, **scratch)
+            # Only now the EP epoch advances: an allocation that failed above leaves the ranks in step.
+            peers = None if self.ep is None else self.ep.peers(T)
+            plan = L.forward_plan(dims, context_only=context_only,
+                                  push_tasks=0 if peers is None else peers.push_tasks)
+            trace = self._trace_buffer("recompute" if context_only else "forward", plan, stream, capturing)
+            prep = L.prepare_forward(fb, sched._launch_bufs, dims, stream=stream, err_ptr=self.error.device_ptr,
+                                     device_id=self.device_id, knobs=self.knobs, context_only=context_only,
+                                     peers=peers, trace_ptr=trace, plan=plan)
+            if cacheable:
+                self._calls.put(key, prep)
+        prep()
+        ptrs.pop("out", None)
+        return out, _ForwardState(dims=dims, bufs=ptrs, keep=(args, sched, owner))
+
+    # -- fp8_block (moe_forward_fp8; docs/FP8_DESIGN.md) ---------------------------------------------
     def quantize(self, groups, *, stream) -> dict:
         """``mok.quantize_weights``: ``groups`` [(name, (gate, up, down) bf16 views)] ->
         {name: DeviceQuantized}, the forward copies and scales in one block (one launch)."""
-        capturing = self._begin(stream)
+        capturing, _ = self._begin(stream)
         parts = {}
         for name, views in groups:
             for part, v in zip(_QPARTS, views):
@@ -330,43 +417,18 @@ class CudaBackend:
             out[name] = Q8.DeviceQuantized(**t, device_id=self.device_id)
         return out
 
-    def _run_forward(self, sched, args, stream, *, context_only: bool):
-        if self._fp8:
-            return self._run_forward_fp8(sched, args, stream, context_only=context_only)
-        capturing = self._begin(stream)
-        T = sched.tokens
-        shapes = self._shapes_for(T)
-        dims, sizes = shapes.dims, shapes.forward
-        # The context is owned by the returned state, `out` is returned: one block; the scratch is the rank's.
-        parts = {n: ((nb,), dtypes.uint8) for n, nb in sizes.items() if _FORWARD[n].role == "context"}
-        if not context_only:
-            parts["out"] = ((T, dims.hidden), dtypes.bfloat16)
-        block = self._block(parts, stream, capturing, poison=True)
-        out = block.pop("out", None)
-        scratch = self._scratch_ptrs("forward", {n: nb for n, nb in sizes.items()
-                                                 if _FORWARD[n].role in ("scratch", "counters")}, stream, capturing)
-        ptr = lambda v: 0 if v is None else v.ptr  # noqa: E731
-        fb = L.ForwardBuffers(
-            x=args.x.ptr, topk_weights=ptr(args.topk_weights), w_gate=args.w_gate.ptr, w_up=args.w_up.ptr,
-            w_down=args.w_down.ptr, shared_gate=ptr(args.shared_gate), shared_up=ptr(args.shared_up),
-            shared_down=ptr(args.shared_down), out=ptr(out),
-            **{n: (v.ptr if sizes[n] else 0) for n, v in block.items()}, **scratch)
-        # Only now the EP epoch advances: an allocation that failed above leaves the ranks in step.
-        peers = None if self.ep is None else self.ep.peers(T)
-        plan = L.forward_plan(dims, context_only=context_only, push_tasks=0 if peers is None else peers.push_tasks)
-        trace = self._trace_buffer("recompute" if context_only else "forward", plan, stream, capturing)
-        L.launch_forward(fb, self._sched_bufs(sched), dims, stream=stream, err_ptr=self.error.device_ptr,
-                         device_id=self.device_id, knobs=self.knobs, context_only=context_only, peers=peers,
-                         trace_ptr=trace, plan=plan)
-        return out, _ForwardState(dims=dims, bufs=block, keep=(args, sched))
-
     def _run_forward_fp8(self, sched, args, stream, *, context_only: bool):
         """The "fp8_block" forward (moe_forward_fp8): on QuantizedWeights, or on bf16 master weights
-        quantised for this call first (one more launch; mok.quantize_weights once per step saves it)."""
-        capturing = self._begin(stream)
+        quantised for this call first (one more launch; mok.quantize_weights once per step saves it).
+        Not through the prepared-call cache: every call fills its parameters anew."""
+        capturing, _ = self._begin(stream)
         T = sched.tokens
-        shapes = self._shapes_for(T)
-        dims, sizes = shapes.dims, shapes.forward
+        dims = self._shapes_for(T).dims
+        sizes = self._fp8_sizes.get(T)
+        if sizes is None:
+            if len(self._fp8_sizes) > 64:
+                self._fp8_sizes.clear()
+            sizes = self._fp8_sizes[T] = M8.forward_buffer_bytes(dims)
         if args.quantized is not None:
             routed, shared = args.quantized.experts, args.quantized.shared
         else:
@@ -388,15 +450,21 @@ class CudaBackend:
             for part in _QPARTS:
                 wq[prefix + part] = 0 if g is None else getattr(g, part).ptr
                 wq[f"{prefix}{part}_s"] = 0 if g is None else getattr(g, f"{part}_scale").ptr
-        ptr = lambda v: 0 if v is None else v.ptr  # noqa: E731
-        fb = M8.Fp8ForwardBuffers(x=args.x.ptr, topk_weights=ptr(args.topk_weights), out=ptr(out), **wq,
+        fb = M8.Fp8ForwardBuffers(x=args.x.ptr, topk_weights=_ptr(args.topk_weights), out=_ptr(out), **wq,
                                   **{n: (v.ptr if sizes[n] else 0) for n, v in block.items()}, **scratch)
         plan = M8.forward_plan(dims, context_only=context_only)
         trace = self._trace_buffer("recompute" if context_only else "forward", plan, stream, capturing)
-        M8.launch_forward_fp8(fb, self._sched_bufs(sched), dims, stream=stream, err_ptr=self.error.device_ptr,
+        M8.launch_forward_fp8(fb, sched._launch_bufs, dims, stream=stream, err_ptr=self.error.device_ptr,
                               device_id=self.device_id, knobs=self.knobs, context_only=context_only,
                               trace_ptr=trace, plan=plan)
         return out, _ForwardState(dims=dims, bufs=block, keep=(args, sched, routed, shared))
+
+    @staticmethod
+    def _forward_parts(sh: _Shapes, context_only: bool) -> dict:
+        parts = {n: ((nb,), dtypes.uint8) for n, nb in sh.forward.items() if _FORWARD[n].role == "context"}
+        if not context_only:
+            parts["out"] = ((sh.dims.tokens, sh.dims.hidden), dtypes.bfloat16)
+        return parts
 
     def forward(self, sched, args, *, stream):
         return self._run_forward(sched, args, stream, context_only=False)
@@ -409,53 +477,74 @@ class CudaBackend:
         the caller's validated buffers by the same names (None: allocate)."""
         if self._fp8:
             # Refused before anything is launched: running the bf16 backward on an FP8 context would
-            # silently compute other gradients (docs/FP8_DESIGN.md "What is not built yet").
+            # silently compute other gradients (docs/FP8_DESIGN.md, step 2 "Not built").
             raise ArgumentError("precision", "the CUDA backward of 'fp8_block' is not built yet (missing: the FP8 "
                                              "dA / dX GEMMs, the dSwiGLU quantisation, the transposed weight "
                                              "copies and the wgrad operands); the CUDA backend runs the FP8 "
                                              "forward and recompute_context only. Use backend='reference' for "
                                              "FP8 gradients")
-        capturing = self._begin(stream)
+        capturing, handle = self._begin(stream)
         dims = state.dims
-        T, H, k = dims.tokens, dims.hidden, dims.top_k
-        sizes = self._shapes_for(T).backward
+        T = dims.tokens
+        sh = self._shapes_for(T)
+        sizes = sh.backward
         # dx, d_topk_weights and the weight gradients the caller did not pass: one block.
-        parts = {"dx": ((T, H), dtypes.bfloat16), "d_topk_weights": ((T, k), dtypes.float32)}
+        given = tuple(n for n in _GRAD_NAMES if sizes[n] and out.get(n) is not None)
         # One dtype for every weight gradient of the call (api/validate.py): the caller's, else fp32.
         grad_dtype = next((v.dtype for v in out.values() if v is not None), dtypes.float32)
-        grads = {}
-        for b in P.BACKWARD_BUFFERS:
-            if b.struct != "grads":
-                continue
-            if sizes[b.name] == 0:
-                grads[b.name] = None
-            elif out.get(b.name) is not None:
-                grads[b.name] = out[b.name]
-            else:
-                parts[b.name] = (b.shape(dims), grad_dtype)
-        results = self._block(parts, stream, capturing, poison=True)
-        grads.update({n: v for n, v in results.items() if n not in ("dx", "d_topk_weights")})
+        lay = sh.layout(("backward", given, grad_dtype.name),
+                        lambda: self._backward_parts(sh, given, grad_dtype))
+        base, owner = self._results(lay.total, stream, handle, capturing, tag="backward")
+        results = lay.tensors(base, self.device_id, owner, None if capturing else stream, handle)
+        grads = {n: (None if not sizes[n] else out[n] if n in given else results[n]) for n in _GRAD_NAMES}
         dx, dtw = results["dx"], results["d_topk_weights"]
         # The rank's scratch; with EP the rows that travel (role "heap": dy_routed in, dx_slot back)
         # live in the symmetric heap.
-        heap_rows = {} if self.ep is None else {"dy_routed": self.ep.routed_ptr(), "dx_slot": self.ep.slot_ptr()}
-        scratch = self._scratch_ptrs("backward", {n: nb for n, nb in sizes.items() if n not in heap_rows and
-                                                  _BACKWARD[n].role in ("scratch", "counters", "heap")},
-                                     stream, capturing)
-        ptr = lambda v: 0 if v is None else v.ptr  # noqa: E731
-        b = state.bufs
-        bb = L.BackwardBuffers(
-            d_out=dout.ptr, x=args.x.ptr, topk_weights=args.topk_weights.ptr, w_gate=args.w_gate.ptr,
-            w_up=args.w_up.ptr, w_down=args.w_down.ptr, shared_gate=ptr(args.shared_gate),
-            shared_up=ptr(args.shared_up), shared_down=ptr(args.shared_down), dx=dx.ptr, d_topk_weights=dtw.ptr,
-            **{n: (v.ptr if v.nbytes else 0) for n, v in b.items()}, **{n: ptr(v) for n, v in grads.items()},
-            **scratch, **heap_rows)
-        peers = None if self.ep is None else self.ep.peers(T)
-        plan = L.backward_plan(dims, push_tasks=0 if peers is None else peers.push_tasks)
-        trace = self._trace_buffer("backward", plan, stream, capturing)
-        L.launch_backward(bb, self._sched_bufs(sched), dims, stream=stream, err_ptr=self.error.device_ptr,
-                          device_id=self.device_id, knobs=self.knobs, accumulate=accumulate,
-                          grad_bf16=grad_dtype == dtypes.bfloat16, peers=peers,
-                          trace_ptr=trace, plan=plan)
+        if self.ep is None:
+            heap_rows = {}
+            scratch = self._scratch_ptrs("backward", sh.backward_scratch, stream, capturing)
+        else:
+            heap_rows = {"dy_routed": self.ep.routed_ptr(), "dx_slot": self.ep.slot_ptr()}
+            scratch = self._scratch_ptrs("backward", sh.backward_scratch_ep, stream, capturing)
+        ptr = _ptr
+        inputs = (dout.ptr, args.x.ptr, args.topk_weights.ptr, args.w_gate.ptr, args.w_up.ptr, args.w_down.ptr,
+                  ptr(args.shared_gate), ptr(args.shared_up), ptr(args.shared_down))
+        grad_ptrs = tuple(ptr(grads[n]) for n in _GRAD_NAMES)
+        cacheable = self._cacheable(capturing)
+        grad_bf16 = grad_dtype == dtypes.bfloat16
+        key = ("backward", bool(accumulate), grad_bf16, T, handle, base, sched._launch_key, tuple(state.bufs.values()), inputs,
+               grad_ptrs, tuple(scratch.values()))
+        prep = self._calls.get(key) if cacheable else None
+        if prep is None:
+            bb = L.BackwardBuffers(
+                d_out=inputs[0], x=inputs[1], topk_weights=inputs[2], w_gate=inputs[3], w_up=inputs[4],
+                w_down=inputs[5], shared_gate=inputs[6], shared_up=inputs[7], shared_down=inputs[8], dx=dx.ptr,
+                d_topk_weights=dtw.ptr, **state.bufs, **dict(zip(_GRAD_NAMES, grad_ptrs)), **scratch, **heap_rows)
+            peers = None if self.ep is None else self.ep.peers(T)
+            plan = L.backward_plan(dims, push_tasks=0 if peers is None else peers.push_tasks)
+            trace = self._trace_buffer("backward", plan, stream, capturing)
+            prep = L.prepare_backward(bb, sched._launch_bufs, dims, stream=stream, err_ptr=self.error.device_ptr,
+                                      device_id=self.device_id, knobs=self.knobs, accumulate=accumulate,
+                                      grad_bf16=grad_bf16, peers=peers, trace_ptr=trace, plan=plan)
+            if cacheable:
+                self._calls.put(key, prep)
+        prep()
         dx._owner = (dx._owner, args, dout)   # keep the inputs alive with the result
-        return dict(dx=dx, d_topk_weights=dtw, **grads)
+        return dict(dx=dx, d_topk_weights=dtw, **{n: grads[n] for n in _GRAD_NAMES})
+
+    @staticmethod
+    def _backward_parts(sh: _Shapes, given: tuple, grad_dtype) -> dict:
+        T, H, k = sh.dims.tokens, sh.dims.hidden, sh.dims.top_k
+        parts = {"dx": ((T, H), dtypes.bfloat16), "d_topk_weights": ((T, k), dtypes.float32)}
+        for b in P.BACKWARD_BUFFERS:
+            if b.struct == "grads" and sh.backward[b.name] and b.name not in given:
+                parts[b.name] = (b.shape(sh.dims), grad_dtype)
+        return parts
+
+
+def _ptr(v) -> int:
+    return 0 if v is None else v.ptr
+
+
+_GRAD_NAMES = tuple(b.name for b in P.BACKWARD_BUFFERS if b.struct == "grads")
+_SCHED_NAMES = tuple(b.name for b in P.FORWARD_BUFFERS if b.role == "schedule")

@@ -22,7 +22,9 @@ the capsule (NumPy < 2.1 asked for a versioned one) are ctypes callbacks used in
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
+import math
 import weakref
 from dataclasses import dataclass, field
 from typing import Union
@@ -295,19 +297,42 @@ def _live_exports() -> int:
 
 # --------------------------------------------------------------------------- import side
 class _Imported:
-    """Keeps a consumed DLPack tensor alive; calls the producer's deleter once when dropped."""
+    """Keeps a consumed DLPack tensor alive; calls the producer's deleter once when dropped.
 
-    __slots__ = ("_finalizer", "__weakref__")
+    A ``__del__`` rather than a ``weakref.finalize`` (this is on every layer call's path, and a
+    finalizer costs several times more to set up).  At interpreter exit the producer's library may
+    already be torn down, so once exit has begun the deleter is skipped: the memory leaks instead,
+    as weakref.finalize(atexit=False) did."""
+
+    __slots__ = ("_managed", "_deleter", "__weakref__")
 
     def __init__(self, managed_addr: int, deleter_addr: int | None):
-        self._finalizer = weakref.finalize(self, _call_deleter, deleter_addr, managed_addr)
-        # At exit the producer's library may already be torn down: leak instead.
-        self._finalizer.atexit = False
+        self._managed, self._deleter = managed_addr, deleter_addr
+
+    def __del__(self):
+        deleter, self._deleter = self._deleter, None
+        if deleter and not _exiting:   # the spec allows a NULL deleter
+            _call_deleter(deleter, self._managed)
+
+
+_exiting = False
+_deleters: dict[int, object] = {}   # deleter address -> its ctypes function object (a handful per process)
+
+
+def _at_exit() -> None:
+    global _exiting
+    _exiting = True
+
+
+atexit.register(_at_exit)
 
 
 def _call_deleter(deleter_addr, managed_addr):
     if deleter_addr:  # the spec allows a NULL deleter
-        _CALL_DELETER(deleter_addr)(managed_addr)
+        fn = _deleters.get(deleter_addr)
+        if fn is None:
+            fn = _deleters[deleter_addr] = _CALL_DELETER(deleter_addr)
+        fn(managed_addr)
 
 
 @dataclass(frozen=True)
@@ -332,7 +357,7 @@ class TensorView:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+        return math.prod(self.shape)   # plain ints: no NumPy reduction on the host path
 
     @property
     def nbytes(self) -> int:
@@ -464,26 +489,39 @@ def _consume_capsule(capsule, name: str) -> TensorView:
     readonly = False
     if versioned:
         managed = DLManagedTensorVersioned.from_address(addr)
-        if managed.version.major != 1:
+        version = managed.version
+        if version.major != 1:
             # Not consumed: the producer's capsule destructor frees it.
-            raise ArgumentError(name, f"unsupported DLPack version "
-                                      f"{managed.version.major}.{managed.version.minor}")
+            raise ArgumentError(name, f"unsupported DLPack version {version.major}.{version.minor}")
         readonly = bool(managed.flags & DLPACK_FLAG_BITMASK_READ_ONLY)
     else:
         managed = DLManagedTensor.from_address(addr)
+    # Every field read once (each ctypes access builds an object); slices of the int64 arrays
+    # come back as lists of ints.
     t = managed.dl_tensor
-    ndim = int(t.ndim)
-    dtype = _dt.from_dlpack_code(t.dtype.code, t.dtype.bits, t.dtype.lanes, argument=name)
-    shape = tuple(int(t.shape[i]) for i in range(ndim))
-    strides = tuple(int(t.strides[i]) for i in range(ndim)) if t.strides else _c_strides(shape)
-    ptr = int(t.data or 0) + int(t.byte_offset)
-    device_type, device_id = int(t.device.device_type), int(t.device.device_id)
+    ndim = t.ndim
+    dt = t.dtype
+    dtype = _dt.from_dlpack_code(dt.code, dt.bits, dt.lanes, argument=name)
+    shape = tuple(t.shape[:ndim]) if ndim else ()
+    st = t.strides
+    strides = tuple(st[:ndim]) if st and ndim else _c_strides(shape)
+    ptr = (t.data or 0) + t.byte_offset
+    dev = t.device
     deleter = managed.deleter
     # From here on we own it: rename so the producer's destructor leaves it alone.
     if _PyCapsule_SetName(capsule, used) != 0:  # pragma: no cover - cannot fail for a capsule
         raise ArgumentError(name, "could not mark the DLPack capsule as consumed")
-    keep = _Imported(addr, deleter)
-    return TensorView(ptr, shape, strides, dtype, device_type, device_id, readonly, keep)
+    return _view(ptr, shape, strides, dtype, dev.device_type, dev.device_id, readonly, _Imported(addr, deleter))
+
+
+def _view(ptr, shape, strides, dtype, device_type, device_id, readonly, keep) -> TensorView:
+    """A TensorView built without the frozen dataclass's per-field ``object.__setattr__`` (the
+    import path makes one per tensor argument of every call); the same object as the constructor
+    makes."""
+    v = object.__new__(TensorView)
+    v.__dict__.update(ptr=ptr, shape=shape, strides=strides, dtype=dtype, device_type=device_type,
+                      device_id=device_id, readonly=readonly, _keepalive=keep)
+    return v
 
 
 # --------------------------------------------------------------------------- validation

@@ -11,6 +11,7 @@ included).  Writes a DLPack consumer makes on its own streams are the consumer's
 from __future__ import annotations
 
 import ctypes
+import math
 from typing import Union
 
 import numpy as np
@@ -104,6 +105,17 @@ class Tensor:
         self._readonly = bool(readonly)
         self._producer_stream = None if stream is None else _stream_handle(stream)
         self._stream_keep = stream  # the handle stays valid while a Stream object is held
+        return self
+
+    @classmethod
+    def _wrap(cls, ptr: int, shape: tuple, strides: tuple, dtype: DType, device_id: int, owner,
+              stream_handle: int | None, stream) -> "Tensor":
+        """:meth:`_new` for the hot path of the backends: every argument already normalised
+        (int pointer, tuples of ints, the producer stream's handle computed once per call)."""
+        self = object.__new__(cls)
+        self._ptr, self._shape, self._strides, self._dtype = ptr, shape, strides, dtype
+        self._device_id, self._owner, self._array, self._readonly = device_id, owner, None, False
+        self._producer_stream, self._stream_keep = stream_handle, stream
         return self
 
     # ------------------------------------------------------------------ constructors
@@ -209,7 +221,7 @@ class Tensor:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self._shape, dtype=np.int64))
+        return math.prod(self._shape)   # plain ints: no NumPy reduction on the host path
 
     @property
     def nbytes(self) -> int:

@@ -29,13 +29,13 @@ from mok_rt.kernels import moe_plan as _moe_plan
 from mok_rt.runtime.driver import call, driver
 from mok_rt.runtime.cubins import Kernel, get_kernel
 from mok_rt.errors import ArgumentError, MokError
-from mok_rt.runtime.launch import launch, multiprocessor_count, stream_handle
+from mok_rt.runtime.launch import PreparedLaunch, multiprocessor_count, stream_handle
 
 __all__ = [
     "LayerDims", "ScheduleBuffers", "ForwardBuffers", "BackwardBuffers", "KernelKnobs", "PeerSpec",
     "forward_buffer_bytes", "backward_buffer_bytes", "forward_plan", "backward_plan", "forward_task_count",
     "backward_task_count",
-    "launch_forward", "launch_backward",
+    "launch_forward", "launch_backward", "prepare_forward", "prepare_backward", "PreparedMegakernel",
 ]
 
 _I32 = 4
@@ -325,10 +325,6 @@ def _grid(kernel: Kernel, device_id: int, knobs: KernelKnobs, num_tasks: int, en
     return max(1, min(grid, num_tasks))
 
 
-def _zero_counters(ptr: int, words: int, stream) -> None:
-    call("cuMemsetD32Async", driver.CUdeviceptr(ptr), 0, words, driver.CUstream(stream_handle(stream)))
-
-
 def _check_launch(bufs, table, sched: ScheduleBuffers, dims: LayerDims, peers: PeerSpec | None, err_ptr: int, *,
                   unused: frozenset = frozenset()) -> None:
     """What both launches check before touching the device."""
@@ -339,11 +335,30 @@ def _check_launch(bufs, table, sched: ScheduleBuffers, dims: LayerDims, peers: P
         raise ArgumentError("err_ptr", "null error word")
 
 
-def _launch_megakernel(p, bufs, dims: LayerDims, plan: _moe_plan.Plan, *, backward: bool, stream, device_id: int,
-                       knobs: KernelKnobs) -> None:
-    """The common tail of both launches: the tensor maps, the memset of the dependency counters
-    (they start every launch at zero), then the launch unless there is no task (a forward with
-    T = 0; a backward always has weight-gradient tasks)."""
+class PreparedMegakernel:
+    """A megakernel launch with its parameters filled: calling it enqueues the memset of the
+    dependency counters (they start every launch at zero) and the launch, unless there is no task
+    (a forward with T = 0; a backward always has weight-gradient tasks).  Everything in it is fixed
+    by the pointers, sizes, stream and flags it was prepared for, so it may be enqueued again for a
+    call that repeats them (mok_rt/backends/cuda.py caches them)."""
+
+    __slots__ = ("launch", "plan", "_counters", "_words", "_stream")
+
+    def __init__(self, launch_: PreparedLaunch | None, plan: _moe_plan.Plan, counters: int, stream):
+        self.launch, self.plan = launch_, plan
+        self._counters = driver.CUdeviceptr(counters)
+        self._words = plan.counter_words
+        self._stream = driver.CUstream(stream_handle(stream))
+
+    def __call__(self) -> None:
+        call("cuMemsetD32Async", self._counters, 0, self._words, self._stream)
+        if self.launch is not None:
+            self.launch()
+
+
+def _prepare_megakernel(p, bufs, dims: LayerDims, plan: _moe_plan.Plan, *, backward: bool, stream, device_id: int,
+                        knobs: KernelKnobs) -> PreparedMegakernel:
+    """The common tail of both launches: the tensor maps, then the prepared memset and launch."""
     eng = _KERNELS
     params = P.MoEBackwardTmaParams() if backward else P.MoEForwardTmaParams()
     params.p = p
@@ -358,12 +373,12 @@ def _launch_megakernel(p, bufs, dims: LayerDims, plan: _moe_plan.Plan, *, backwa
             _maps_cache.pop(next(iter(_maps_cache)))
     else:
         ctypes.memmove(ctypes.addressof(params.maps), raw, len(raw))
-    _zero_counters(bufs.counters, plan.counter_words, stream)
-    if plan.total == 0:
-        return
-    kernel = get_kernel(eng.cubin, eng.backward if backward else eng.forward, device_id)
-    launch(kernel, grid=_grid(kernel, device_id, knobs, plan.total, eng), block=eng.threads, params=params,
-           stream=stream, device_id=device_id, shared_mem=eng.smem_bytes)
+    run = None
+    if plan.total:
+        kernel = get_kernel(eng.cubin, eng.backward if backward else eng.forward, device_id)
+        run = PreparedLaunch(kernel, grid=_grid(kernel, device_id, knobs, plan.total, eng), block=eng.threads,
+                             params=params, stream=stream, device_id=device_id, shared_mem=eng.smem_bytes)
+    return PreparedMegakernel(run, plan, bufs.counters, stream)
 
 
 def _check_peers(peers: PeerSpec | None, sched: ScheduleBuffers, dims: LayerDims) -> None:
@@ -380,10 +395,22 @@ def _check_peers(peers: PeerSpec | None, sched: ScheduleBuffers, dims: LayerDims
         raise ArgumentError("route_rank", "null device pointer (needed with expert parallelism)")
 
 
-def launch_forward(bufs: ForwardBuffers, sched: ScheduleBuffers, dims: LayerDims, *, stream, err_ptr: int,
-                   device_id: int = 0, knobs: KernelKnobs = KernelKnobs(), context_only: bool = False,
-                   peers: PeerSpec | None = None, trace_ptr: int = 0, plan: _moe_plan.Plan | None = None) -> None:
-    """Enqueue the fused forward on ``stream``: counters memset, then one persistent launch.
+def launch_forward(bufs: ForwardBuffers, sched: ScheduleBuffers, dims: LayerDims, **kw) -> None:
+    """:func:`prepare_forward` (same arguments), enqueued once."""
+    prepare_forward(bufs, sched, dims, **kw)()
+
+
+def launch_backward(bufs: BackwardBuffers, sched: ScheduleBuffers, dims: LayerDims, **kw) -> None:
+    """:func:`prepare_backward` (same arguments), enqueued once."""
+    prepare_backward(bufs, sched, dims, **kw)()
+
+
+def prepare_forward(bufs: ForwardBuffers, sched: ScheduleBuffers, dims: LayerDims, *, stream, err_ptr: int,
+                    device_id: int = 0, knobs: KernelKnobs = KernelKnobs(), context_only: bool = False,
+                    peers: PeerSpec | None = None, trace_ptr: int = 0,
+                    plan: _moe_plan.Plan | None = None) -> PreparedMegakernel:
+    """Check the arguments and prepare the fused forward on ``stream`` (call the result to enqueue
+    it: counters memset, then one persistent launch).
 
     Writes the context (x_routed, gu, act, y_slot, sgu, sact) and, unless ``context_only``,
     ``out``.  ``err_ptr``: the device error word (int32[4]); the caller checks it after syncing.
@@ -398,14 +425,15 @@ def launch_forward(bufs: ForwardBuffers, sched: ScheduleBuffers, dims: LayerDims
         plan = forward_plan(dims, context_only=bool(context_only), push_tasks=0 if peers is None else peers.push_tasks)
     p = _params(P.MoEForwardParams, bufs, _FORWARD_TABLE, sched, plan, dims, knobs, peers, err_ptr, trace_ptr)
     p.context_only = int(bool(context_only))
-    _launch_megakernel(p, bufs, dims, plan, backward=False, stream=stream, device_id=device_id, knobs=knobs)
+    return _prepare_megakernel(p, bufs, dims, plan, backward=False, stream=stream, device_id=device_id, knobs=knobs)
 
 
-def launch_backward(bufs: BackwardBuffers, sched: ScheduleBuffers, dims: LayerDims, *, stream, err_ptr: int,
-                    device_id: int = 0, knobs: KernelKnobs = KernelKnobs(), accumulate: bool = False,
-                    grad_bf16: bool = False, peers: PeerSpec | None = None, trace_ptr: int = 0,
-                    plan: _moe_plan.Plan | None = None) -> None:
-    """Enqueue the fused backward on ``stream``: counters memset, then one persistent launch.
+def prepare_backward(bufs: BackwardBuffers, sched: ScheduleBuffers, dims: LayerDims, *, stream, err_ptr: int,
+                     device_id: int = 0, knobs: KernelKnobs = KernelKnobs(), accumulate: bool = False,
+                     grad_bf16: bool = False, peers: PeerSpec | None = None, trace_ptr: int = 0,
+                     plan: _moe_plan.Plan | None = None) -> PreparedMegakernel:
+    """Check the arguments and prepare the fused backward on ``stream`` (call the result to
+    enqueue it: counters memset, then one persistent launch).
 
     Writes dx, d_topk_weights and the weight gradients, fp32 or (``grad_bf16``) bf16, added to
     their contents when ``accumulate``.  Needs the forward context of the same schedule and inputs.  With ``peers``
@@ -418,7 +446,7 @@ def launch_backward(bufs: BackwardBuffers, sched: ScheduleBuffers, dims: LayerDi
     p = _params(P.MoEBackwardParams, bufs, _BACKWARD_TABLE, sched, plan, dims, knobs, peers, err_ptr, trace_ptr)
     p.accumulate = int(bool(accumulate))
     p.grad_bf16 = int(bool(grad_bf16))
-    _launch_megakernel(p, bufs, dims, plan, backward=True, stream=stream, device_id=device_id, knobs=knobs)
+    return _prepare_megakernel(p, bufs, dims, plan, backward=True, stream=stream, device_id=device_id, knobs=knobs)
 
 
 def prepare(device_id: int) -> None:

@@ -21,10 +21,11 @@ from mok_rt.kernels.schedule_params import (MAX_RANKS, ROUTING_IDS_OFFSET, SCHED
                                ScheduleParams)
 from mok_rt.errors import ArgumentError
 from mok_rt.runtime.driver import call, driver
-from mok_rt.runtime.launch import launch, stream_handle
+from mok_rt.runtime.launch import PreparedLaunch, launch, stream_handle
 from mok_rt.interop.tensor import Tensor
 
-__all__ = ["Schedule", "RoutingExchange", "build_schedule", "build_schedule_ep", "routing_area_bytes"]
+__all__ = ["Schedule", "RoutingExchange", "build_schedule", "build_schedule_ep", "routing_area_bytes", "output_shapes",
+           "scratch_words"]
 
 _CUBIN = "schedule"
 
@@ -56,6 +57,7 @@ class Schedule:
     route_row: Tensor
     route_rank: Tensor
     _scratch: tuple = field(default=(), repr=False)
+    _passes: tuple = field(default=(), repr=False)   # the prepared count / scan / place launches
 
     @property
     def experts_per_rank(self) -> int:
@@ -187,6 +189,31 @@ def _check_layout(num_ranks: int, num_experts: int, max_rows: int, block_m: int)
         raise ArgumentError("max_rows", f"must be a multiple of block_m={block_m}, got {max_rows}")
 
 
+def output_shapes(*, num_ranks: int, num_experts: int, top_k: int, block_m: int, max_rows: int,
+                  tokens: int) -> dict:
+    """The schedule's int32 arrays by name and shape (see :class:`Schedule`)."""
+    el = num_experts // num_ranks
+    return {"expert_count": (el,), "expert_offset": (el + 1,), "totals": (2,), "block_expert": (max_rows // block_m,),
+            "row_src_rank": (max_rows,), "row_slot": (max_rows,), "route_row": (tokens * top_k,),
+            "route_rank": (tokens * top_k,)}
+
+
+def scratch_words(*, num_experts: int, max_total_routes: int) -> dict:
+    """The passes' int32 scratch arrays by name and length in words."""
+    max_chunks = max(1, -(-max_total_routes // SCHEDULE_CHUNK))
+    return {"chunk_count": max_chunks * num_experts, "expert_total": num_experts, "expert_row_base": num_experts}
+
+
+def poison_schedule(s: Schedule, stream) -> None:
+    """Fill every array of ``s`` with 0x7f7f7f7f on ``stream`` (tests: an element the passes fail
+    to write cannot pass)."""
+    for t in (s.expert_count, s.expert_offset, s.totals, s.block_expert, s.row_src_rank, s.row_slot, s.route_row,
+              s.route_rank):
+        if t.nbytes:
+            call("cuMemsetD32Async", driver.CUdeviceptr(t.ptr), 0x7F7F7F7F, t.nbytes // 4,
+                 driver.CUstream(stream_handle(stream)))
+
+
 def _enqueue(p: ScheduleParams, *, num_ranks: int, tokens: int, num_experts: int, top_k: int, rank: int,
              block_m: int, max_rows: int, max_total_routes: int, device_id: int, stream, err_ptr: int,
              poison: bool, outputs=None, scratch=None) -> Schedule:
@@ -208,20 +235,14 @@ def _enqueue(p: ScheduleParams, *, num_ranks: int, tokens: int, num_experts: int
             keep.extend(Tensor.empty((w,), dtypes.int32, device_id=device_id, stream=stream) for w in words.values())
             return {n: t.ptr for n, t in zip(words, keep)}
 
-    arrays = outputs({"expert_count": (el,), "expert_offset": (el + 1,), "totals": (2,),
-                      "block_expert": (max_rows // block_m,), "row_src_rank": (max_rows,), "row_slot": (max_rows,),
-                      "route_row": (tokens * top_k,), "route_rank": (tokens * top_k,)})
+    arrays = outputs(output_shapes(num_ranks=num_ranks, num_experts=num_experts, top_k=top_k, block_m=block_m,
+                                   max_rows=max_rows, tokens=tokens))
     out = Schedule(num_ranks=num_ranks, rank=rank, num_experts=num_experts, top_k=top_k, block_m=block_m,
                    max_rows=max_rows, tokens=tokens, device_id=device_id, **arrays)
-    work = scratch({"chunk_count": max_chunks * num_experts, "expert_total": num_experts,
-                    "expert_row_base": num_experts})
+    work = scratch(scratch_words(num_experts=num_experts, max_total_routes=max_total_routes))
     out._scratch = tuple(keep)
     if poison:
-        for t in (out.expert_count, out.expert_offset, out.totals, out.block_expert, out.row_src_rank,
-                  out.row_slot, out.route_row, out.route_rank):
-            if t.nbytes:
-                call("cuMemsetD32Async", driver.CUdeviceptr(t.ptr), 0x7F7F7F7F, t.nbytes // 4,
-                     driver.CUstream(stream_handle(stream)))
+        poison_schedule(out, stream)
 
     p.err = err_ptr
     p.chunk_count, p.expert_total, p.expert_row_base = work["chunk_count"], work["expert_total"], \
@@ -237,7 +258,14 @@ def _enqueue(p: ScheduleParams, *, num_ranks: int, tokens: int, num_experts: int
     smem_scan = scan_shared_bytes(num_experts)
     smem_place = (33 * num_experts + MAX_RANKS + 1) * ints
     common = dict(block=SCHEDULE_THREADS, params=p, stream=stream, device_id=device_id)
-    launch(get_kernel(_CUBIN, "schedule_count", device_id), grid=max_chunks, shared_mem=smem_count, **common)
-    launch(get_kernel(_CUBIN, "schedule_scan", device_id), grid=1, shared_mem=smem_scan, **common)
-    launch(get_kernel(_CUBIN, "schedule_place", device_id), grid=max_chunks, shared_mem=smem_place, **common)
+    # Prepared, so that a backend may enqueue the same passes again for a call with the same
+    # pointers, sizes and stream (the three share the one params struct).
+    out._passes = (
+        PreparedLaunch(get_kernel(_CUBIN, "schedule_count", device_id), grid=max_chunks, shared_mem=smem_count,
+                       **common),
+        PreparedLaunch(get_kernel(_CUBIN, "schedule_scan", device_id), grid=1, shared_mem=smem_scan, **common),
+        PreparedLaunch(get_kernel(_CUBIN, "schedule_place", device_id), grid=max_chunks, shared_mem=smem_place,
+                       **common))
+    for run in out._passes:
+        run()
     return out

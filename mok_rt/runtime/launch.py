@@ -15,7 +15,7 @@ from mok_rt.runtime.driver import call, driver
 from mok_rt.runtime.cubins import Kernel
 from mok_rt.errors import ArgumentError
 
-__all__ = ["launch", "stream_handle", "max_shared_memory", "multiprocessor_count"]
+__all__ = ["launch", "PreparedLaunch", "stream_handle", "max_shared_memory", "multiprocessor_count"]
 
 _smem_set: dict[tuple[int, int], int] = {}  # (kernel address, device) -> bytes allowed
 
@@ -75,6 +75,57 @@ def _ensure_shared_memory(kernel: Kernel, device_id: int, nbytes: int) -> None:
     _smem_set[key] = nbytes
 
 
+class PreparedLaunch:
+    """One kernel launch with everything fixed: kernel, grid, block, shared memory, stream and
+    the by-value parameter struct, so that enqueueing it again is one driver call.  The struct is
+    copied by the driver at each launch, so a PreparedLaunch may be enqueued any number of times
+    (the caches of mok_rt/backends/cuda.py keep them for calls that repeat)."""
+
+    __slots__ = ("kernel", "params", "_cfg", "_fn", "_args", "_kernel_params")
+
+    def __init__(self, kernel: Kernel, *, grid, block, params: ctypes.Structure | None, stream, device_id: int = 0,
+                 shared_mem: int = 0, cluster: Sequence[int] | int | None = None, cooperative: bool = False):
+        gx, gy, gz = _dim3(grid, "grid")
+        bx, by, bz = _dim3(block, "block")
+        if bx * by * bz > 1024:
+            raise ArgumentError("block", f"{bx * by * bz} threads per block exceeds 1024")
+        if shared_mem > 48 * 1024:
+            _ensure_shared_memory(kernel, device_id, shared_mem)
+
+        cfg = driver.CUlaunchConfig()
+        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = gx, gy, gz
+        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = bx, by, bz
+        cfg.sharedMemBytes = int(shared_mem)
+        cfg.hStream = driver.CUstream(stream_handle(stream))
+        attrs = []
+        if cluster is not None:
+            cx, cy, cz = _dim3(cluster, "cluster")
+            a = driver.CUlaunchAttribute()
+            a.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            a.value.clusterDim.x, a.value.clusterDim.y, a.value.clusterDim.z = cx, cy, cz
+            attrs.append(a)
+        if cooperative:
+            a = driver.CUlaunchAttribute()
+            a.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_COOPERATIVE
+            a.value.cooperative = 1
+            attrs.append(a)
+        cfg.attrs = attrs
+        cfg.numAttrs = len(attrs)
+        self.kernel, self.params, self._cfg = kernel, params, cfg
+        self._fn = driver.CUfunction(kernel.address)
+        if params is None:
+            self._args, self._kernel_params = None, 0
+        else:
+            # kernelParams is an array of pointers, one per kernel argument: here the one struct.
+            # Both stay referenced by self, so the addresses stay valid for every enqueue.
+            self._args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+            self._kernel_params = ctypes.addressof(self._args)
+
+    def __call__(self) -> None:
+        """Enqueue the launch (asynchronous; nothing waits)."""
+        call("cuLaunchKernelEx", self._cfg, self._fn, self._kernel_params, 0)
+
+
 def launch(kernel: Kernel, *, grid, block, params: ctypes.Structure | None, stream, device_id: int = 0,
            shared_mem: int = 0, cluster: Sequence[int] | int | None = None, cooperative: bool = False) -> None:
     """Launch ``kernel`` on ``stream`` (asynchronous; nothing waits).
@@ -83,40 +134,5 @@ def launch(kernel: Kernel, *, grid, block, params: ctypes.Structure | None, stre
     arguments).  The stream's context must be current (the workspace makes its device's primary
     context current before it launches).
     """
-    gx, gy, gz = _dim3(grid, "grid")
-    bx, by, bz = _dim3(block, "block")
-    if bx * by * bz > 1024:
-        raise ArgumentError("block", f"{bx * by * bz} threads per block exceeds 1024")
-    if shared_mem > 48 * 1024:
-        _ensure_shared_memory(kernel, device_id, shared_mem)
-
-    cfg = driver.CUlaunchConfig()
-    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = gx, gy, gz
-    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = bx, by, bz
-    cfg.sharedMemBytes = int(shared_mem)
-    cfg.hStream = driver.CUstream(stream_handle(stream))
-    attrs = []
-    if cluster is not None:
-        cx, cy, cz = _dim3(cluster, "cluster")
-        a = driver.CUlaunchAttribute()
-        a.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-        a.value.clusterDim.x, a.value.clusterDim.y, a.value.clusterDim.z = cx, cy, cz
-        attrs.append(a)
-    if cooperative:
-        a = driver.CUlaunchAttribute()
-        a.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_COOPERATIVE
-        a.value.cooperative = 1
-        attrs.append(a)
-    cfg.attrs = attrs
-    cfg.numAttrs = len(attrs)
-
-    if params is None:
-        arg_ptrs = (ctypes.c_void_p * 1)(0)
-        kernel_params = 0
-    else:
-        # kernelParams is an array of pointers, one per kernel argument: here the one struct.
-        arg_ptrs = (ctypes.c_void_p * 1)(ctypes.addressof(params))
-        kernel_params = ctypes.addressof(arg_ptrs)
-    call("cuLaunchKernelEx", cfg, driver.CUfunction(kernel.address), kernel_params, 0)
-    # arg_ptrs/params must stay alive until cuLaunchKernelEx returns (it copies them); they do.
-    del arg_ptrs
+    PreparedLaunch(kernel, grid=grid, block=block, params=params, stream=stream, device_id=device_id,
+                   shared_mem=shared_mem, cluster=cluster, cooperative=cooperative)()
