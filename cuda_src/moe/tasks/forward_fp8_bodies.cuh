@@ -70,10 +70,11 @@ __device__ __forceinline__ void quantize_tokens(const MoEFp8ForwardParams& q, in
 }
 
 // Sub-tile S of a gate|up task (registers: chunks j < 8 = gate columns, j >= 8 = up columns, both
-// for intermediate columns c0 + 8 (j mod 8) + 2 quad + {0, 1}): g and u to gu (bf16; gate at
-// column c, up at inter + c; the clamp side kept as the bf16 forward keeps it) for tile rows
-// r < rows, and a = swiglu(g, u) from the fp32 totals into act[32 S ..], the fragment layout of a
-// 128-column I block (chunk 8 S + j).  gu points at the tile's row 0.
+// for intermediate columns c0 + 8 (j mod 8) + 2 quad + {0, 1}): g and u to gu (bf16, rounded to
+// nearest even: the FP8 oracle's context is exactly bf16(g), bf16(u) and its dSwiGLU takes the clamp
+// masks from those, so unlike the bf16 forward the clamp side is not kept; gate at column c, up at
+// inter + c) for tile rows r < rows, and a = swiglu(g, u) from the fp32 totals into act[32 S ..],
+// the fragment layout of a 128-column I block (chunk 8 S + j).  gu points at the tile's row 0.
 template <int S>
 __device__ __forceinline__ void gate_up_subtile(const float (&t)[fp8g::kRegs], const pipe::Frag& f, int rows, bf16* gu,
                                                 int inter, int c0, const SwiGLU& sw, float (&act)[fp8g::kRegs]) {
@@ -87,16 +88,10 @@ __device__ __forceinline__ void gate_up_subtile(const float (&t)[fp8g::kRegs], c
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const int j = 4 * q + k;
-        float g0 = t[4 * j + 2 * h], g1 = t[4 * j + 2 * h + 1];
-        float u0 = t[4 * (j + 8) + 2 * h], u1 = t[4 * (j + 8) + 2 * h + 1];
+        const float g0 = t[4 * j + 2 * h], g1 = t[4 * j + 2 * h + 1];
+        const float u0 = t[4 * (j + 8) + 2 * h], u1 = t[4 * (j + 8) + 2 * h + 1];
         act[32 * S + 4 * j + 2 * h] = sw.act(g0, u0);
         act[32 * S + 4 * j + 2 * h + 1] = sw.act(g1, u1);
-        if (sw.limited) {
-          g0 = bf16_keep_clamp_side(g0, sw.limit, false);
-          g1 = bf16_keep_clamp_side(g1, sw.limit, false);
-          u0 = bf16_keep_clamp_side(u0, sw.limit, true);
-          u1 = bf16_keep_clamp_side(u1, sw.limit, true);
-        }
         gw[k] = pack_bf16x2(g0, g1);
         uw[k] = pack_bf16x2(u0, u1);
       }
