@@ -133,7 +133,7 @@ def _check_weights(got, want):
 
 def _check_xq(got, h, dims):
     """The dispatch's E4M3 rows and scales, bitwise: routed rows (padding zero) and token order."""
-    k, T, H = dims.top_k, dims.tokens, dims.hidden
+    k, T = dims.top_k, dims.tokens
     q = quantize_fp8_block(h["x"].astype(np.float32), (1, FP8_BLOCK))
     qv, qs = q.values.view(np.uint8), q.scales.astype(np.float32)
     slots = got["row_slot"]
