@@ -126,7 +126,7 @@ def test_jit_and_eager_match_the_api_bitwise(jax, ops):
 
 def test_two_layers_in_one_program(jax, ops):
     """Two layer calls (and their two backwards) in one XLA program on one workspace: its scratch
-    is shared by calls ordered on XLA's stream.  Jitted equals eager bitwise."""
+    is shared by calls ordered on XLA's stream.  Jitted gradients equal eager ones bitwise."""
     jnp = jax.numpy
     p = _problem(jax, 2)
     with _ws() as ws:
@@ -141,7 +141,9 @@ def test_two_layers_in_one_program(jax, ops):
         v_j, g_j = jax.jit(jax.value_and_grad(loss))(a)
         jax.block_until_ready((v_e, g_e, v_j, g_j))
         ws.synchronize()
-    _same(v_j, v_e, "loss")
+    # The loss is XLA's own fp32 sum, which jit fuses and orders differently from eager op-by-op
+    # execution (measured: 3 ulp apart); the layers' gradients are mok_rt's and stay bitwise.
+    np.testing.assert_allclose(np.asarray(v_j), np.asarray(v_e), rtol=1e-5)
     for n in a:
         _same(g_j[n], g_e[n], f"d{n}")
 
