@@ -86,8 +86,9 @@ def backward(ws, ctx: Context, d_out, *, dw: ExpertWeights | None = None, dw_sha
     s = resolve_stream(rank, stream)
     h = _handle(s)
     dout = import_d_out(rank, d_out, tokens=ctx.tokens, stream=h)
-    buffers = import_grad_buffers(rank, dw, dw_shared, accumulate=bool(accumulate), stream=h)
-    g = impl.backward(ctx.schedule, ctx.saved, dout, ctx.inputs, out=buffers, accumulate=bool(accumulate), stream=s)
+    buffers, grad_dtype = import_grad_buffers(rank, dw, dw_shared, accumulate=bool(accumulate), stream=h)
+    g = impl.backward(ctx.schedule, ctx.saved, dout, ctx.inputs, out=buffers, grad_dtype=grad_dtype,
+                      accumulate=bool(accumulate), stream=s)
     routed = dw if dw is not None else ExpertWeights(g["dw_gate"], g["dw_up"], g["dw_down"])
     shared = None
     if rank.config.has_shared:

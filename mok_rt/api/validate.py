@@ -139,10 +139,11 @@ def _grad_dtypes(ws):
     return (dtypes.float32, dtypes.bfloat16) + ((dtypes.float64,) if _oracle(ws) else ())
 
 
-def import_grad_buffers(ws, dw, dw_shared, *, accumulate: bool, stream) -> dict:
-    """Caller-owned weight-gradient buffers by internal name (None: the backend allocates one).
-    fp32 or bf16 (float64 too on the reference backend), all of one dtype: the kernel writes every
-    weight gradient of a call in one dtype, and allocates the ones not passed in it."""
+def import_grad_buffers(ws, dw, dw_shared, *, accumulate: bool, stream) -> tuple[dict, dtypes.DType]:
+    """Caller-owned weight-gradient buffers by internal name (None: the backend allocates one), and
+    the call's gradient dtype.  fp32 or bf16 (float64 too on the reference backend), all of one
+    dtype: the kernel writes every weight gradient of a call in one dtype, and the backend
+    allocates the ones not passed in it (fp32 when none is passed)."""
     cfg = ws.config
     H, I, Is, El = cfg.hidden, cfg.intermediate, cfg.shared_intermediate, ws.experts_per_rank
     out = dict.fromkeys(GRAD_NAMES)
@@ -151,6 +152,7 @@ def import_grad_buffers(ws, dw, dw_shared, *, accumulate: bool, stream) -> dict:
     groups = [("dw", dw, ((El, I, H), (El, I, H), (El, H, I)), GRAD_NAMES[:3])]
     if cfg.has_shared:
         groups.append(("dw_shared", dw_shared, ((Is, H), (Is, H), (H, Is)), GRAD_NAMES[3:]))
+    first = None   # (label, dtype) of the first buffer given
     for name, given, shapes, names in groups:
         if given is None:
             if accumulate:
@@ -158,21 +160,14 @@ def import_grad_buffers(ws, dw, dw_shared, *, accumulate: bool, stream) -> dict:
             continue
         given = _triple(given, name)
         for part, obj, shape, key in zip(("gate", "up", "down"), given, shapes, names):
-            out[key] = _view(ws, obj, f"{name}.{part}", shape=shape, dtype=_grad_dtypes(ws), stream=stream,
-                             writable=True)
-    first = None
-    for key, label in zip(GRAD_NAMES, ("dw.gate", "dw.up", "dw.down", "dw_shared.gate", "dw_shared.up",
-                                       "dw_shared.down")):
-        v = out[key]
-        if v is None:
-            continue
-        if first is None:
-            first = (label, v.dtype)
-        elif v.dtype != first[1]:
-            raise ArgumentError(label, f"has dtype {v.dtype.name} but {first[0]} is {first[1].name}: the weight "
-                                       f"gradients of one call share one dtype")
-    return out
-
+            label = f"{name}.{part}"
+            v = out[key] = _view(ws, obj, label, shape=shape, dtype=_grad_dtypes(ws), stream=stream, writable=True)
+            if first is None:
+                first = (label, v.dtype)
+            elif v.dtype != first[1]:
+                raise ArgumentError(label, f"has dtype {v.dtype.name} but {first[0]} is {first[1].name}: the "
+                                           f"weight gradients of one call share one dtype")
+    return out, (dtypes.float32 if first is None else first[1])
 
 
 def check_backend_precision(backend: str, precision: str) -> None:

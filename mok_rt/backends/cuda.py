@@ -241,8 +241,7 @@ class CudaBackend:
     def memory_bytes(self) -> dict:
         """Device memory this rank holds now: its scratch, its graph arena, the result blocks of
         eager calls (live results, and spares kept for reuse), and the peak of their sum."""
-        now = self._held()
-        self._peak = max(self._peak, now)
+        # Memory held only grows at an allocation, and each one notes the peak: _peak >= _held().
         return {"scratch": sum(v[1] for v in self._scratch.values()), "graph_arena": self._arena.nbytes,
                 "results": self._blocks.held_bytes, "peak": self._peak}
 
@@ -422,9 +421,9 @@ class CudaBackend:
     def recompute(self, sched, args, *, stream):
         return self._run_forward(sched, args, stream, context_only=True)[1]
 
-    def backward(self, sched, state: _ForwardState, dout, args, *, out, accumulate, stream):
+    def backward(self, sched, state: _ForwardState, dout, args, *, out, grad_dtype, accumulate, stream):
         """Gradients by kernel name (dx, d_topk_weights, dw_gate ... d_shared_down); ``out``:
-        the caller's validated buffers by the same names (None: allocate)."""
+        the caller's validated buffers by the same names (None: allocate, in ``grad_dtype``)."""
         capturing, handle = self._begin(stream)
         dims = state.dims
         T = dims.tokens
@@ -432,8 +431,6 @@ class CudaBackend:
         sizes = sh.backward
         # dx, d_topk_weights and the weight gradients the caller did not pass: one block.
         given = tuple(n for n in _GRAD_NAMES if sizes[n] and out.get(n) is not None)
-        # One dtype for every weight gradient of the call (api/validate.py): the caller's, else fp32.
-        grad_dtype = next((v.dtype for v in out.values() if v is not None), dtypes.float32)
         lay = sh.layout(("backward", given, grad_dtype.name),
                         lambda: self._backward_parts(sh, given, grad_dtype))
         base, owner = self._results(lay.total, stream, handle, capturing, tag="backward")

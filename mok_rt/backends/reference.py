@@ -110,17 +110,17 @@ class ReferenceBackend:
     def recompute(self, sched, args, *, stream):
         return None   # the reference saves no activations: the backward recomputes from its inputs
 
-    def backward(self, sched, saved, dout_view, args, *, out, accumulate, stream):
-        """Gradients by name; ``out``: validated caller buffers by name (None: a new array)."""
+    def backward(self, sched, saved, dout_view, args, *, out, grad_dtype, accumulate, stream):
+        """Gradients by name; ``out``: validated caller buffers by name (None: a new array of
+        ``grad_dtype``)."""
+        grad_np = grad_dtype.numpy
         if sched.layout is None:
-            return self._nan_gradients(sched, args, out)
+            return self._nan_gradients(sched, args, out, grad_np)
         _, rctx = self._run_forward(sched, args)
         g = reference.backward(rctx, _np(dout_view))
         x_dtype, tw_dtype = args.x.dtype.numpy, args.topk_weights.dtype.numpy
         result = {"dx": Tensor.from_numpy(np.ascontiguousarray(g.dx.astype(x_dtype))),
                   "d_topk_weights": Tensor.from_numpy(np.ascontiguousarray(g.d_topk_weights.astype(tw_dtype)))}
-        # One dtype for every weight gradient of the call (api/validate.py): the caller's, else fp32.
-        grad_np = next((v.dtype.numpy for v in out.values() if v is not None), np.float32)
         for name, ref_name in zip(GRAD_NAMES, ("dw_gate", "dw_up", "dw_down", "dws_gate", "dws_up", "dws_down")):
             val = getattr(g, ref_name)
             view = out.get(name)
@@ -136,7 +136,7 @@ class ReferenceBackend:
             result[name] = view
         return result
 
-    def _nan_gradients(self, sched, args, out) -> dict:
+    def _nan_gradients(self, sched, args, out, grad_np) -> dict:
         """What a backward on a failed schedule leaves: NaN everywhere (the error is pending)."""
         cfg, ws = self.ws.config, self.ws
         T, H, I, El = sched.tokens, cfg.hidden, cfg.intermediate, ws.experts_per_rank
@@ -150,8 +150,7 @@ class ReferenceBackend:
             if name not in shapes:
                 result[name] = None
             elif out.get(name) is None:
-                result[name] = self._nan(shapes[name], next((v.dtype.numpy for v in out.values() if v is not None),
-                                                            np.float32))
+                result[name] = self._nan(shapes[name], grad_np)
             else:
                 host_array(out[name])[...] = np.nan
                 result[name] = out[name]

@@ -78,7 +78,7 @@ import mok_rt as mok
 from mok_rt.api.workspace import from_handle as _from_handle
 from mok_rt.api.workspace import handle_of
 from mok_rt.frameworks import ffi_layer, xla_ffi
-from mok_rt.frameworks.common import shared_parts
+from mok_rt.frameworks.common import bf16_gradients, shared_parts
 
 __all__ = ["moe_layer", "workspace_handle", "lookup_workspace", "kernel_dtypes", "register_targets",
            "FORWARD_TARGET", "BACKWARD_TARGET"]
@@ -159,8 +159,8 @@ def _call_backward(handle, d_out, x, ids, tw, w):
     backend = lookup_workspace(handle).backend
     act, route, grad = kernel_dtypes(backend, x.dtype)
     present = _present(w)
-    if backend == "cuda" and all(a.dtype == jnp.bfloat16 for a in present):
-        grad = jnp.dtype(jnp.bfloat16)   # bf16 weights: bf16 gradients from the kernel (fp32 sums rounded once)
+    if bf16_gradients(backend, all(a.dtype == jnp.bfloat16 for a in present)):
+        grad = jnp.dtype(jnp.bfloat16)
     shapes = (jax.ShapeDtypeStruct(x.shape, act), jax.ShapeDtypeStruct(tw.shape, route),
               *(jax.ShapeDtypeStruct(a.shape, grad) for a in present))
     return jax.ffi.ffi_call(BACKWARD_TARGET, shapes, vmap_method="sequential")(

@@ -47,7 +47,7 @@ import torch
 import mok_rt as mok
 from mok_rt.api.workspace import from_handle as _from_handle
 from mok_rt.api.workspace import handle_of
-from mok_rt.frameworks.common import shared_parts
+from mok_rt.frameworks.common import bf16_gradients, shared_parts
 
 __all__ = ["moe_layer", "register_workspace", "workspace_handle", "lookup_workspace", "moe_forward",
            "moe_backward", "kernel_dtypes"]
@@ -117,11 +117,8 @@ def _torch(t, dtype, ws):
 
 
 def _grad_dtype(backend: str, grad: torch.dtype, weights) -> torch.dtype:
-    """bf16 parameters get bf16 gradients straight from the kernel on CUDA (one rounding of the
-    fp32 sums, half the bytes written, no cast after); otherwise the kernels' gradient dtype."""
-    if backend == "cuda" and all(w.dtype == torch.bfloat16 for w in weights):
-        return torch.bfloat16
-    return grad
+    """The weight gradients' dtype (frameworks.common.bf16_gradients)."""
+    return torch.bfloat16 if bf16_gradients(backend, all(w.dtype == torch.bfloat16 for w in weights)) else grad
 
 
 # --------------------------------------------------------------------------- the ops
@@ -174,12 +171,13 @@ def moe_backward(d_out: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, t
 
 @moe_backward.register_fake
 def _(d_out, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, handle):
-    _, route, grad = kernel_dtypes(lookup_workspace(handle).backend, x.dtype)
+    backend = lookup_workspace(handle).backend
+    _, route, grad = kernel_dtypes(backend, x.dtype)
     weights = [w for w in (w_gate, w_up, w_down, ws_gate, ws_up, ws_down) if w is not None]
+    gdt = _grad_dtype(backend, grad, weights)
     return [torch.empty_like(x, memory_format=torch.contiguous_format),
             topk_weights.new_empty(topk_weights.shape, dtype=route),
-            *(w.new_empty(w.shape, dtype=_grad_dtype(lookup_workspace(handle).backend, grad, weights))
-              for w in weights)]
+            *(w.new_empty(w.shape, dtype=gdt) for w in weights)]
 
 
 def _setup_context(ctx, inputs, output):
