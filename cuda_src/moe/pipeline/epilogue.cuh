@@ -132,9 +132,24 @@ __device__ __forceinline__ void store_f32(const float (&acc)[kAccRegs], const Fr
 // read as bf16, when accumulating) rounded once to nearest even.  One writer per element:
 // deterministic.  A quad writes 64 contiguous bytes of a row per group; the two groups of a
 // 128-byte line follow each other, so L2 sees whole lines.
+// Overwriting rounds before the quad transpose (group_bf16: one transpose of packed words instead
+// of two of fp32 words, the same bits).
 template <bool kStreaming>
 __device__ __forceinline__ void store_bf16(const float (&acc)[kAccRegs], const Frag& f, bf16* dst, int ld, int rows,
                                            int cols, bool accumulate) {
+  if (!accumulate) {  // warp-uniform
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = f.row0 + 8 * h;
+      bf16* const d = dst + (size_t)r * ld;  // dereferenced only where r < rows
+#pragma unroll
+      for (int q = 0; q < kGroups; ++q) {
+        if (32 * q >= cols) break;  // warp-uniform
+        st_global_u4_if<kStreaming>(r < rows, d + f.chunk_col(q), group_bf16(acc, q, h));
+      }
+    }
+    return;
+  }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = f.row0 + 8 * h;
@@ -146,12 +161,10 @@ __device__ __forceinline__ void store_bf16(const float (&acc)[kAccRegs], const F
       float v[8];
       group_f32(acc, q, h, v);
       bf16* const at = d + f.chunk_col(q);
-      if (accumulate) {
-        float old[8];
-        unpack_bf16x8(ld_global_u4_if(ok, at), old);
+      float old[8];
+      unpack_bf16x8(ld_global_u4_if(ok, at), old);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] += old[i];
-      }
+      for (int i = 0; i < 8; ++i) v[i] += old[i];
       st_global_u4_if<kStreaming>(ok, at, pack_bf16x8(v));
     }
   }
