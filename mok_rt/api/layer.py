@@ -85,8 +85,10 @@ def backward(ws, ctx: Context, d_out, *, dw: ExpertWeights | None = None, dw_sha
     _check_schedule(rank, ctx.schedule)
     s = resolve_stream(rank, stream)
     h = _handle(s)
-    dout = import_d_out(rank, d_out, tokens=ctx.tokens, stream=h)
-    buffers, grad_dtype = import_grad_buffers(rank, dw, dw_shared, accumulate=bool(accumulate), stream=h)
+    ordered = set()   # d_out and the gradient buffers: one order per framework (from_dlpack)
+    dout = import_d_out(rank, d_out, tokens=ctx.tokens, stream=h, ordered=ordered)
+    buffers, grad_dtype = import_grad_buffers(rank, dw, dw_shared, accumulate=bool(accumulate), stream=h,
+                                              ordered=ordered)
     g = impl.backward(ctx.schedule, ctx.saved, dout, ctx.inputs, out=buffers, grad_dtype=grad_dtype,
                       accumulate=bool(accumulate), stream=s)
     routed = dw if dw is not None else ExpertWeights(g["dw_gate"], g["dw_up"], g["dw_down"])
