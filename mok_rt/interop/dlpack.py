@@ -495,23 +495,16 @@ def from_dlpack(obj, *, name: str, stream: Union[int, None, object] = None,
     return _consume_capsule(capsule, name)
 
 
-# The two managed-tensor layouts read with one unpack each (the DLTensor fields in the order
-# of dlpack.h): a ctypes Structure would build an object per field read.
-#   versioned: version major, minor, manager_ctx, deleter, flags, then the DLTensor;
-#   legacy:    the DLTensor, manager_ctx, deleter.
-_DLTENSOR_FMT = "QiiiBBHQQQ"   # data, device type, device id, ndim, code, bits, lanes, shape, strides, offset
-_MANAGED_V = struct.Struct("<IIQQQ" + _DLTENSOR_FMT)
-_MANAGED_LEGACY = struct.Struct("<" + _DLTENSOR_FMT + "QQ")
-_MANAGED_V_BYTES = ctypes.c_char * _MANAGED_V.size
-_MANAGED_LEGACY_BYTES = ctypes.c_char * _MANAGED_LEGACY.size
-assert _MANAGED_V.size == ctypes.sizeof(DLManagedTensorVersioned)
-assert _MANAGED_LEGACY.size == ctypes.sizeof(DLManagedTensor)
-_INT64S: dict[int, type] = {}   # ndim -> c_int64 * ndim (made once per rank)
-
-
-def _int64s_type(n: int) -> type:
-    arr = _INT64S[n] = ctypes.c_int64 * n
-    return arr
+# The managed tensors read with one unpack each (a ctypes Structure builds an object per field
+# read).  DLTensor: data, device type and id, ndim, dtype code, bits, lanes, shape, strides,
+# byte offset; versioned: version, manager_ctx, deleter, flags, then the DLTensor; legacy: the
+# DLTensor, manager_ctx, deleter.
+_MANAGED_V = struct.Struct("<IIQQQ" "QiiiBBHQQQ")
+_MANAGED_LEGACY = struct.Struct("<" "QiiiBBHQQQ" "QQ")
+_MANAGED_V_BYTES = ctypes.c_char * ctypes.sizeof(DLManagedTensorVersioned)
+_MANAGED_LEGACY_BYTES = ctypes.c_char * ctypes.sizeof(DLManagedTensor)
+assert (_MANAGED_V.size, _MANAGED_LEGACY.size) == (80, 64)
+_INT64S = {n: ctypes.c_int64 * n for n in range(1, 9)}   # shape and strides of ndim n (more: made then)
 
 
 def _consume_capsule(capsule, name: str) -> TensorView:
@@ -539,7 +532,7 @@ def _consume_capsule(capsule, name: str) -> TensorView:
         used = _NAME_LEGACY_USED
     dtype = _dt._BY_DLPACK.get((code, bits, lanes)) or _dt.from_dlpack_code(code, bits, lanes, argument=name)
     if ndim:
-        int64s = _INT64S.get(ndim) or _int64s_type(ndim)
+        int64s = _INT64S.get(ndim) or ctypes.c_int64 * ndim
         shape = tuple(int64s.from_address(shape_at))
         strides = tuple(int64s.from_address(strides_at)) if strides_at else _c_strides(shape)
     else:
