@@ -3,11 +3,15 @@
 enqueue (not to run), and where that time goes (cProfile).
 
     python bench/host_profile.py [--tokens 2048] [--steps 50] [--profile] [--null-driver]
+                                 [--producer-stream]
 
 The GPU work of each step is waited for after the host clock stops, so the figure is the
 enqueue path alone (the median over steps; the first steps are warm-up).  ``--null-driver`` runs
 the same steps on any machine against bench/null_driver.py (every driver call succeeds at once,
 inputs are fake device pointers): the Python cost alone, plus the Python calls per step.
+``--producer-stream`` runs the calls on CuPy's current stream (``stream=``, the user guide's
+advice) instead of the workspace's: then no import needs an event (under the null driver, a
+fixed fake handle).
 """
 from __future__ import annotations
 
@@ -32,6 +36,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="print the top cProfile entries")
     ap.add_argument("--null-driver", action="store_true",
                     help="no GPU: time the Python path against bench/null_driver.py")
+    ap.add_argument("--producer-stream", action="store_true",
+                    help="run the calls on the inputs' producer stream (CuPy's current) instead of the workspace's")
     a = ap.parse_args()
     if a.null_driver:
         import sys
@@ -68,11 +74,14 @@ def run(a, *, null: bool) -> None:
     x, d_out, ids, tw = t["x"], t["d_out"], t["ids"], t["tw"]
     experts = mok.ExpertWeights(t["gate"], t["up"], t["down"])
     cfg = mok.MoEConfig(hidden=H, intermediate=I, num_experts=E, top_k=k)
+    stream = None
+    if a.producer_stream:
+        stream = 0x5000 if null else cp.cuda.get_current_stream().ptr
     with mok.Workspace(cfg, mok.SingleProcessGroup(devices=[0]), max_tokens=T) as ws:
         def step():
-            sched = mok.schedule(ws, ids)
-            out, ctx = mok.forward(ws, sched, x, tw, experts)
-            return mok.backward(ws, ctx, d_out)
+            sched = mok.schedule(ws, ids, stream=stream)
+            out, ctx = mok.forward(ws, sched, x, tw, experts, stream=stream)
+            return mok.backward(ws, ctx, d_out, stream=stream)
 
         times = []
         for i in range(a.steps):
@@ -81,7 +90,8 @@ def run(a, *, null: bool) -> None:
             times.append(time.perf_counter() - t0)
             ws.synchronize()
         warm = times[5:] or times
-        where = " (null driver: Python only)" if null else ""
+        where = (" (null driver: Python only)" if null else "") + (" on the producer's stream" if stream is not None
+                                                                   else "")
         print(f"host enqueue of schedule+forward+backward, T={T}{where}: median "
               f"{statistics.median(warm) * 1e3:.3f} ms, min {min(warm) * 1e3:.3f} ms over {len(warm)} steps")
         prof = cProfile.Profile()

@@ -532,9 +532,10 @@ def _consume_capsule(capsule, name: str) -> TensorView:
         used = _NAME_LEGACY_USED
     dtype = _dt._BY_DLPACK.get((code, bits, lanes)) or _dt.from_dlpack_code(code, bits, lanes, argument=name)
     if ndim:
+        # Sliced, not iterated: iterating a ctypes array calls __getitem__ per element.
         int64s = _INT64S.get(ndim) or ctypes.c_int64 * ndim
-        shape = tuple(int64s.from_address(shape_at))
-        strides = tuple(int64s.from_address(strides_at)) if strides_at else _c_strides(shape)
+        shape = tuple(int64s.from_address(shape_at)[:])
+        strides = tuple(int64s.from_address(strides_at)[:]) if strides_at else _c_strides(shape)
     else:
         shape = strides = ()
     # From here on we own it: rename so the producer's destructor leaves it alone.
