@@ -12,11 +12,20 @@ inputs are fake device pointers): the Python cost alone, plus the Python calls p
 ``--producer-stream`` runs the calls on CuPy's current stream (``stream=``, the user guide's
 advice) instead of the workspace's: then no import needs an event (under the null driver, a
 fixed fake handle).
+
+``--instructions``: no timing; after 20 warm-up steps each of ``--steps`` steps runs inside
+``functools.reduce``, so that callgrind counts the instructions of the steps alone (the VM's
+wall clock is noisy, this count is not)::
+
+    PYTHONHASHSEED=0 valgrind --tool=callgrind --toggle-collect=functools_reduce \
+        --callgrind-out-file=/dev/null python bench/host_profile.py --null-driver --instructions --steps 200
+    # "Collected : N"; N / 200 instructions per step
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import pstats
 import statistics
 import time
@@ -36,6 +45,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="print the top cProfile entries")
     ap.add_argument("--null-driver", action="store_true",
                     help="no GPU: time the Python path against bench/null_driver.py")
+    ap.add_argument("--instructions", action="store_true",
+                    help="no timing: run the steps inside functools.reduce, for callgrind (see the docstring)")
     ap.add_argument("--producer-stream", action="store_true",
                     help="run the calls on the inputs' producer stream (CuPy's current) instead of the workspace's")
     a = ap.parse_args()
@@ -83,6 +94,14 @@ def run(a, *, null: bool) -> None:
             out, ctx = mok.forward(ws, sched, x, tw, experts, stream=stream)
             return mok.backward(ws, ctx, d_out, stream=stream)
 
+        if a.instructions:
+            for _ in range(20):
+                step()
+                ws.synchronize()
+            for _ in range(a.steps):   # what callgrind --toggle-collect=functools_reduce counts
+                functools.reduce(lambda acc, _: step(), (0,), None)
+                ws.synchronize()
+            return
         times = []
         for i in range(a.steps):
             t0 = time.perf_counter()
