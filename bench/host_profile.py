@@ -3,16 +3,29 @@
 enqueue (not to run), and where that time goes (cProfile).
 
     python bench/host_profile.py [--tokens 2048] [--steps 50] [--profile] [--null-driver]
+                                 [--producer-stream]
 
 The GPU work of each step is waited for after the host clock stops, so the figure is the
 enqueue path alone (the median over steps; the first steps are warm-up).  ``--null-driver`` runs
 the same steps on any machine against bench/null_driver.py (every driver call succeeds at once,
 inputs are fake device pointers): the Python cost alone, plus the Python calls per step.
+``--producer-stream`` runs the calls on CuPy's current stream (``stream=``, the user guide's
+advice) instead of the workspace's: then no import needs an event (under the null driver, a
+fixed fake handle).
+
+``--instructions``: no timing; after 20 warm-up steps each of ``--steps`` steps runs inside
+``functools.reduce``, so that callgrind counts the instructions of the steps alone (the VM's
+wall clock is noisy, this count is not)::
+
+    PYTHONHASHSEED=0 valgrind --tool=callgrind --toggle-collect=functools_reduce \
+        --callgrind-out-file=/dev/null python bench/host_profile.py --null-driver --instructions --steps 200
+    # "Collected : N"; N / 200 instructions per step
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import pstats
 import statistics
 import time
@@ -32,6 +45,10 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="print the top cProfile entries")
     ap.add_argument("--null-driver", action="store_true",
                     help="no GPU: time the Python path against bench/null_driver.py")
+    ap.add_argument("--instructions", action="store_true",
+                    help="no timing: run the steps inside functools.reduce, for callgrind (see the docstring)")
+    ap.add_argument("--producer-stream", action="store_true",
+                    help="run the calls on the inputs' producer stream (CuPy's current) instead of the workspace's")
     a = ap.parse_args()
     if a.null_driver:
         import sys
@@ -68,12 +85,23 @@ def run(a, *, null: bool) -> None:
     x, d_out, ids, tw = t["x"], t["d_out"], t["ids"], t["tw"]
     experts = mok.ExpertWeights(t["gate"], t["up"], t["down"])
     cfg = mok.MoEConfig(hidden=H, intermediate=I, num_experts=E, top_k=k)
+    stream = None
+    if a.producer_stream:
+        stream = 0x5000 if null else cp.cuda.get_current_stream().ptr
     with mok.Workspace(cfg, mok.SingleProcessGroup(devices=[0]), max_tokens=T) as ws:
         def step():
-            sched = mok.schedule(ws, ids)
-            out, ctx = mok.forward(ws, sched, x, tw, experts)
-            return mok.backward(ws, ctx, d_out)
+            sched = mok.schedule(ws, ids, stream=stream)
+            out, ctx = mok.forward(ws, sched, x, tw, experts, stream=stream)
+            return mok.backward(ws, ctx, d_out, stream=stream)
 
+        if a.instructions:
+            for _ in range(20):
+                step()
+                ws.synchronize()
+            for _ in range(a.steps):   # what callgrind --toggle-collect=functools_reduce counts
+                functools.reduce(lambda acc, _: step(), (0,), None)
+                ws.synchronize()
+            return
         times = []
         for i in range(a.steps):
             t0 = time.perf_counter()
@@ -81,7 +109,8 @@ def run(a, *, null: bool) -> None:
             times.append(time.perf_counter() - t0)
             ws.synchronize()
         warm = times[5:] or times
-        where = " (null driver: Python only)" if null else ""
+        where = (" (null driver: Python only)" if null else "") + (" on the producer's stream" if stream is not None
+                                                                   else "")
         print(f"host enqueue of schedule+forward+backward, T={T}{where}: median "
               f"{statistics.median(warm) * 1e3:.3f} ms, min {min(warm) * 1e3:.3f} ms over {len(warm)} steps")
         prof = cProfile.Profile()

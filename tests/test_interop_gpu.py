@@ -266,34 +266,40 @@ def test_torch_stream_given_as_an_int_handle(baseline, torch, which):
     _assert_same_bits(views, want, f"torch int handle ({which} stream)")
 
 
-def test_torch_producer_on_another_stream_is_ordered_before_us(baseline, torch):
-    """x is written at the end of ~60 ms of work on stream A (torch's current stream); mok_rt runs
-    on stream B.  Importing x with stream=B (torch's __dlpack__) must make B wait for A.  Control:
-    the same run with every input imported without synchronisation (stream=-1) reads stale NaNs."""
+@pytest.mark.parametrize("last", ["x", "w_down"])
+def test_torch_producer_on_another_stream_is_ordered_before_us(baseline, torch, last):
+    """An input (``last``) is written at the end of ~60 ms of work on stream A (torch's current
+    stream); mok_rt runs on stream B.  Importing x with stream=B (torch's __dlpack__) must make B
+    wait for A; w_down, imported later in the same call, is exported with stream=-1 (the order
+    is per call: interop/producers.py) and must be covered by that wait too.  Control: the same
+    run with every input imported without synchronisation (stream=-1) reads stale NaNs."""
     h, want = baseline
     A, B = torch.cuda.Stream(), torch.cuda.Stream()
     sb = _torch_stream_arg(torch, B)
     with _workspace() as ws:
         d = _torch_inputs(torch, h)
-        x_final = d["x"]
+        final = d[last]
         names = ("tw", "w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down")
         sched = mok.schedule(ws, d["ids"], stream=sb)
         experts = lambda imp: (mok.ExpertWeights(*(imp(d[n], n) for n in names[1:4])),  # noqa: E731
                                mok.ExpertWeights(*(imp(d[n], n) for n in names[4:])))
         ex, sh = experts(lambda t, n: t)
-        mok.forward(ws, sched, x_final, d["tw"], ex, shared=sh, stream=sb)   # warm-up
+        mok.forward(ws, sched, d["x"], d["tw"], ex, shared=sh, stream=sb)   # warm-up
         torch.cuda.synchronize()
         ws.check()
 
         def race(*, ordered: bool):
-            x = torch.full_like(x_final, float("nan"))
+            target = torch.full_like(final, float("nan"))
             torch.cuda.synchronize()
             imp = (lambda t, n: t) if ordered else (lambda t, n: from_dlpack(t, name=n, stream=-1))  # noqa: E731
+            inputs = dict(d, **{last: target})
             with torch.cuda.stream(A):
                 _long_matmul_chain(torch, A)
-                x.copy_(x_final)                     # the producer's last write, still far away
-                ex, sh = experts(imp)
-                out, _ = mok.forward(ws, sched, imp(x, "x"), imp(d["tw"], "tw"), ex, shared=sh, stream=sb)
+                target.copy_(final)                  # the producer's last write, still far away
+                ex = mok.ExpertWeights(*(imp(inputs[n], n) for n in names[1:4]))
+                sh = mok.ExpertWeights(*(imp(inputs[n], n) for n in names[4:]))
+                out, _ = mok.forward(ws, sched, imp(inputs["x"], "x"), imp(inputs["tw"], "tw"), ex, shared=sh,
+                                     stream=sb)
                 producer_busy = not A.query()
             with torch.cuda.stream(B):
                 got = torch.from_dlpack(out).clone()

@@ -304,3 +304,64 @@ def test_memory_bytes_counts_results_and_spares_and_keeps_the_peak(fake):
         # (the small blocks came while the big spares were still kept: the peak saw both)
         assert m2["peak"] >= steady["peak"] >= steady["scratch"] + steady["results"]
         assert m2["peak"] >= m2["scratch"] + m2["results"]
+
+
+def test_grown_scratch_is_never_served_stale(fake):
+    """The scratch pointers of a kind are remembered per size table until a buffer is replaced:
+    after a larger call grows them, a call of the old size gets the new buffers (and misses the
+    launch it prepared over the old ones, which were freed)."""
+    with _workspace(max_tokens=2 * T) as ws:
+        impl = ws._single()._impl
+        small, big = _Inputs(tokens=T), _Inputs(tokens=2 * T, base=1 << 45)
+
+        def scratch(tokens):
+            sizes = impl._shapes_for(tokens).forward_scratch
+            ptrs, key = impl._scratch_ptrs("forward", sizes, ws.stream, False)
+            live = {n: (impl._scratch[("forward", n)][0] if nb else 0) for n, nb in sizes.items()}
+            assert ptrs == live and key == tuple(live.values())
+            return ptrs
+
+        _step(ws, small)
+        before = scratch(T)
+        assert scratch(T) is before               # remembered
+        _step(ws, big)                            # grows the scratch, frees the old buffers
+        after = scratch(T)
+        assert after != before and not set(before.values()) & set(after.values()) - {0}
+        misses = impl._calls.misses
+        _step(ws, small)
+        assert impl._calls.misses == misses + 2   # forward and backward re-prepared over the new scratch
+
+
+def test_capture_is_asked_of_the_driver_on_every_call(fake):
+    """No call trusts an earlier answer: a stream that starts capturing after a cached hit is
+    captured (arena memory, nothing cached), and the next eager call is eager again."""
+    with _workspace() as ws:
+        a = _Inputs()
+        _step(ws, a)
+        n = fake.counts["cuStreamIsCapturing"]
+        _step(ws, a)
+        assert fake.counts["cuStreamIsCapturing"] == n + 3
+        impl = ws._single()._impl
+        hits = impl._calls.hits
+        fake.capturing = True
+        out, _ = _step(ws, a)
+        fake.capturing = False
+        assert impl._calls.hits == hits and out._producer_stream is None
+        out, _ = _step(ws, a)
+        assert impl._calls.hits == hits + 3 and out._producer_stream is not None
+
+
+def test_only_the_ranks_own_stream_handle_is_remembered(fake):
+    with _workspace() as ws:
+        rank = ws._single()
+        s1 = type("S", (), {"__cuda_stream__": lambda self: (0, 0x1234)})()
+        s2 = type("S", (), {"__cuda_stream__": lambda self: (0, 0x5678)})()
+        a = _Inputs()
+        for s, h in ((s1, 0x1234), (s2, 0x5678), (None, int(ws.stream.handle)), (s1, 0x1234)):
+            out, g = _step(ws, a, stream=s)
+            assert out._producer_stream == h and g.dx._producer_stream == h
+        assert rank._own_stream == (ws.stream, int(ws.stream.handle))
+        other = fake.devices[0].create_stream()
+        assert rank._stream_int(other) == other.handle and rank._own_stream[0] is ws.stream
+        rank.stream = other   # (a rank's stream replaced: remembered anew, with its object)
+        assert rank._stream_int(other) == other.handle and rank._own_stream == (other, other.handle)

@@ -14,10 +14,10 @@ def _check_schedule(rank, sched):
         raise ArgumentError("sched", "was not made by mok_rt.schedule for this workspace (rank)")
 
 
-def _handle(s):
+def _handle(rank, s):
     """The int CUstream the inputs are imported on (computed once per call rather than once per
     tensor); None on the reference backend."""
-    return None if s is None else int(s.handle)
+    return None if s is None else rank._stream_int(s)
 
 
 def _layer_call(ws, sched, x, topk_weights, experts, shared, stream):
@@ -28,7 +28,7 @@ def _layer_call(ws, sched, x, topk_weights, experts, shared, stream):
     _check_schedule(rank, sched)
     s = resolve_stream(rank, stream)
     args = import_layer_args(rank, tokens=sched.tokens, x=x, topk_weights=topk_weights, experts=experts,
-                             shared=shared, stream=_handle(s))
+                             shared=shared, stream=_handle(rank, s))
     return rank, impl, args, s
 
 
@@ -42,7 +42,7 @@ def schedule(ws, topk_ids, *, stream=None):
     rank = as_rank(ws)
     impl = rank._backend()
     s = resolve_stream(rank, stream)
-    sched = impl.schedule(import_ids(rank, topk_ids, stream=_handle(s)), stream=s)
+    sched = impl.schedule(import_ids(rank, topk_ids, stream=_handle(rank, s)), stream=s)
     sched._rank_owner = rank
     return sched
 
@@ -84,13 +84,24 @@ def backward(ws, ctx: Context, d_out, *, dw: ExpertWeights | None = None, dw_sha
                                    f"got {type(ctx).__name__}")
     _check_schedule(rank, ctx.schedule)
     s = resolve_stream(rank, stream)
-    h = _handle(s)
-    dout = import_d_out(rank, d_out, tokens=ctx.tokens, stream=h)
-    buffers, grad_dtype = import_grad_buffers(rank, dw, dw_shared, accumulate=bool(accumulate), stream=h)
+    h = _handle(rank, s)
+    ordered = set()   # d_out and the gradient buffers: one order per framework (from_dlpack)
+    dout = import_d_out(rank, d_out, tokens=ctx.tokens, stream=h, ordered=ordered)
+    buffers, grad_dtype = import_grad_buffers(rank, dw, dw_shared, accumulate=bool(accumulate), stream=h,
+                                              ordered=ordered)
     g = impl.backward(ctx.schedule, ctx.saved, dout, ctx.inputs, out=buffers, grad_dtype=grad_dtype,
                       accumulate=bool(accumulate), stream=s)
-    routed = dw if dw is not None else ExpertWeights(g["dw_gate"], g["dw_up"], g["dw_down"])
+    routed = dw if dw is not None else _frozen(ExpertWeights, gate=g["dw_gate"], up=g["dw_up"], down=g["dw_down"])
     shared = None
     if rank.config.has_shared:
-        shared = dw_shared if dw_shared is not None else ExpertWeights(g["d_shared_gate"], g["d_shared_up"], g["d_shared_down"])
-    return Gradients(dx=g["dx"], d_topk_weights=g["d_topk_weights"], dw=routed, dw_shared=shared)
+        shared = dw_shared if dw_shared is not None else _frozen(
+            ExpertWeights, gate=g["d_shared_gate"], up=g["d_shared_up"], down=g["d_shared_down"])
+    return _frozen(Gradients, dx=g["dx"], d_topk_weights=g["d_topk_weights"], dw=routed, dw_shared=shared)
+
+
+def _frozen(cls, **fields):
+    """``cls(**fields)`` for a frozen dataclass of plain fields, without its per-field
+    ``object.__setattr__`` (a backward returns two): the same object the constructor makes."""
+    obj = object.__new__(cls)
+    obj.__dict__.update(fields)
+    return obj

@@ -2,7 +2,7 @@
 The type it returns is :class:`mok_rt.types.QuantizedWeights`; its checks live in api/validate.py."""
 from __future__ import annotations
 
-from mok_rt.api.validate import _floats, _triple, _view, check_backend_precision
+from mok_rt.api.validate import _accepts, _triple, _view, check_backend_precision
 from mok_rt.api.workspace import as_rank, resolve_stream
 from mok_rt.errors import ArgumentError
 from mok_rt.types import QuantizedWeights
@@ -13,7 +13,8 @@ __all__ = ["quantize_weights"]
 def _host_weights(rank, weights, name, shapes, stream):
     from mok_rt.backends.reference import host_array   # the reference layout: host arrays
     w = _triple(weights, name)
-    return [host_array(_view(rank, obj, f"{name}.{part}", shape=shape, dtype=_floats(rank), stream=stream))
+    a = _accepts(rank)
+    return [host_array(_view(a, obj, f"{name}.{part}", shape=shape, dtype=a.floats, stream=stream))
             for part, obj, shape in zip(("gate", "up", "down"), w, shapes)]
 
 

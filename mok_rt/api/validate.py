@@ -7,7 +7,8 @@ also takes float32/float64 tensors unless the workspace is ``strict``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Mapping
 
 from mok_rt.errors import ArgumentError
 from mok_rt.interop import dtypes
@@ -20,37 +21,56 @@ _CUDA_FLOAT = (dtypes.bfloat16,)
 _ORACLE_FLOAT = (dtypes.bfloat16, dtypes.float32, dtypes.float64)
 _IDS = (dtypes.int32, dtypes.int64)
 GRAD_NAMES = ("dw_gate", "dw_up", "dw_down", "d_shared_gate", "d_shared_up", "d_shared_down")
+_NO_BUFFERS: Mapping = MappingProxyType(dict.fromkeys(GRAD_NAMES))   # a backward given no gradient buffers
 
 
-@dataclass(frozen=True)
 class LayerArgs:
-    """Validated views of a layer call's tensors (the shared expert's are None without one)."""
+    """Validated views of a layer call's tensors (the shared expert's are None without one).
+    A plain slotted class: one is made per forward call, where a frozen dataclass's field-by-field
+    ``object.__setattr__`` would cost more than the rest of its import."""
 
-    x: TensorView
-    topk_weights: TensorView
-    w_gate: TensorView
-    w_up: TensorView
-    w_down: TensorView
-    shared_gate: TensorView | None = None
-    shared_up: TensorView | None = None
-    shared_down: TensorView | None = None
-    quantized: object = None   # a mok_rt.QuantizedWeights given as experts (then every w_* is None)
+    __slots__ = ("x", "topk_weights", "w_gate", "w_up", "w_down", "shared_gate", "shared_up", "shared_down",
+                 "quantized")
 
+    def __init__(self, x: TensorView, topk_weights: TensorView, w_gate: TensorView | None, w_up: TensorView | None,
+                 w_down: TensorView | None, shared_gate: TensorView | None = None,
+                 shared_up: TensorView | None = None, shared_down: TensorView | None = None,
+                 quantized: object = None):   # a mok_rt.QuantizedWeights given as experts (then every w_* is None)
+        self.x, self.topk_weights = x, topk_weights
+        self.w_gate, self.w_up, self.w_down = w_gate, w_up, w_down
+        self.shared_gate, self.shared_up, self.shared_down = shared_gate, shared_up, shared_down
+        self.quantized = quantized
 
-def _oracle(ws) -> bool:
-    return ws.backend == "reference" and not ws.strict
-
-
-def _device(ws):
-    return "cpu" if ws.backend == "reference" else ("cuda", ws.device_id)
-
-
-def _floats(ws):
-    return _ORACLE_FLOAT if _oracle(ws) else _CUDA_FLOAT
+    def __repr__(self) -> str:
+        return "LayerArgs(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in self.__slots__) + ")"
 
 
-def _f32(ws):
-    return (dtypes.float32, dtypes.float64) if _oracle(ws) else (dtypes.float32,)
+class _Accepts:
+    """What one rank's calls accept: the device, the float / routing-weight / gradient dtypes.
+    A function of the workspace's backend and ``strict`` (fixed when it is made), computed once per
+    rank (the calls read it for every tensor)."""
+
+    __slots__ = ("device", "floats", "f32", "grads", "hidden", "top_k", "max_tokens", "has_shared", "routed_shapes",
+                 "shared_shapes")
+
+    def __init__(self, ws):
+        oracle = ws.backend == "reference" and not ws.strict
+        self.device = "cpu" if ws.backend == "reference" else ("cuda", ws.device_id)
+        self.floats = _ORACLE_FLOAT if oracle else _CUDA_FLOAT
+        self.f32 = (dtypes.float32, dtypes.float64) if oracle else (dtypes.float32,)
+        self.grads = (dtypes.float32, dtypes.bfloat16) + ((dtypes.float64,) if oracle else ())
+        cfg = ws.config
+        H, I, Is, El = cfg.hidden, cfg.intermediate, cfg.shared_intermediate, ws.experts_per_rank
+        self.hidden, self.top_k, self.max_tokens, self.has_shared = H, cfg.top_k, ws.max_tokens, cfg.has_shared
+        self.routed_shapes = ((El, I, H), (El, I, H), (El, H, I))   # gate, up, down
+        self.shared_shapes = ((Is, H), (Is, H), (H, Is))
+
+
+def _accepts(ws) -> _Accepts:
+    a = ws.__dict__.get("_accepts")
+    if a is None:
+        a = ws.__dict__["_accepts"] = _Accepts(ws)
+    return a
 
 
 # Signatures of views that passed check(): a pure function of the view's shape, strides, dtype,
@@ -59,21 +79,14 @@ _CHECKED: set = set()
 _CHECKED_MAX = 512
 
 
-def _check(v, name, dtype, shape, device) -> None:
-    sig = (name, v.shape, v.strides, v.dtype, v.device_type, v.device_id, v.ptr % 16, dtype, shape, device)
-    if sig in _CHECKED:
-        return
-    check(v, name=name, dtype=dtype, shape=shape, device=device)
-    if len(_CHECKED) >= _CHECKED_MAX:
-        _CHECKED.clear()
-    _CHECKED.add(sig)
-
-
-def _view(ws, obj, name, *, shape, dtype, stream, writable=False):
+def _view(a: _Accepts, obj, name, *, shape, dtype, stream, writable=False, ordered=None):
+    """Import ``obj`` on ``stream`` and check it against ``shape``, ``dtype`` and the rank's
+    device.  ``ordered``: the set the imports of one call share (see from_dlpack), None for an
+    import on its own."""
     if obj is None:
         raise ArgumentError(name, "is required")
     try:
-        v = from_dlpack(obj, name=name, stream=stream)
+        v = from_dlpack(obj, name=name, stream=stream, ordered=ordered)
     except ArgumentError as ex:
         # A dtype mok_rt has no DType for (uint32, complex ...): say what this argument takes,
         # not every dtype mok_rt knows.
@@ -82,7 +95,12 @@ def _view(ws, obj, name, *, shape, dtype, stream, writable=False):
             got = getattr(obj, "dtype", None)
             raise ArgumentError(name, f"expected dtype {want}, got {got if got is not None else ex}") from None
         raise
-    _check(v, name, dtype, shape, _device(ws))
+    sig = (name, v.shape, v.strides, v.dtype, v.device_type, v.device_id, v.ptr % 16, dtype, shape, a.device)
+    if sig not in _CHECKED:
+        check(v, name=name, dtype=dtype, shape=shape, device=a.device)
+        if len(_CHECKED) >= _CHECKED_MAX:
+            _CHECKED.clear()
+        _CHECKED.add(sig)
     if writable and v.readonly:
         raise ArgumentError(name, "is read-only; mok_rt writes the gradient into it")
     return v
@@ -95,63 +113,67 @@ def _triple(obj, name: str) -> ExpertWeights:
 
 
 def import_ids(ws, topk_ids, *, stream) -> TensorView:
-    v = _view(ws, topk_ids, "topk_ids", shape=(None, ws.config.top_k), dtype=_IDS, stream=stream)
-    if v.shape[0] > ws.max_tokens:
-        raise ArgumentError("topk_ids", f"{v.shape[0]} tokens exceed the workspace's max_tokens={ws.max_tokens}")
+    a = _accepts(ws)
+    v = _view(a, topk_ids, "topk_ids", shape=(None, a.top_k), dtype=_IDS, stream=stream)
+    if v.shape[0] > a.max_tokens:
+        raise ArgumentError("topk_ids", f"{v.shape[0]} tokens exceed the workspace's max_tokens={a.max_tokens}")
     return v
 
 
-def import_d_out(ws, d_out, *, tokens: int, stream) -> TensorView:
-    return _view(ws, d_out, "d_out", shape=(tokens, ws.config.hidden), dtype=_floats(ws), stream=stream)
+def import_d_out(ws, d_out, *, tokens: int, stream, ordered=None) -> TensorView:
+    a = _accepts(ws)
+    return _view(a, d_out, "d_out", shape=(tokens, a.hidden), dtype=a.floats, stream=stream, ordered=ordered)
 
 
 def import_layer_args(ws, *, tokens: int, x, topk_weights, experts, shared, stream) -> LayerArgs:
-    """Import and check every tensor of a forward or recompute call."""
-    cfg = ws.config
-    H, I, Is, k, El = cfg.hidden, cfg.intermediate, cfg.shared_intermediate, cfg.top_k, ws.experts_per_rank
-    f = _floats(ws)
-    views = dict(
-        x=_view(ws, x, "x", shape=(tokens, H), dtype=f, stream=stream),
-        topk_weights=_view(ws, topk_weights, "topk_weights", shape=(tokens, k), dtype=_f32(ws), stream=stream))
+    """Import and check every tensor of a forward or recompute call (on ``stream``, ordered once
+    per framework: see from_dlpack's ``ordered``)."""
+    a = _accepts(ws)
+    f = a.floats
+    ordered = set()
+    xv = _view(a, x, "x", shape=(tokens, a.hidden), dtype=f, stream=stream, ordered=ordered)
+    tw = _view(a, topk_weights, "topk_weights", shape=(tokens, a.top_k), dtype=a.f32, stream=stream,
+               ordered=ordered)
     if isinstance(experts, QuantizedWeights):
         check_quantized(ws, experts, shared)
-        return LayerArgs(**views, w_gate=None, w_up=None, w_down=None, quantized=experts)
+        return LayerArgs(xv, tw, None, None, None, quantized=experts)
     experts = _triple(experts, "experts")
-    views.update(
-        w_gate=_view(ws, experts.gate, "experts.gate", shape=(El, I, H), dtype=f, stream=stream),
-        w_up=_view(ws, experts.up, "experts.up", shape=(El, I, H), dtype=f, stream=stream),
-        w_down=_view(ws, experts.down, "experts.down", shape=(El, H, I), dtype=f, stream=stream))
-    if shared is not None and not cfg.has_shared:
+    g, u, d = a.routed_shapes
+    gate = _view(a, experts.gate, "experts.gate", shape=g, dtype=f, stream=stream, ordered=ordered)
+    up = _view(a, experts.up, "experts.up", shape=u, dtype=f, stream=stream, ordered=ordered)
+    down = _view(a, experts.down, "experts.down", shape=d, dtype=f, stream=stream, ordered=ordered)
+    if shared is not None and not a.has_shared:
         raise ArgumentError("shared", "the config has no shared expert (shared_intermediate=0)")
-    if cfg.has_shared:
-        if shared is None:
-            raise ArgumentError("shared", f"the config has a shared expert of {Is}: pass "
-                                          f"shared=mok_rt.ExpertWeights(gate=, up=, down=)")
-        shared = _triple(shared, "shared")
-        views.update(
-            shared_gate=_view(ws, shared.gate, "shared.gate", shape=(Is, H), dtype=f, stream=stream),
-            shared_up=_view(ws, shared.up, "shared.up", shape=(Is, H), dtype=f, stream=stream),
-            shared_down=_view(ws, shared.down, "shared.down", shape=(H, Is), dtype=f, stream=stream))
-    return LayerArgs(**views)
+    if not a.has_shared:
+        return LayerArgs(xv, tw, gate, up, down)
+    if shared is None:
+        raise ArgumentError("shared", f"the config has a shared expert of {a.shared_shapes[0][0]}: pass "
+                                      f"shared=mok_rt.ExpertWeights(gate=, up=, down=)")
+    shared = _triple(shared, "shared")
+    g, u, d = a.shared_shapes
+    return LayerArgs(xv, tw, gate, up, down,
+                     _view(a, shared.gate, "shared.gate", shape=g, dtype=f, stream=stream, ordered=ordered),
+                     _view(a, shared.up, "shared.up", shape=u, dtype=f, stream=stream, ordered=ordered),
+                     _view(a, shared.down, "shared.down", shape=d, dtype=f, stream=stream, ordered=ordered))
 
 
-def _grad_dtypes(ws):
-    return (dtypes.float32, dtypes.bfloat16) + ((dtypes.float64,) if _oracle(ws) else ())
-
-
-def import_grad_buffers(ws, dw, dw_shared, *, accumulate: bool, stream) -> tuple[dict, dtypes.DType]:
+def import_grad_buffers(ws, dw, dw_shared, *, accumulate: bool, stream, ordered=None) -> tuple[Mapping, dtypes.DType]:
     """Caller-owned weight-gradient buffers by internal name (None: the backend allocates one), and
     the call's gradient dtype.  fp32 or bf16 (float64 too on the reference backend), all of one
     dtype: the kernel writes every weight gradient of a call in one dtype, and the backend
-    allocates the ones not passed in it (fp32 when none is passed)."""
-    cfg = ws.config
-    H, I, Is, El = cfg.hidden, cfg.intermediate, cfg.shared_intermediate, ws.experts_per_rank
-    out = dict.fromkeys(GRAD_NAMES)
-    if dw_shared is not None and not cfg.has_shared:
+    allocates the ones not passed in it (fp32 when none is passed).  Without any buffer (the
+    usual call) the mapping is a shared read-only one of Nones."""
+    a = _accepts(ws)
+    if dw_shared is not None and not a.has_shared:
         raise ArgumentError("dw_shared", "the config has no shared expert")
-    groups = [("dw", dw, ((El, I, H), (El, I, H), (El, H, I)), GRAD_NAMES[:3])]
-    if cfg.has_shared:
-        groups.append(("dw_shared", dw_shared, ((Is, H), (Is, H), (H, Is)), GRAD_NAMES[3:]))
+    if dw is None and dw_shared is None:
+        if accumulate:
+            raise ArgumentError("dw", "accumulate=True needs the buffers to add into")
+        return _NO_BUFFERS, dtypes.float32
+    out = dict.fromkeys(GRAD_NAMES)
+    groups = [("dw", dw, a.routed_shapes, GRAD_NAMES[:3])]
+    if a.has_shared:
+        groups.append(("dw_shared", dw_shared, a.shared_shapes, GRAD_NAMES[3:]))
     first = None   # (label, dtype) of the first buffer given
     for name, given, shapes, names in groups:
         if given is None:
@@ -161,7 +183,8 @@ def import_grad_buffers(ws, dw, dw_shared, *, accumulate: bool, stream) -> tuple
         given = _triple(given, name)
         for part, obj, shape, key in zip(("gate", "up", "down"), given, shapes, names):
             label = f"{name}.{part}"
-            v = out[key] = _view(ws, obj, label, shape=shape, dtype=_grad_dtypes(ws), stream=stream, writable=True)
+            v = out[key] = _view(a, obj, label, shape=shape, dtype=a.grads, stream=stream, writable=True,
+                                 ordered=ordered)
             if first is None:
                 first = (label, v.dtype)
             elif v.dtype != first[1]:

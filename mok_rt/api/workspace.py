@@ -75,6 +75,20 @@ class WorkspaceRank:
         self.device_id = device_id
         self.stream = None
         self._impl = None
+        self._own_stream = (None, None)   # (the rank's stream, its int handle): see _stream_int
+
+    def _stream_int(self, stream) -> int:
+        """The int CUstream of a cuda.core Stream (every call converts its stream twice).  The
+        rank's own stream's is remembered with the object: the workspace owns that stream, or was
+        given it for its lifetime, so its handle stays valid while the object is the same.  Any
+        other stream is asked each time (the caller may close it between calls)."""
+        own, handle = self._own_stream
+        if stream is own:
+            return handle
+        handle = int(stream.handle)
+        if stream is self.stream:
+            self._own_stream = (stream, handle)
+        return handle
 
     # What the API and the backends read; the same on every rank of the workspace.
     config = property(lambda self: self._ws.config)

@@ -46,14 +46,16 @@ _FORWARD = {b.name: b for b in P.FORWARD_BUFFERS}
 _BACKWARD = {b.name: b for b in P.BACKWARD_BUFFERS}
 
 
-@dataclass
 class _ForwardState:
     """The forward's context buffers (their addresses in the call's block, 0 for a buffer of 0
-    bytes), and what must outlive the launch: the block's owner and the inputs."""
+    bytes; ``bufs_key`` the same as a tuple, for the backward's cache key), and what must
+    outlive the launch: the block's owner and the inputs.  ``bufs`` may be shared with other
+    calls of the same block (the prepared forward's): read only."""
 
-    dims: L.LayerDims
-    bufs: dict
-    keep: tuple = field(default=(), repr=False)
+    __slots__ = ("dims", "bufs", "bufs_key", "keep")
+
+    def __init__(self, dims: L.LayerDims, bufs: dict, bufs_key: tuple, keep: tuple = ()):
+        self.dims, self.bufs, self.bufs_key, self.keep = dims, bufs, bufs_key, keep
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,8 @@ class CudaBackend:
         self._arena = GraphArena(self.device_id)
         self._order = StreamOrder()
         self._scratch: dict[tuple, tuple] = {}  # (kind, name) -> (pointer, bytes, owning Tensor)
+        self._scratch_gen = 0                   # scratch buffers replaced so far
+        self._scratch_last: dict[str, tuple] = {}   # kind -> (sizes, generation, pointers, as a tuple)
         self._shapes: dict[int, _Shapes] = {}
         self._captured = False                  # a graph was captured: synchronize waits for the device
         self._blocks = Recycler(self.device_id)  # eager calls' result blocks (cuda_calls.py)
@@ -123,6 +127,7 @@ class CudaBackend:
             self._order.close()
             self._arena.close()
             self._scratch.clear()
+            self._scratch_last.clear()
             self._calls.clear()
             self._blocks.clear()
             if self.ep is None:   # an EP rank's error word belongs to the heap
@@ -165,9 +170,10 @@ class CudaBackend:
         """Every call starts here: refuse calls once an EP group's shared state is undefined,
         order the call after the previous one's stream, note the stream for synchronize.
         Returns whether the stream is capturing a graph, and the stream's handle."""
-        self._check_usable()
+        if self.ep is not None:
+            self._check_usable()
         activate(self.device_id)   # events, arena blocks and launches belong to this rank's device
-        handle = int(stream.handle)
+        handle = self.ws._stream_int(stream)
         capturing = is_capturing(handle)
         if capturing:
             if self.ep is not None:
@@ -205,20 +211,27 @@ class CudaBackend:
         """One allocation for a call's results, carved into tensors: ``parts`` maps a name to
         (shape, DType); every part starts on a 256-byte boundary."""
         lay = Layout(parts)
-        handle = int(stream.handle)
+        handle = self.ws._stream_int(stream)
         base, owner = self._results(lay.total, stream, handle, capturing, poison=poison)
         return lay.tensors(base, self.device_id, owner, None if capturing else stream, handle)
 
-    def _scratch_ptrs(self, kind: str, sizes: dict, stream, capturing: bool) -> dict:
-        """This rank's scratch buffers of ``kind`` ("schedule", "forward", "backward") by name:
-        reused while large enough, replaced by a larger one when a call needs more (the old one is
-        freed in stream order after the calls that used it).  0 for a buffer of 0 bytes."""
+    def _scratch_ptrs(self, kind: str, sizes: dict, stream, capturing: bool) -> tuple[dict, tuple]:
+        """This rank's scratch buffers of ``kind`` ("schedule", "forward", "backward") by name, and
+        their pointers as a tuple (for the prepared calls' keys): reused while large enough,
+        replaced by a larger one when a call needs more (the old one is freed in stream order
+        after the calls that used it).  0 for a buffer of 0 bytes.  The dict may be shared with
+        the other calls of the same sizes until a buffer is replaced: read only."""
         if capturing:
             # A captured call's scratch is its own, in the arena: a replay may run beside eager
             # calls or other graphs on streams this rank never sees, so nothing may share it.
             ptrs = {name: self._arena.allocate(nbytes) for name, nbytes in sizes.items()}
             self._note_peak()
-            return ptrs
+            return ptrs, tuple(ptrs.values())
+        # The answer for these sizes while no buffer was replaced since (``sizes`` is held by the
+        # entry, so comparing it by identity is sound).
+        last = self._scratch_last.get(kind)
+        if last is not None and last[0] is sizes and last[1] == self._scratch_gen:
+            return last[2], last[3]
         out = {}
         scratch = self._scratch
         for name, nbytes in sizes.items():
@@ -234,9 +247,12 @@ class CudaBackend:
                     have[2]._owner.close(stream)
                 t = Tensor.empty((nbytes,), dtypes.uint8, device_id=self.device_id, stream=stream)
                 have = scratch[key] = (t.ptr, nbytes, t)
+                self._scratch_gen += 1
                 self._note_peak()
             out[name] = have[0]
-        return out
+        values = tuple(out.values())
+        self._scratch_last[kind] = (sizes, self._scratch_gen, out, values)
+        return out, values
 
     def memory_bytes(self) -> dict:
         """Device memory this rank holds now: its scratch, its graph arena, the result blocks of
@@ -315,55 +331,68 @@ class CudaBackend:
     # -- the API -----------------------------------------------------------------------------------
     def schedule(self, ids, *, stream):
         capturing, handle = self._begin(stream)
-        cfg, ws = self.ws.config, self.ws
         T = ids.shape[0]
-        common = dict(ids_int64=ids.dtype == dtypes.int64, num_experts=cfg.num_experts, top_k=cfg.top_k,
-                      rank=ws.rank_id, block_m=cfg.block_m, max_rows=ws.capacity_rows, device_id=self.device_id,
-                      stream=stream, err_ptr=self.error.device_ptr, poison=ws.poison_outputs)
         if self.ep is not None:
-            def outputs(parts):
-                return self._block({n: (shape, dtypes.int32) for n, shape in parts.items()}, stream, capturing,
-                                   poison=False)
-
-            def scratch(words):
-                return self._scratch_ptrs("schedule", {n: 4 * w for n, w in words.items()}, stream, capturing)
-
-            s = build_schedule_ep(ids.ptr, T, exchange=self.ep.exchange(), max_tokens=ws.max_tokens, **common,
-                                  outputs=outputs, scratch=scratch)
+            s = self._schedule_ep(ids, T, stream, capturing)
+            bufs = self._sched_bufs(s)
+            key = tuple(getattr(bufs, n) for n in _SCHED_NAMES)
         else:
-            s = self._schedule_one(ids, T, stream, handle, capturing, common)
+            s, bufs, key = self._schedule_one(ids, T, stream, handle, capturing)
         s._keep = ids
-        s._launch_bufs = self._sched_bufs(s)
-        s._launch_key = tuple(getattr(s._launch_bufs, n) for n in _SCHED_NAMES)
+        s._launch_bufs, s._launch_key = bufs, key   # what the megakernels read, and it as a cache key
         return s
 
-    def _schedule_one(self, ids, T: int, stream, handle: int, capturing: bool, common: dict):
-        """One GPU's schedule: its arrays in one block, its passes prepared once per (ids, block,
-        scratch, stream) and enqueued again when a call repeats them."""
+    def _schedule_args(self, ids, stream) -> dict:
+        """The arguments build_schedule(_ep) share."""
+        cfg, ws = self.ws.config, self.ws
+        return dict(ids_int64=ids.dtype == dtypes.int64, num_experts=cfg.num_experts, top_k=cfg.top_k,
+                    rank=ws.rank_id, block_m=cfg.block_m, max_rows=ws.capacity_rows, device_id=self.device_id,
+                    stream=stream, err_ptr=self.error.device_ptr, poison=ws.poison_outputs)
+
+    def _schedule_ep(self, ids, T: int, stream, capturing: bool):
+        def outputs(parts):
+            return self._block({n: (shape, dtypes.int32) for n, shape in parts.items()}, stream, capturing,
+                               poison=False)
+
+        def scratch(words):
+            return self._scratch_ptrs("schedule", {n: 4 * w for n, w in words.items()}, stream, capturing)[0]
+
+        return build_schedule_ep(ids.ptr, T, exchange=self.ep.exchange(), max_tokens=self.ws.max_tokens,
+                                 **self._schedule_args(ids, stream), outputs=outputs, scratch=scratch)
+
+    def _schedule_one(self, ids, T: int, stream, handle: int, capturing: bool):
+        """One GPU's schedule, its ScheduleBuffers and their key: its arrays in one block, its
+        passes prepared once per (ids, block, scratch, stream) and enqueued again (with the
+        ScheduleBuffers made for them) when a call repeats them."""
         cfg, ws = self.ws.config, self.ws
         sh = self._shapes_for(T)
-        lay = sh.layout("schedule", lambda: {n: (shape, dtypes.int32) for n, shape in output_shapes(
-            num_ranks=1, num_experts=cfg.num_experts, top_k=cfg.top_k, block_m=cfg.block_m,
-            max_rows=ws.capacity_rows, tokens=T).items()})
+        lay = sh.layouts.get("schedule") or sh.layout("schedule", lambda: {
+            n: (shape, dtypes.int32) for n, shape in output_shapes(
+                num_ranks=1, num_experts=cfg.num_experts, top_k=cfg.top_k, block_m=cfg.block_m,
+                max_rows=ws.capacity_rows, tokens=T).items()})
         base, owner = self._results(lay.total, stream, handle, capturing, poison=False, tag="schedule")
         arrays = lay.tensors(base, self.device_id, owner, None if capturing else stream, handle)
-        scratch = self._scratch_ptrs("schedule", sh.schedule_scratch, stream, capturing)
-        key = ("schedule", T, handle, ids.ptr, common["ids_int64"], base, tuple(scratch.values()))
+        scratch, scratch_key = self._scratch_ptrs("schedule", sh.schedule_scratch, stream, capturing)
         cacheable = self._cacheable(capturing)
-        passes = self._calls.get(key) if cacheable else None
-        if passes is None:
-            s = build_schedule([ids.ptr], [T], max_total_routes=max(T, 1) * cfg.top_k, **common,
-                               outputs=lambda parts: arrays, scratch=lambda w: {n: scratch[n] for n in w})
+        key = ("schedule", T, handle, ids.ptr, ids.dtype == dtypes.int64, base, scratch_key) if cacheable else None
+        hit = self._calls.get(key) if cacheable else None
+        if hit is None:
+            s = build_schedule([ids.ptr], [T], max_total_routes=max(T, 1) * cfg.top_k,
+                               **self._schedule_args(ids, stream), outputs=lambda parts: arrays,
+                               scratch=lambda w: {n: scratch[n] for n in w})
+            bufs = self._sched_bufs(s)
+            bufs_key = tuple(getattr(bufs, n) for n in _SCHED_NAMES)
             if cacheable:
-                self._calls.put(key, s._passes)
-            return s
+                self._calls.put(key, (s._passes, bufs, bufs_key))
+            return s, bufs, bufs_key
+        passes, bufs, bufs_key = hit
         s = Schedule(num_ranks=1, rank=ws.rank_id, num_experts=cfg.num_experts, top_k=cfg.top_k,
                      block_m=cfg.block_m, max_rows=ws.capacity_rows, tokens=T, device_id=self.device_id, **arrays)
         if self._poison:
             poison_schedule(s, stream)
         for run in passes:
             run()
-        return s
+        return s, bufs, bufs_key
 
     def _cacheable(self, capturing: bool) -> bool:
         """Whether a call's prepared launch may be kept: not while capturing (its arena pointers are
@@ -377,23 +406,22 @@ class CudaBackend:
         sh = self._shapes_for(T)
         dims = sh.dims
         # The context is owned by the returned state, `out` is returned: one block; the scratch is the rank's.
-        lay = sh.layout(("forward", context_only), lambda: self._forward_parts(sh, context_only))
+        kind = _FORWARD_KINDS[context_only]
+        lay = sh.layouts.get(kind) or sh.layout(kind, lambda: self._forward_parts(sh, context_only))
         base, owner = self._results(lay.total, stream, handle, capturing, tag="forward")
-        ptrs = lay.pointers(base)
         out = None if context_only else lay.tensor("out", base, self.device_id, owner,
                                                    None if capturing else stream, handle)
-        scratch = self._scratch_ptrs("forward", sh.forward_scratch, stream, capturing)
-        ptr = _ptr
-        inputs = (args.x.ptr, ptr(args.topk_weights), args.w_gate.ptr, args.w_up.ptr, args.w_down.ptr,
-                  ptr(args.shared_gate), ptr(args.shared_up), ptr(args.shared_down))
+        scratch, scratch_key = self._scratch_ptrs("forward", sh.forward_scratch, stream, capturing)
+        inputs = _input_ptrs(args)
         cacheable = self._cacheable(capturing)
-        key = ("forward", context_only, T, handle, base, sched._launch_key, inputs, tuple(scratch.values()))
-        prep = self._calls.get(key) if cacheable else None
-        if prep is None:
+        key = (kind, T, handle, base, sched._launch_key, inputs, scratch_key) if cacheable else None
+        hit = self._calls.get(key) if cacheable else None
+        if hit is None:
+            ptrs = lay.pointers(base)
+            out_ptr = ptrs.pop("out", 0)
             fb = L.ForwardBuffers(
                 x=inputs[0], topk_weights=inputs[1], w_gate=inputs[2], w_up=inputs[3], w_down=inputs[4],
-                shared_gate=inputs[5], shared_up=inputs[6], shared_down=inputs[7], out=ptr(out),
-                **{n: ptrs[n] for n in ptrs if n != "out"}, **scratch)
+                shared_gate=inputs[5], shared_up=inputs[6], shared_down=inputs[7], out=out_ptr, **ptrs, **scratch)
             # Only now the EP epoch advances: an allocation that failed above leaves the ranks in step.
             peers = None if self.ep is None else self.ep.peers(T)
             plan = L.forward_plan(dims, context_only=context_only,
@@ -402,11 +430,12 @@ class CudaBackend:
             prep = L.prepare_forward(fb, sched._launch_bufs, dims, stream=stream, err_ptr=self.error.device_ptr,
                                      device_id=self.device_id, knobs=self.knobs, context_only=context_only,
                                      peers=peers, trace_ptr=trace, plan=plan)
+            hit = (prep, ptrs, tuple(ptrs.values()))
             if cacheable:
-                self._calls.put(key, prep)
+                self._calls.put(key, hit)
+        prep, ptrs, ptrs_key = hit
         prep()
-        ptrs.pop("out", None)
-        return out, _ForwardState(dims=dims, bufs=ptrs, keep=(args, sched, owner))
+        return out, _ForwardState(dims, ptrs, ptrs_key, (args, sched, owner))
 
     @staticmethod
     def _forward_parts(sh: _Shapes, context_only: bool) -> dict:
@@ -430,29 +459,30 @@ class CudaBackend:
         sh = self._shapes_for(T)
         sizes = sh.backward
         # dx, d_topk_weights and the weight gradients the caller did not pass: one block.
-        given = tuple(n for n in _GRAD_NAMES if sizes[n] and out.get(n) is not None)
-        lay = sh.layout(("backward", given, grad_dtype.name),
-                        lambda: self._backward_parts(sh, given, grad_dtype))
+        given = tuple(n for n in _GRAD_NAMES if sizes[n] and out[n] is not None) if any(out.values()) else ()
+        kind = ("backward", given, grad_dtype.name)
+        lay = sh.layouts.get(kind) or sh.layout(kind, lambda: self._backward_parts(sh, given, grad_dtype))
         base, owner = self._results(lay.total, stream, handle, capturing, tag="backward")
-        results = lay.tensors(base, self.device_id, owner, None if capturing else stream, handle)
-        grads = {n: (None if not sizes[n] else out[n] if n in given else results[n]) for n in _GRAD_NAMES}
-        dx, dtw = results["dx"], results["d_topk_weights"]
+        # The results (fresh Tensors), then the caller's buffers and None for gradients of 0 bytes.
+        grads = lay.tensors(base, self.device_id, owner, None if capturing else stream, handle)
+        for n in _GRAD_NAMES:
+            if n not in grads:
+                grads[n] = out[n] if n in given else None
+        dx, dtw = grads["dx"], grads["d_topk_weights"]
         # The rank's scratch; with EP the rows that travel (role "heap": dy_routed in, dx_slot back)
         # live in the symmetric heap.
         if self.ep is None:
             heap_rows = {}
-            scratch = self._scratch_ptrs("backward", sh.backward_scratch, stream, capturing)
+            scratch, scratch_key = self._scratch_ptrs("backward", sh.backward_scratch, stream, capturing)
         else:
             heap_rows = {"dy_routed": self.ep.routed_ptr(), "dx_slot": self.ep.slot_ptr()}
-            scratch = self._scratch_ptrs("backward", sh.backward_scratch_ep, stream, capturing)
-        ptr = _ptr
-        inputs = (dout.ptr, args.x.ptr, args.topk_weights.ptr, args.w_gate.ptr, args.w_up.ptr, args.w_down.ptr,
-                  ptr(args.shared_gate), ptr(args.shared_up), ptr(args.shared_down))
-        grad_ptrs = tuple(ptr(grads[n]) for n in _GRAD_NAMES)
+            scratch, scratch_key = self._scratch_ptrs("backward", sh.backward_scratch_ep, stream, capturing)
+        inputs = (dout.ptr,) + _input_ptrs(args)
+        grad_ptrs = tuple([0 if g is None else g.ptr for g in map(grads.__getitem__, _GRAD_NAMES)])
         cacheable = self._cacheable(capturing)
         grad_bf16 = grad_dtype == dtypes.bfloat16
-        key = ("backward", bool(accumulate), grad_bf16, T, handle, base, sched._launch_key, tuple(state.bufs.values()), inputs,
-               grad_ptrs, tuple(scratch.values()))
+        key = ("backward", bool(accumulate), grad_bf16, T, handle, base, sched._launch_key, state.bufs_key, inputs,
+               grad_ptrs, scratch_key) if cacheable else None
         prep = self._calls.get(key) if cacheable else None
         if prep is None:
             bb = L.BackwardBuffers(
@@ -469,7 +499,7 @@ class CudaBackend:
                 self._calls.put(key, prep)
         prep()
         dx._owner = (dx._owner, args, dout)   # keep the inputs alive with the result
-        return dict(dx=dx, d_topk_weights=dtw, **{n: grads[n] for n in _GRAD_NAMES})
+        return grads
 
     @staticmethod
     def _backward_parts(sh: _Shapes, given: tuple, grad_dtype) -> dict:
@@ -485,5 +515,14 @@ def _ptr(v) -> int:
     return 0 if v is None else v.ptr
 
 
+def _input_ptrs(args) -> tuple:
+    """x, topk_weights, the routed and the shared expert's weights (0: none)."""
+    if args.shared_gate is None:
+        return (args.x.ptr, args.topk_weights.ptr, _ptr(args.w_gate), _ptr(args.w_up), _ptr(args.w_down), 0, 0, 0)
+    return (args.x.ptr, args.topk_weights.ptr, _ptr(args.w_gate), _ptr(args.w_up), _ptr(args.w_down),
+            args.shared_gate.ptr, args.shared_up.ptr, args.shared_down.ptr)
+
+
 _GRAD_NAMES = tuple(b.name for b in P.BACKWARD_BUFFERS if b.struct == "grads")
+_FORWARD_KINDS = {False: ("forward", False), True: ("forward", True)}   # layout and cache-key tags
 _SCHED_NAMES = tuple(b.name for b in P.FORWARD_BUFFERS if b.role == "schedule")

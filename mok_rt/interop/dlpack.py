@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import math
+import struct
 import weakref
 from dataclasses import dataclass, field
 from typing import Union
@@ -33,6 +34,7 @@ import numpy as np
 
 from mok_rt.interop import dtypes as _dt
 from mok_rt.interop.dtypes import DType
+from mok_rt.interop.producers import current_stream_framework
 from mok_rt.errors import ArgumentError
 
 __all__ = [
@@ -312,7 +314,10 @@ class _Imported:
     def __del__(self):
         deleter, self._deleter = self._deleter, None
         if deleter and not _exiting:   # the spec allows a NULL deleter
-            _call_deleter(deleter, self._managed)
+            fn = _deleters.get(deleter)
+            if fn is None:
+                fn = _deleters[deleter] = _CALL_DELETER(deleter)
+            fn(self._managed)
 
 
 _exiting = False
@@ -325,14 +330,6 @@ def _at_exit() -> None:
 
 
 atexit.register(_at_exit)
-
-
-def _call_deleter(deleter_addr, managed_addr):
-    if deleter_addr:  # the spec allows a NULL deleter
-        fn = _deleters.get(deleter_addr)
-        if fn is None:
-            fn = _deleters[deleter_addr] = _CALL_DELETER(deleter_addr)
-        fn(managed_addr)
 
 
 @dataclass(frozen=True)
@@ -442,7 +439,8 @@ def _on_cuda(obj) -> bool:
         return True
 
 
-def from_dlpack(obj, *, name: str, stream: Union[int, None, object] = None) -> TensorView:
+def from_dlpack(obj, *, name: str, stream: Union[int, None, object] = None,
+                ordered: set | None = None) -> TensorView:
     """Borrow ``obj``'s memory through DLPack (zero copy) as a :class:`TensorView`.
 
     ``stream`` is the consumer's CUDA stream handed to a CUDA producer so that it orders its
@@ -450,6 +448,11 @@ def from_dlpack(obj, *, name: str, stream: Union[int, None, object] = None) -> T
     default stream; 0 is taken to mean it too), 2 (per-thread default stream) or -1 (no
     synchronisation).  NumPy arrays (ml_dtypes ones included) are read directly.  ``name``
     names the argument in errors.
+
+    ``ordered``: for a run of imports on one stream (one layer call), a set shared by them: the
+    frameworks whose current stream ``stream`` already waits for (interop/producers.py).  An
+    array of such a framework is then exported with ``stream=-1``; the first one adds its
+    framework once its export has ordered the stream.
     """
     if isinstance(obj, TensorView):
         return obj
@@ -459,68 +462,90 @@ def from_dlpack(obj, *, name: str, stream: Union[int, None, object] = None) -> T
     if export is None:
         raise ArgumentError(name, f"expected a DLPack tensor (an object with __dlpack__), got "
                                   f"{type(obj).__name__}")
-    handle = _stream_handle(stream)
+    # An int (what the layer calls pass) skips the conversion.
+    handle = stream if type(stream) is int else _stream_handle(stream)
     if handle == 0:  # the spec forbids 0; in CUDA it names the legacy default stream
         handle = 1
-    if handle is not None and handle < -1:
+    elif handle is not None and handle < -1:
         raise ArgumentError("stream", f"invalid DLPack stream {handle} (a CUstream, 1 for the "
                                       f"legacy default stream, 2 for per-thread, -1 for none)")
-    kwargs = {"stream": handle} if handle is not None and _on_cuda(obj) else {}
+    framework = None
+    if handle is not None and handle != -1 and ordered is not None:
+        framework = current_stream_framework(obj)
+        if framework is not None and framework in ordered:
+            handle = -1   # this call already waits for the framework's current stream
+    to_stream = handle is not None and (framework is not None or _on_cuda(obj))
     try:
-        try:
-            capsule = export(max_version=DLPACK_VERSION, **kwargs)
-        except TypeError:  # a producer older than DLPack 1.0: no max_version keyword
-            capsule = export(**kwargs)
+        if to_stream:
+            try:
+                capsule = export(stream=handle, max_version=DLPACK_VERSION)
+            except TypeError:  # a producer older than DLPack 1.0: no max_version keyword
+                capsule = export(stream=handle)
+        else:
+            try:
+                capsule = export(max_version=DLPACK_VERSION)
+            except TypeError:
+                capsule = export()
     except ArgumentError:
         raise
     except Exception as e:
         raise ArgumentError(name, f"__dlpack__ failed: {type(e).__name__}: {e}") from e
+    if framework is not None:
+        ordered.add(framework)
     return _consume_capsule(capsule, name)
 
 
+# The managed tensors read with one unpack each (a ctypes Structure builds an object per field
+# read).  DLTensor: data, device type and id, ndim, dtype code, bits, lanes, shape, strides,
+# byte offset; versioned: version, manager_ctx, deleter, flags, then the DLTensor; legacy: the
+# DLTensor, manager_ctx, deleter.
+_MANAGED_V = struct.Struct("<IIQQQ" "QiiiBBHQQQ")
+_MANAGED_LEGACY = struct.Struct("<" "QiiiBBHQQQ" "QQ")
+_MANAGED_V_BYTES = ctypes.c_char * ctypes.sizeof(DLManagedTensorVersioned)
+_MANAGED_LEGACY_BYTES = ctypes.c_char * ctypes.sizeof(DLManagedTensor)
+assert (_MANAGED_V.size, _MANAGED_LEGACY.size) == (80, 64)
+_INT64S = {n: ctypes.c_int64 * n for n in range(1, 9)}   # shape and strides of ndim n (more: made then)
+
+
 def _consume_capsule(capsule, name: str) -> TensorView:
-    if _PyCapsule_IsValid(capsule, _NAME_V):
-        versioned, cname, used = True, _NAME_V, _NAME_V_USED
-    elif _PyCapsule_IsValid(capsule, _NAME_LEGACY):
-        versioned, cname, used = False, _NAME_LEGACY, _NAME_LEGACY_USED
-    else:
-        raise ArgumentError(name, "__dlpack__ did not return an unconsumed DLPack capsule")
-    addr = _PyCapsule_GetPointer(capsule, cname)
-    readonly = False
+    # Versioned first (what DLPack >= 1.0 producers return): one C call, no IsValid before it.
+    try:
+        addr = _PyCapsule_GetPointer(capsule, _NAME_V)
+        versioned = True
+    except ValueError:   # not a capsule, or another name
+        if not _PyCapsule_IsValid(capsule, _NAME_LEGACY):
+            raise ArgumentError(name, "__dlpack__ did not return an unconsumed DLPack capsule") from None
+        addr = _PyCapsule_GetPointer(capsule, _NAME_LEGACY)
+        versioned = False
     if versioned:
-        managed = DLManagedTensorVersioned.from_address(addr)
-        version = managed.version
-        if version.major != 1:
+        (major, minor, _, deleter, flags, data, device_type, device_id, ndim, code, bits, lanes, shape_at,
+         strides_at, offset) = _MANAGED_V.unpack_from(_MANAGED_V_BYTES.from_address(addr))
+        if major != 1:
             # Not consumed: the producer's capsule destructor frees it.
-            raise ArgumentError(name, f"unsupported DLPack version {version.major}.{version.minor}")
-        readonly = bool(managed.flags & DLPACK_FLAG_BITMASK_READ_ONLY)
+            raise ArgumentError(name, f"unsupported DLPack version {major}.{minor}")
+        readonly = bool(flags & DLPACK_FLAG_BITMASK_READ_ONLY)
+        used = _NAME_V_USED
     else:
-        managed = DLManagedTensor.from_address(addr)
-    # Every field read once (each ctypes access builds an object); slices of the int64 arrays
-    # come back as lists of ints.
-    t = managed.dl_tensor
-    ndim = t.ndim
-    dt = t.dtype
-    dtype = _dt.from_dlpack_code(dt.code, dt.bits, dt.lanes, argument=name)
-    shape = tuple(t.shape[:ndim]) if ndim else ()
-    st = t.strides
-    strides = tuple(st[:ndim]) if st and ndim else _c_strides(shape)
-    ptr = (t.data or 0) + t.byte_offset
-    dev = t.device
-    deleter = managed.deleter
+        (data, device_type, device_id, ndim, code, bits, lanes, shape_at, strides_at, offset, _,
+         deleter) = _MANAGED_LEGACY.unpack_from(_MANAGED_LEGACY_BYTES.from_address(addr))
+        readonly = False
+        used = _NAME_LEGACY_USED
+    dtype = _dt._BY_DLPACK.get((code, bits, lanes)) or _dt.from_dlpack_code(code, bits, lanes, argument=name)
+    if ndim:
+        # Sliced, not iterated: iterating a ctypes array calls __getitem__ per element.
+        int64s = _INT64S.get(ndim) or ctypes.c_int64 * ndim
+        shape = tuple(int64s.from_address(shape_at)[:])
+        strides = tuple(int64s.from_address(strides_at)[:]) if strides_at else _c_strides(shape)
+    else:
+        shape = strides = ()
     # From here on we own it: rename so the producer's destructor leaves it alone.
     if _PyCapsule_SetName(capsule, used) != 0:  # pragma: no cover - cannot fail for a capsule
         raise ArgumentError(name, "could not mark the DLPack capsule as consumed")
-    return _view(ptr, shape, strides, dtype, dev.device_type, dev.device_id, readonly, _Imported(addr, deleter))
-
-
-def _view(ptr, shape, strides, dtype, device_type, device_id, readonly, keep) -> TensorView:
-    """A TensorView built without the frozen dataclass's per-field ``object.__setattr__`` (the
-    import path makes one per tensor argument of every call); the same object as the constructor
-    makes."""
+    # The TensorView the constructor would make, without the frozen dataclass's per-field
+    # object.__setattr__ (one view per tensor argument of every call).
     v = object.__new__(TensorView)
-    v.__dict__.update(ptr=ptr, shape=shape, strides=strides, dtype=dtype, device_type=device_type,
-                      device_id=device_id, readonly=readonly, _keepalive=keep)
+    v.__dict__.update(ptr=data + offset, shape=shape, strides=strides, dtype=dtype, device_type=device_type,
+                      device_id=device_id, readonly=readonly, _keepalive=_Imported(addr, deleter))
     return v
 
 

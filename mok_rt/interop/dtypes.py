@@ -79,9 +79,14 @@ class DType:
         except (TypeError, ValueError):
             return NotImplemented
 
+    def __post_init__(self):
+        # The hash, once: the argument checks' memo hashes DTypes for every tensor of every call,
+        # and a NumPy dtype's hash is not cheap.
+        object.__setattr__(self, "_hash", hash(self.numpy))
+
     def __hash__(self) -> int:
         # As the NumPy dtype's, so a DType and its np.dtype share dict/set entries.
-        return hash(self.numpy)
+        return self._hash
 
     def __str__(self) -> str:
         return self.name

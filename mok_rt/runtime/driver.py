@@ -33,20 +33,24 @@ def check(call: str, result) -> None:
         raise CudaDriverError(call, result, detail)
 
 
+_SUCCESS = CUresult.CUDA_SUCCESS
+
+
 def call(name: str, *args):
     """Call ``driver.<name>(*args)``, check its CUresult and return the other results."""
-    fn = getattr(_drv, name)
-    out = fn(*args)
-    if isinstance(out, tuple):
-        res, rest = out[0], out[1:]
-    else:
-        res, rest = out, ()
-    check(name, res)
-    if not rest:
+    # On the path of every launch: no slicing or helper call unless there is something to return
+    # or an error to raise.
+    out = getattr(_drv, name)(*args)
+    if type(out) is not tuple:
+        out = (out,)
+    if out[0] != _SUCCESS:
+        check(name, out[0])
+    n = len(out)
+    if n == 1:
         return None
-    if len(rest) == 1:
-        return rest[0]
-    return rest
+    if n == 2:
+        return out[1]
+    return out[1:]
 
 
 @functools.lru_cache(maxsize=None)

@@ -18,9 +18,18 @@ __all__ = ["is_capturing", "GraphArena", "StreamOrder"]
 _ACTIVE = driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE
 
 
+_CUSTREAMS: dict[int, object] = {}   # int handle -> its driver.CUstream (a plain value wrapper)
+
+
 def is_capturing(handle: int) -> bool:
-    """Whether stream ``handle`` is capturing into a graph (legacy and per-thread handles included)."""
-    return call("cuStreamIsCapturing", driver.CUstream(int(handle))) == _ACTIVE
+    """Whether stream ``handle`` is capturing into a graph (legacy and per-thread handles included).
+    Asked of the driver on every call: a stream may begin or end a capture at any time."""
+    s = _CUSTREAMS.get(handle)
+    if s is None:
+        if len(_CUSTREAMS) >= 64:
+            _CUSTREAMS.clear()
+        s = _CUSTREAMS[handle] = driver.CUstream(int(handle))
+    return call("cuStreamIsCapturing", s) == _ACTIVE
 
 
 class GraphArena:
