@@ -2,11 +2,13 @@
 """Host cost of one training step of the layer: how long schedule + forward + backward take to
 enqueue (not to run), and where that time goes (cProfile).
 
-    python bench/host_profile.py [--tokens 2048] [--steps 50] [--profile] [--null-driver]
+    python bench/host_profile.py [--tokens 2048] [--steps 50] [--burst 10] [--profile] [--null-driver]
                                  [--producer-stream]
 
-The GPU work of each step is waited for after the host clock stops, so the figure is the
-enqueue path alone (the median over steps; the first steps are warm-up).  ``--null-driver`` runs
+The host clock covers the enqueue path alone (the median over steps; the first steps are
+warm-up).  ``--burst N`` (default 10) enqueues N steps back to back before the host waits for the
+GPU, as a trainer's pipelined loop does; ``--burst 1`` waits after every step (the figures up to
+2026-12-02 were taken that way: each step then starts on a thread that has just sat in a wait).  ``--null-driver`` runs
 the same steps on any machine against bench/null_driver.py (every driver call succeeds at once,
 inputs are fake device pointers): the Python cost alone, plus the Python calls per step.
 ``--producer-stream`` runs the calls on CuPy's current stream (``stream=``, the user guide's
@@ -47,6 +49,10 @@ def main() -> None:
                     help="no GPU: time the Python path against bench/null_driver.py")
     ap.add_argument("--instructions", action="store_true",
                     help="no timing: run the steps inside functools.reduce, for callgrind (see the docstring)")
+    ap.add_argument("--burst", type=int, default=10,
+                    help="steps enqueued back to back before the host waits for the GPU (default 10: the "
+                         "pipelined loop of a trainer; 1: wait after every step, so each step starts on a host "
+                         "thread that sat in a wait, which at large T costs it tens of per cent)")
     ap.add_argument("--producer-stream", action="store_true",
                     help="run the calls on the inputs' producer stream (CuPy's current) instead of the workspace's")
     a = ap.parse_args()
@@ -103,14 +109,18 @@ def run(a, *, null: bool) -> None:
                 ws.synchronize()
             return
         times = []
+        burst = max(1, a.burst)
         for i in range(a.steps):
             t0 = time.perf_counter()
             step()
             times.append(time.perf_counter() - t0)
-            ws.synchronize()
+            if (i + 1) % burst == 0:
+                ws.synchronize()
+        ws.synchronize()
         warm = times[5:] or times
         where = (" (null driver: Python only)" if null else "") + (" on the producer's stream" if stream is not None
                                                                    else "")
+        where += f", {burst} steps per wait"
         print(f"host enqueue of schedule+forward+backward, T={T}{where}: median "
               f"{statistics.median(warm) * 1e3:.3f} ms, min {min(warm) * 1e3:.3f} ms over {len(warm)} steps")
         prof = cProfile.Profile()
