@@ -603,3 +603,32 @@ def test_device_tensor_without_producer_stream_adopts_first_writer(fake_driver):
     t.fill_bytes(1, stream=11)
     assert fake_driver.calls == [("cuMemsetD8Async", t.ptr, 1, 64, 11)]
     assert t._producer_stream == 11
+
+
+def test_null_shape_pointer_is_an_argument_error_not_a_crash():
+    t = Tensor.from_numpy(np.zeros((2, 3), np.float32))
+
+    def corrupt(kw):
+        cap = t.__dlpack__(**kw)
+        name = b"dltensor_versioned" if "max_version" in kw else b"dltensor"
+        addr = dlpack._PyCapsule_GetPointer(cap, name)
+        cls = dlpack.DLManagedTensorVersioned if name == b"dltensor_versioned" else dlpack.DLManagedTensor
+        cls.from_address(addr).dl_tensor.shape = None   # ndim 2, shape pointer null
+        return cap
+
+    with pytest.raises(ArgumentError, match=r"x.*malformed DLPack tensor"):
+        from_dlpack(_Producer(corrupt), name="x")
+
+
+def test_dtype_pickles_by_name_across_hash_seeds():
+    import os
+    import pickle
+    import subprocess
+    blob = pickle.dumps(dtypes.bfloat16)
+    code = ("import pickle, sys; from mok_rt.interop import dtypes as d; "
+            "x = pickle.loads(sys.stdin.buffer.read()); "
+            "print(x is d.bfloat16, hash(x) == hash(d.bfloat16), x in {d.bfloat16})")
+    env = dict(os.environ, PYTHONHASHSEED="12345")
+    res = subprocess.run([sys.executable, "-c", code], input=blob, capture_output=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == [b"True", b"True", b"True"]

@@ -532,6 +532,10 @@ def _consume_capsule(capsule, name: str) -> TensorView:
         used = _NAME_LEGACY_USED
     dtype = _dt._BY_DLPACK.get((code, bits, lanes)) or _dt.from_dlpack_code(code, bits, lanes, argument=name)
     if ndim:
+        if ndim < 0 or not shape_at:
+            # Not consumed: the producer's capsule destructor frees it.
+            raise ArgumentError(name, f"malformed DLPack tensor (ndim {ndim}, shape pointer "
+                                      f"{'null' if not shape_at else 'set'})")
         # Sliced, not iterated: iterating a ctypes array calls __getitem__ per element.
         int64s = _INT64S.get(ndim) or ctypes.c_int64 * ndim
         shape = tuple(int64s.from_address(shape_at)[:])

@@ -88,6 +88,10 @@ class DType:
         # As the NumPy dtype's, so a DType and its np.dtype share dict/set entries.
         return self._hash
 
+    def __reduce__(self):
+        # By name: the cached hash is the NumPy dtype's, which depends on the process's hash seed.
+        return (as_dtype, (self.name,))
+
     def __str__(self) -> str:
         return self.name
 
