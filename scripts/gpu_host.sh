@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The host-path work (issue 17, item 1) on the GPU in one device call: the host cost of a step at
-# T = 2048 and 16384 on the workspace's stream and on CuPy's (bench/host_profile.py, with its
+# T = 2048 and 16384 on the workspace's stream and on CuPy's, pipelined (10 steps per wait) and
+# waiting after every step (bench/host_profile.py, with its
 # cProfile at 2048), the bitwise check of cached against fresh launches, and the GPU tests the
 # caches and the import order touch (graphs, layer, TMA, interop, torch ops).  Logs under $OUT;
 # a short summary last.      bash scripts/gpu_host.sh [pytest budget s]
@@ -10,8 +11,9 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false
 cd "$(dirname "$0")/.."; out="${OUT:-gpu_logs}"; mkdir -p "$out"
 PIP_NO_INDEX=1 PIP_FIND_LINKS="$PWD/.whl" python3 -m pip install -q -e '.[test]' > "$out/install.txt" 2>&1
 echo "install rc=$?" >> "$out/install.txt"
-{ for t in 2048 16384; do timeout 120 python3 bench/host_profile.py --tokens "$t" --steps 200
-    timeout 120 python3 bench/host_profile.py --tokens "$t" --steps 200 --producer-stream; done
+{ for t in 2048 16384; do for burst in 10 1; do   # 10: the pipelined loop; 1: a wait after every step
+    timeout 120 python3 bench/host_profile.py --tokens "$t" --steps 300 --burst "$burst"
+    timeout 120 python3 bench/host_profile.py --tokens "$t" --steps 300 --burst "$burst" --producer-stream; done; done
   timeout 120 python3 bench/host_profile.py --tokens 2048 --steps 50 --profile; } > "$out/host.txt" 2>&1
 timeout "${1:-420}" python3 -m pytest -q -rs -p no:cacheprovider tests/test_prepared_calls_gpu.py \
     tests/test_prepared_calls.py tests/test_import_order.py tests/test_graphs_gpu.py tests/test_layer_gpu.py tests/test_moe_tma_gpu.py \
