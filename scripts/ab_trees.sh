@@ -3,8 +3,9 @@
 # suites' cases (bench/ab_numerics.py), then the mok-only benchmark, the two trees alternating.
 #   bash scripts/ab_trees.sh OLD_TREE [shapes] [rounds]      (logs and JSON under $OUT)
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-cd "$(dirname "$0")/.."; new="$PWD"; old="$(cd "$1" && pwd)"; out="${OUT:-ab_logs}"; mkdir -p "$out"
+old="$(cd "$1" && pwd)"   # before gpu_env.sh changes the directory
+source "$(dirname "$0")/gpu_env.sh"
+new="$PWD"; out="${OUT:-ab_logs}"; mkdir -p "$out"
 shapes="${2:-qwen3-30b-a3b,deepseek-v3}"; rounds="${3:-2}"
 PYTHONPATH="$old" timeout 70 python3 "$new/bench/ab_numerics.py" --save "$out/old.npz" > "$out/ab_old.txt" 2>&1
 PYTHONPATH="$new" timeout 70 python3 "$new/bench/ab_numerics.py" --save "$out/new.npz" > "$out/ab_new.txt" 2>&1

@@ -4,9 +4,8 @@
 # Assumes mok_rt is installed (pip install -e '.[test]') with jax[cuda13].  Summary last.
 #   bash scripts/gpu_ffi.sh            (logs under $OUT, default gpu_logs/)
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export XLA_PYTHON_CLIENT_PREALLOCATE=false MOK_RT_REQUIRE_GPU=1
-cd "$(dirname "$0")/.."; export PYTHONPATH="$PWD"; out="${OUT:-gpu_logs}"; mkdir -p "$out"
+source "$(dirname "$0")/gpu_env.sh"
+export MOK_RT_REQUIRE_GPU=1 PYTHONPATH="$PWD"
 t0=$(date +%s); stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 py="python3 -m pytest -q -rs -p no:cacheprovider"
 

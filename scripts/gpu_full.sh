@@ -3,11 +3,8 @@
 # GPU machine is offline: pip takes the build backend from .whl/), then the samples.  Logs under
 # $OUT; a short summary last.        bash scripts/gpu_full.sh [pytest budget in seconds]
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export XLA_PYTHON_CLIENT_PREALLOCATE=false
-cd "$(dirname "$0")/.."; out="${OUT:-gpu_logs}"; mkdir -p "$out"
-PIP_NO_INDEX=1 PIP_FIND_LINKS="$PWD/.whl" python3 -m pip install -q -e '.[test]' > "$out/install.txt" 2>&1
-echo "install rc=$?" >> "$out/install.txt"
+source "$(dirname "$0")/gpu_env.sh"
+offline_install
 timeout "${1:-460}" python3 -m pytest -q -rs -p no:cacheprovider > "$out/pytest.txt" 2>&1
 echo "pytest rc=$?" >> "$out/pytest.txt"
 { timeout 60 python3 samples/train_moe.py --steps 8; timeout 60 python3 samples/train_moe_ep.py --one-process \

@@ -6,11 +6,8 @@
 # caches and the import order touch (graphs, layer, TMA, interop, torch ops).  Logs under $OUT;
 # a short summary last.      bash scripts/gpu_host.sh [pytest budget s]
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export XLA_PYTHON_CLIENT_PREALLOCATE=false
-cd "$(dirname "$0")/.."; out="${OUT:-gpu_logs}"; mkdir -p "$out"
-PIP_NO_INDEX=1 PIP_FIND_LINKS="$PWD/.whl" python3 -m pip install -q -e '.[test]' > "$out/install.txt" 2>&1
-echo "install rc=$?" >> "$out/install.txt"
+source "$(dirname "$0")/gpu_env.sh"
+offline_install
 { for t in 2048 16384; do for burst in 10 1; do   # 10: the pipelined loop; 1: a wait after every step
     timeout 120 python3 bench/host_profile.py --tokens "$t" --steps 300 --burst "$burst"
     timeout 120 python3 bench/host_profile.py --tokens "$t" --steps 300 --burst "$burst" --producer-stream; done; done

@@ -6,9 +6,8 @@
 #   MOK_BENCH_COMMIT=<sha> bash scripts/gpu_x2.sh      (BENCH=0: the suites alone)
 # On one GPU it runs phase 1 on it and the one-GPU benchmark; phase 2 and EP = 2 need two.
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export XLA_PYTHON_CLIENT_PREALLOCATE=false OMPI_MCA_btl_vader_single_copy_mechanism=none
-cd "$(dirname "$0")/.."; export PYTHONPATH="$PWD"; out="${OUT:-gpu_logs}"; mkdir -p "$out"
+source "$(dirname "$0")/gpu_env.sh"
+export OMPI_MCA_btl_vader_single_copy_mechanism=none PYTHONPATH="$PWD"
 py="python3 -m pytest -q -s -rs --durations=8 -p no:cacheprovider"
 shapes="${BENCH_SHAPES:-qwen3-30b-a3b,deepseek-v3,deepseek-v3-shared}"
 t0=$(date +%s); stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }

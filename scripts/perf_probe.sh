@@ -2,9 +2,7 @@
 # Performance probes in one GPU call: host/device split, ncu kernel summary, the wgmma probe,
 # the sample, and the benchmark of the named shapes.  Logs under $OUT.
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-out="${OUT:-gpu_logs}"; mkdir -p "$out"
-cd "$(dirname "$0")/.."
+source "$(dirname "$0")/gpu_env.sh"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 echo "== profile quick";  timeout 60 python3 bench/profile_layer.py --shape quick --iters 4 2>&1 | tail -4
 echo "== profile qwen3";  timeout 90 python3 bench/profile_layer.py --shape qwen3-30b-a3b --iters 3 2>&1 | tail -3
