@@ -1,0 +1,408 @@
+// Standalone probe of the FP8 "fp8_block" engine (docs/FP8_DESIGN.md, docs/SEMANTICS.md §10):
+//
+// fp8_gemm_probe      persistent grouped GEMM  C[r, :] = sum_kb s_a[r, kb] * s_b[g, n/128, kb] *
+//                     (A[r, kb-block] . B[g][n, kb-block])  for rows r in [off[g], off[g+1]),
+//                     e4m3 A and B (K-major), fp32 scales, fp32 promotion per 128-deep K block,
+//                     fp32 or bf16 C; optionally also C quantised again (1 x 128 along N, the
+//                     gate|up epilogue's aq = Q(a)), straight from the fp32 registers.
+// fp8_gemm_probe_overlap  the same with two K blocks in flight per consumer warpgroup (three
+//                     accumulator sets: block kb + 1's MMAs run during block kb's promotion);
+//                     same promotion order, so the same bits.
+// fp8_quantize_rows   bf16 rows -> e4m3 + 1 x 128 scales (the dispatch's quantiser).
+// fp8_quantize_weights  bf16 [G, R, C] -> e4m3 in 128 x 128 blocks, forward copy [G, R, C] and
+//                     transposed copy [G, C, R] (the dgrad operand) with their scales.
+//
+// GEMM tile: 128 x 128 (two consumer warpgroups of 64 rows), one K block (128 e4m3 = one
+// 128-byte swizzled line) per stage, 6 stages.  Why not 128 x 256 like the bf16 engine: the
+// promotion keeps two accumulator sets (the MMA's partial sum of the current K block and the
+// fp32 total), N/2 registers each: 256 per thread at N = 256, more than a thread can hold.
+// At N = 128 it is 128 + ~60 for addresses, scales and the epilogue (see the ptxas report).
+//
+// Launch: fp8_gemm_probe(_overlap): 384 threads, kGemmSmemBytes (200800) dynamic smem, any
+// grid; tiles (row block of a group, 128-column tile) are dealt round-robin over the CTAs.
+// fp8_quantize_rows: any grid x 256 threads.  fp8_quantize_weights: G * RB * CB CTAs x 256.
+// Tensor maps (tests/test_fp8_gemm_probe_gpu.py):
+//   a:  UINT8   dims {K, max_rows},    box {128, 128},   SWIZZLE_128B
+//   b:  UINT8   dims {K, N, groups},   box {128, 128, 1}, SWIZZLE_128B
+//   sa: FLOAT32 dims {max_rows, KB},   box {128, 1},     no swizzle  (A scales [KB, sa_ld])
+// Requirements: K % 16 == 0 (TMA row pitch), N % 8 == 0; group row offsets are arbitrary
+// (tile_offset[g] = sum of ceil(rows / 128) over the groups before g, host-computed here).
+#include "common/fp8.cuh"
+#include "common/mma.cuh"
+#include "common/wgmma_fp8.cuh"
+#include "moe/pipeline/gemm_wgmma.cuh"
+
+namespace mok {
+
+using bf16 = __nv_bfloat16;
+
+struct Fp8GemmParams {
+  TensorMap a;               // e4m3 A [max_rows, K]
+  TensorMap b;               // e4m3 B [groups, N, K]
+  TensorMap sa;              // fp32 A scales [KB, sa_ld]
+  const float* sb;           // fp32 B scales [groups, NB, KB]
+  const int* group_offset;   // [groups + 1] row offsets (any), off[0] = 0
+  const int* tile_offset;    // [groups + 1] row-block offsets
+  void* c;                   // [max_rows, N] fp32, or bf16 when c_bf16
+  uint8_t* cq;               // optional (nullptr: off): e4m3 [max_rows, N], 1 x 128 blocks along N
+  float* cq_scale;           // its scales [NB, cq_ld]
+  int* err;                  // error word int32[4]
+  long long timeout_ns;
+  int groups;
+  int n;
+  int k;
+  int max_rows;
+  int c_bf16;
+  int cq_ld;
+  int pad_[10];
+};
+static_assert(sizeof(Fp8GemmParams) == 512, "Fp8GemmParams layout: update tests/test_fp8_gemm_probe_gpu.py");
+
+struct QuantRowsParams {
+  const uint16_t* x;         // bf16 [rows, K]
+  uint8_t* q;                // e4m3 [rows, K]
+  float* scale;              // scale of (row, kb) at scale[row * s_row + kb * s_kb]
+  int rows, k;
+  long long s_row, s_kb;
+};
+
+struct QuantWeightsParams {
+  const uint16_t* w;         // bf16 [G, R, C]
+  uint8_t* q;                // e4m3 [G, R, C]     (forward copy: reduction dim C)
+  float* s;                  // fp32 [G, RB, CB]
+  uint8_t* qt;               // e4m3 [G, C, R]     (transposed copy: reduction dim R)
+  float* st;                 // fp32 [G, CB, RB]
+  int groups, r, c;
+};
+static_assert(sizeof(QuantRowsParams) == 48 && sizeof(QuantWeightsParams) == 56,
+              "parameter layouts: update tests/test_fp8_gemm_probe_gpu.py");
+
+namespace fp8probe {
+
+constexpr int kBM = 128, kBN = 128, kBK = 128;   // kBK: e4m3 elements = bytes = one swizzled line
+constexpr int kStages = 6;
+constexpr int kConsumers = 2;
+constexpr int kThreads = 128 * (1 + kConsumers);
+constexpr int kAccRegs = kBN / 2;
+constexpr int kABytes = kBM * kBK, kBBytes = kBN * kBK, kSaBytes = kBM * 4;
+constexpr int kSlotBytes = kABytes + kBBytes;
+constexpr uint32_t kStageTx = kABytes + kBBytes + kSaBytes;   // bytes one stage's TMA loads credit
+constexpr int kRingBytes = kStages * kSlotBytes;
+constexpr int kSaRingBytes = kStages * kSaBytes;
+constexpr int kBarrierBytes = 2 * kStages * 8;
+constexpr int kGemmSmemBytes = kRingBytes + kSaRingBytes + kBarrierBytes + 1024;
+static_assert(kGemmSmemBytes == 200800, "tests/test_fp8_gemm_probe_gpu.py mirrors this");
+static_assert(kGemmSmemBytes <= 227 * 1024, "fits the opt-in shared memory of sm_90");
+static_assert(kABytes % 1024 == 0 && kSlotBytes % 1024 == 0, "tiles stay 1024-byte aligned (128B swizzle)");
+static_assert(128 * wg::kProducerRegs + 128 * kConsumers * wg::kConsumerRegs <= 65536, "register file");
+
+// The ring: slot s holds A (128 lines of 128 B) then B (128 lines), 1024-byte aligned; the A
+// scales of slot s (128 fp32) sit after the ring, then full[s] / empty[s].
+struct Ring {
+  uint32_t data;
+  __device__ __forceinline__ uint32_t a_tile(int s) const { return data + (uint32_t)s * kSlotBytes; }
+  __device__ __forceinline__ uint32_t b_tile(int s) const { return a_tile(s) + kABytes; }
+  __device__ __forceinline__ uint32_t sa(int s) const { return data + kRingBytes + (uint32_t)s * kSaBytes; }
+  __device__ __forceinline__ uint32_t full(int s) const { return data + kRingBytes + kSaRingBytes + 8u * s; }
+  __device__ __forceinline__ uint32_t empty(int s) const { return full(kStages + s); }
+};
+
+__device__ __forceinline__ float ld_shared_f32(uint32_t addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
+  return v;
+}
+
+// A tile: rows [row0, row_end ∩ row0 + 128) of group g, columns [n0, n0 + 128).
+struct Tile {
+  int g, row0, row_end, n0;
+};
+
+// Largest g with tile_offset[g] <= mt (empty groups share their successor's offset and are skipped).
+__device__ __forceinline__ Tile decode(const Fp8GemmParams& p, int tile, int n_tiles) {
+  const int mt = tile / n_tiles;
+  int lo = 0, hi = p.groups - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (__ldg(p.tile_offset + mid) <= mt) lo = mid; else hi = mid - 1;
+  }
+  const int row0 = __ldg(p.group_offset + lo) + kBM * (mt - __ldg(p.tile_offset + lo));
+  return Tile{lo, row0, __ldg(p.group_offset + lo + 1), (tile % n_tiles) * kBN};
+}
+
+// One K block issued by a consumer warpgroup: its ring slot and the two promotion scales.
+struct KBlock {
+  int slot;
+  float s_lo, s_hi;  // fp32(s_a[row] * s_b) for the thread's rows g and g + 8
+};
+
+struct KStep {
+  const Ring& ring;
+  const float* sb;   // this tile's B scales, one per K block
+  int consumer, local_row;
+  const MbarWaitCtx& w;
+
+  // Waits for block kb's stage, reads its scales and issues its four k32 MMAs into acc (one
+  // commit group).  A failed wait marks `failed` and goes on (the warpgroup decides at tile end).
+  __device__ __forceinline__ KBlock issue(wg::PipeState& ps, float (&acc)[kAccRegs], int kb, bool& failed) const {
+    const float s_b = __ldg(sb + kb);  // issued before the wait: its latency hides behind it
+    if (!failed) failed = !mbar_wait(ring.full(ps.slot), ps.phase, w);
+    const KBlock b{ps.slot, ld_shared_f32(ring.sa(ps.slot) + 4u * local_row) * s_b,
+                   ld_shared_f32(ring.sa(ps.slot) + 4u * (local_row + 8)) * s_b};
+    wgmma_fence();  // acc was read by the last promotion
+    wgmma_e4m3_kblock<kBN>(acc, smem_desc_kmajor_sw128(ring.a_tile(ps.slot) + consumer * 64 * kBK),
+                           smem_desc_kmajor_sw128(ring.b_tile(ps.slot)));
+    wgmma_commit();
+    ps.advance(kStages);
+    return b;
+  }
+  // After the caller's wait_group covering b: sum += acc * scales, then release b's slot.
+  __device__ __forceinline__ void retire(float (&sum)[kAccRegs], float (&acc)[kAccRegs], const KBlock& b,
+                                         bool arriver) const {
+    wgmma_fence_operand(acc);
+    fp8_promote(sum, acc, b.s_lo, b.s_hi);
+    if (arriver) mbar_arrive(ring.empty(b.slot));  // operands and scales of this slot consumed
+  }
+};
+
+// kOverlap: keep two K blocks in flight (three accumulator sets) instead of one.
+template <bool kOverlap>
+__device__ void gemm(const Fp8GemmParams& p, unsigned char* smem) {
+  const Ring ring{(smem_u32(smem) + 1023u) & ~1023u};
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(ring.full(s), 1);
+      mbar_init(ring.empty(s), 4 * kConsumers);  // one arrival per consumer warp
+    }
+    mbar_fence_init();
+  }
+  __syncthreads();
+
+  const int total = __ldg(p.group_offset + p.groups);
+  if (total < 0 || total > p.max_rows) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) set_error(p.err, kErrCapacity, 0, total, p.max_rows);
+    return;
+  }
+  const int n_tiles = (p.n + kBN - 1) / kBN;
+  const int num_tiles = __ldg(p.tile_offset + p.groups) * n_tiles;
+  const int k_blocks = (p.k + kBK - 1) / kBK;
+  const int role = threadIdx.x / 128;
+
+  if (role == 0) {
+    setmaxnreg_dec<wg::kProducerRegs>();
+    if (threadIdx.x != 0) return;
+    tma_prefetch_map(&p.a);
+    tma_prefetch_map(&p.b);
+    tma_prefetch_map(&p.sa);
+    const MbarWaitCtx w{p.err, p.timeout_ns, 0, 1};
+    wg::PipeState ps;
+    for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+      const Tile t = decode(p, tile, n_tiles);
+      for (int kb = 0; kb < k_blocks; ++kb) {
+        if (!mbar_wait(ring.empty(ps.slot), ps.phase ^ 1u, w)) return;
+        const uint32_t full = ring.full(ps.slot);
+        mbar_arrive_expect_tx(full, kStageTx);  // out-of-range box elements load as zeros and count
+        tma_load_2d(ring.a_tile(ps.slot), &p.a, full, kb * kBK, t.row0);
+        tma_load_3d(ring.b_tile(ps.slot), &p.b, full, kb * kBK, t.n0, t.g);
+        tma_load_2d(ring.sa(ps.slot), &p.sa, full, t.row0, kb);
+        ps.advance(kStages);
+      }
+    }
+    return;
+  }
+
+  setmaxnreg_inc<wg::kConsumerRegs>();
+  const int consumer = role - 1;
+  const MbarWaitCtx w{p.err, p.timeout_ns, 0, 2};
+  const WgmmaAccCoord coord = WgmmaAccCoord::of_thread(threadIdx.x & 127);
+  const int local_row = 64 * consumer + coord.row0;   // tile row of register pair 0 (pair 2: + 8)
+  const bool arriver = (threadIdx.x & 31) == 0;
+  const int n_blocks = (p.n + kBN - 1) / kBN;
+  wg::PipeState ps;
+  for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+    const Tile t = decode(p, tile, n_tiles);
+    const float* sb = p.sb + ((size_t)t.g * n_blocks + t.n0 / kBN) * k_blocks;
+    // Declared per tile: the MMAs' "+f" operands would otherwise keep the partial sets live (and
+    // in registers) through the epilogue, although scale-d = 0 never reads them.
+    float acc[kAccRegs], acc2[kOverlap ? kAccRegs : 1], sum[kAccRegs];
+#pragma unroll
+    for (int i = 0; i < kAccRegs; ++i) sum[i] = acc[i] = 0.f;
+#pragma unroll
+    for (int i = 0; i < (kOverlap ? kAccRegs : 1); ++i) acc2[i] = 0.f;
+    bool failed = false;
+    const KStep st{ring, sb, consumer, local_row, w};
+    if constexpr (!kOverlap) {
+      for (int kb = 0; kb < k_blocks; ++kb) {
+        const KBlock b = st.issue(ps, acc, kb, failed);
+        wgmma_wait<0>();  // the partial sum is needed now; the other warpgroup's MMAs fill the gap
+        st.retire(sum, acc, b, arriver);
+      }
+    } else {
+      // Two partial sets: block kb + 1's MMAs run while block kb is promoted.  Same promotion
+      // order as above, so the same bits.
+      KBlock ba = st.issue(ps, acc, 0, failed);
+      int kb = 0;
+      for (; kb + 2 < k_blocks; kb += 2) {  // acc: block kb in flight; kb + 1 and kb + 2 exist
+        const KBlock bb = st.issue(ps, acc2, kb + 1, failed);
+        wgmma_wait<1>();
+        st.retire(sum, acc, ba, arriver);
+        ba = st.issue(ps, acc, kb + 2, failed);
+        wgmma_wait<1>();
+        st.retire(sum, acc2, bb, arriver);
+      }
+      if (kb + 1 < k_blocks) {
+        const KBlock bb = st.issue(ps, acc2, kb + 1, failed);
+        wgmma_wait<1>();
+        st.retire(sum, acc, ba, arriver);
+        wgmma_wait<0>();
+        st.retire(sum, acc2, bb, arriver);
+      } else {
+        wgmma_wait<0>();
+        st.retire(sum, acc, ba, arriver);
+      }
+    }
+    if (wg::warpgroup_any(failed, consumer)) return;
+
+    // Epilogue straight from registers: rows t.row0 + local_row + 8h, columns t.n0 + col(i).
+    const int cols_left = p.n - t.n0 - coord.col0;  // chunk j is inside C when 8j < cols_left
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = t.row0 + local_row + 8 * h;
+      const bool row_ok = row < t.row_end;
+      const size_t base = (size_t)row * p.n + t.n0 + coord.col0;
+#pragma unroll
+      for (int j = 0; j < kAccRegs / 4; ++j) {
+        if (!row_ok || 8 * j >= cols_left) continue;
+        const float v0 = sum[4 * j + 2 * h], v1 = sum[4 * j + 2 * h + 1];
+        if (p.c_bf16) *reinterpret_cast<uint32_t*>(static_cast<bf16*>(p.c) + base + 8 * j) = pack_bf16x2(v0, v1);
+        else *reinterpret_cast<float2*>(static_cast<float*>(p.c) + base + 8 * j) = make_float2(v0, v1);
+      }
+      if (p.cq != nullptr) {  // uniform; every lane of the quad takes part in the row's amax
+        const fp8::QuantizedFragRow qr = fp8::quantize_frag_row128(sum, h);
+        if (row_ok) {
+#pragma unroll
+          for (int j = 0; j < 16; ++j)
+            if (8 * j < cols_left) *reinterpret_cast<uint16_t*>(p.cq + base + 8 * j) = qr.q[j];
+          if ((threadIdx.x & 3) == 0) p.cq_scale[(size_t)(t.n0 / kBN) * p.cq_ld + row] = qr.scale;
+        }
+      }
+    }
+  }
+}
+
+// ---- quantisers --------------------------------------------------------------------------------------
+// One warp per (row, K block), grid-strided.  Lane l: elements 4l .. 4l+3 of the block.
+__device__ void quantize_rows(const QuantRowsParams& p) {
+  const int lane = threadIdx.x & 31;
+  const int warps = gridDim.x * (blockDim.x >> 5);
+  const int k_blocks = (p.k + fp8::kBlock - 1) / fp8::kBlock;
+  const long long blocks = (long long)p.rows * k_blocks;
+  for (long long b = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); b < blocks; b += warps) {
+    const int row = (int)(b / k_blocks), kb = (int)(b % k_blocks);
+    const int col = kb * fp8::kBlock + 4 * lane;
+    const bool ok = col < p.k;  // K % 4 == 0: a lane's 4 elements are all in or all out
+    const size_t at = (size_t)row * p.k + col;
+    const uint2 raw = ok ? *reinterpret_cast<const uint2*>(p.x + at) : make_uint2(0u, 0u);
+    const fp8::QuantizedRow128 r = fp8::quantize_row128_warp_bf16(raw);
+    if (ok) *reinterpret_cast<uint32_t*>(p.q + at) = r.q;
+    if (lane == 0) p.scale[row * p.s_row + kb * p.s_kb] = r.scale;
+  }
+}
+
+// One CTA (8 warps) per 128 x 128 block; warp w holds rows 16w .. 16w+15 of the block in the warp
+// layout (64 values per lane).  The block's amax: per lane, per warp (redux), then the 8 warps'
+// maxima read in a fixed order from shared memory.  The e4m3 block is staged in shared memory
+// (pitch 132: the column reads of the transposed write hit 32 different banks) and written again
+// transposed, one 128-byte output line per warp: the dgrad copy (same values, same scale).
+constexpr int kWPitch = 132;
+__device__ void quantize_weights(const QuantWeightsParams& p) {
+  __shared__ uint32_t warp_max[8];
+  __shared__ __align__(16) uint8_t tile[128 * kWPitch];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int rb_n = (p.r + 127) / 128, cb_n = (p.c + 127) / 128;
+  const int g = blockIdx.x / (rb_n * cb_n), rb = (blockIdx.x / cb_n) % rb_n, cb = blockIdx.x % cb_n;
+  const int col = cb * 128 + 4 * lane;
+  const bool col_ok = col < p.c;  // C % 4 == 0
+  float v[16][4];
+  uint32_t m = 0;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const int row = rb * 128 + 16 * warp + i;
+    uint2 raw = make_uint2(0u, 0u);
+    if (col_ok && row < p.r) raw = *reinterpret_cast<const uint2*>(p.w + ((size_t)g * p.r + row) * p.c + col);
+    v[i][0] = fp8::bf16_bits_to_f32(raw.x & 0xffffu);
+    v[i][1] = fp8::bf16_bits_to_f32(raw.x >> 16);
+    v[i][2] = fp8::bf16_bits_to_f32(raw.y & 0xffffu);
+    v[i][3] = fp8::bf16_bits_to_f32(raw.y >> 16);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) m = max(m, fp8::abs_bits(v[i][e]));
+  }
+  m = fp8::warp_max_u32(m);
+  if (lane == 0) warp_max[warp] = m;
+  __syncthreads();
+  m = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) m = max(m, warp_max[i]);
+  const fp8::BlockScale bs = fp8::BlockScale::of_amax_bits(m);
+  if (threadIdx.x == 0) {
+    p.s[((size_t)g * rb_n + rb) * cb_n + cb] = bs.scale;
+    p.st[((size_t)g * cb_n + cb) * rb_n + rb] = bs.scale;
+  }
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const int r_local = 16 * warp + i, row = rb * 128 + r_local;
+    const uint32_t q = bs.encode4(v[i][0], v[i][1], v[i][2], v[i][3]);
+    *reinterpret_cast<uint32_t*>(tile + r_local * kWPitch + 4 * lane) = q;
+    if (col_ok && row < p.r) *reinterpret_cast<uint32_t*>(p.q + ((size_t)g * p.r + row) * p.c + col) = q;
+  }
+  __syncthreads();
+  // Transposed: output line c_local (a column of the block), word r4 = rows 4r4 .. 4r4+3.
+#pragma unroll 4
+  for (int i = 0; i < 16; ++i) {
+    const int c_local = 8 * i + warp, r4 = lane;
+    const int out_row = cb * 128 + c_local, out_col = rb * 128 + 4 * r4;  // in qt [G, C, R]
+    const uint8_t* src = tile + (4 * r4) * kWPitch + c_local;
+    const uint32_t word = src[0] | (src[kWPitch] << 8) | (src[2 * kWPitch] << 16) | ((uint32_t)src[3 * kWPitch] << 24);
+    if (out_row < p.c && out_col < p.r)  // R % 4 == 0
+      *reinterpret_cast<uint32_t*>(p.qt + ((size_t)g * p.c + out_row) * p.r + out_col) = word;
+  }
+}
+
+}  // namespace fp8probe
+}  // namespace mok
+
+using namespace mok;
+
+namespace mok {
+namespace fp8probe {
+template <bool kOverlap>
+__device__ __forceinline__ void entry(const Fp8GemmParams& p, unsigned char* smem) {
+  if (__syncthreads_or(threadIdx.x == 0 && error_set(p.err))) return;
+  if (blockDim.x != kThreads) {
+    if (threadIdx.x == 0) set_error(p.err, kErrInternal, __LINE__, blockDim.x, kThreads);
+    return;
+  }
+  gemm<kOverlap>(p, smem);
+}
+}  // namespace fp8probe
+}  // namespace mok
+
+extern "C" __global__ void __launch_bounds__(fp8probe::kThreads, 1)
+fp8_gemm_probe(const __grid_constant__ Fp8GemmParams p) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  fp8probe::entry<false>(p, smem);
+}
+
+extern "C" __global__ void __launch_bounds__(fp8probe::kThreads, 1)
+fp8_gemm_probe_overlap(const __grid_constant__ Fp8GemmParams p) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  fp8probe::entry<true>(p, smem);
+}
+
+extern "C" __global__ void __launch_bounds__(256) fp8_quantize_rows(const __grid_constant__ QuantRowsParams p) {
+  fp8probe::quantize_rows(p);
+}
+
+extern "C" __global__ void __launch_bounds__(256) fp8_quantize_weights(const __grid_constant__ QuantWeightsParams p) {
+  fp8probe::quantize_weights(p);
+}
