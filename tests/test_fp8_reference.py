@@ -385,10 +385,13 @@ def test_api_quantized_weights_errors():
         assert ei.value.argument == "experts"
 
 
-@pytest.mark.parametrize("fmt, words", [("fp8_block", "not built yet; use backend='reference'"),
-                                         ("mxfp8", "needs a Blackwell GPU (sm_100a); Hopper supports 'bf16'")])
-def test_cuda_backend_refuses_fp8_before_touching_a_device(fmt, words):
-    # Raised while the Workspace is validated, before any CUDA call: no GPU needed.
+def test_cuda_backend_refuses_mxfp8_and_fp8_with_ep_before_touching_a_device():
+    # Raised while the Workspace is validated, before any CUDA call: no GPU needed.  ('fp8_block'
+    # on one GPU is built: tests/test_fp8_forward_gpu.py.)
     with pytest.raises(mok.ArgumentError) as ei:
-        mok.Workspace(_cfg(fmt, Is=0), max_tokens=8, backend="cuda")
-    assert ei.value.argument == "precision" and words in str(ei.value)
+        mok.Workspace(_cfg("mxfp8", Is=0), max_tokens=8, backend="cuda")
+    assert ei.value.argument == "precision"
+    assert "needs a Blackwell GPU (sm_100a); Hopper supports 'bf16' and 'fp8_block'" in str(ei.value)
+    with pytest.raises(mok.ArgumentError) as ei:
+        mok.Workspace(_cfg("fp8_block", Is=0), mok.SingleProcessGroup(devices=[0, 1]), max_tokens=8, backend="cuda")
+    assert ei.value.argument == "precision" and "expert parallelism is not built yet" in str(ei.value)

@@ -21,14 +21,17 @@ def _host_weights(rank, weights, name, shapes, stream):
 def quantize_weights(ws, experts, shared=None, *, stream=None) -> QuantizedWeights:
     """Quantise bf16 master weights (``ExpertWeights``; the shared expert's too when the config
     has one) into every layout the workspace's FP8 kernels read; returns a
-    :class:`QuantizedWeights` for ``forward`` / ``recompute_context``."""
+    :class:`QuantizedWeights` for ``forward`` / ``recompute_context``.
+
+    On the CUDA backend ("fp8_block") one kernel launch on ``stream`` writes the forward copies
+    (E4M3, 128 x 128 fp32 scales) into device memory the result owns; nothing synchronises."""
     rank = as_rank(ws)
-    rank._backend()
+    impl = rank._backend()
     cfg = rank.config
     if cfg.precision == "bf16":
         raise ArgumentError("precision", "the workspace computes in 'bf16': there is nothing to quantise "
                                          "(pass the ExpertWeights themselves)")
-    check_backend_precision(rank.backend, cfg.precision)   # (a CUDA workspace could not exist)
+    check_backend_precision(rank.backend, cfg.precision)   # (a CUDA workspace could not exist otherwise)
     H, I, Is, El = cfg.hidden, cfg.intermediate, cfg.shared_intermediate, rank.experts_per_rank
     if shared is not None and not cfg.has_shared:
         raise ArgumentError("shared", "the config has no shared expert (shared_intermediate=0)")
@@ -36,11 +39,24 @@ def quantize_weights(ws, experts, shared=None, *, stream=None) -> QuantizedWeigh
         raise ArgumentError("shared", f"the config has a shared expert of {Is}: pass "
                                       f"shared=mok_rt.ExpertWeights(gate=, up=, down=)")
     s = resolve_stream(rank, stream)
-    from mok_rt.reference.quantize import quantize_experts
     routed_shapes = ((El, I, H), (El, I, H), (El, H, I))
+    shared_shapes = ((Is, H), (Is, H), (H, Is)) if cfg.has_shared else None
+    if rank.backend == "cuda":
+        groups = [("experts", _device_weights(rank, experts, "experts", routed_shapes, s))]
+        if cfg.has_shared:
+            groups.append(("shared", _device_weights(rank, shared, "shared", shared_shapes, s)))
+        q = impl.quantize(groups, stream=s)
+        return QuantizedWeights(cfg.precision, (routed_shapes, shared_shapes), q["experts"], q.get("shared"))
+    from mok_rt.reference.quantize import quantize_experts
     routed = quantize_experts(*_host_weights(rank, experts, "experts", routed_shapes, s), cfg.precision)
-    qs, shared_shapes = None, None
+    qs = None
     if cfg.has_shared:
-        shared_shapes = ((Is, H), (Is, H), (H, Is))
         qs = quantize_experts(*_host_weights(rank, shared, "shared", shared_shapes, s), cfg.precision)
     return QuantizedWeights(cfg.precision, (routed_shapes, shared_shapes), routed, qs)
+
+
+def _device_weights(rank, weights, name, shapes, stream):
+    """The three bf16 device views of one group (checked: device, dtype, shape, alignment)."""
+    w = _triple(weights, name)
+    return [_view(rank, obj, f"{name}.{part}", shape=shape, dtype=_floats(rank), stream=stream)
+            for part, obj, shape in zip(("gate", "up", "down"), w, shapes)]

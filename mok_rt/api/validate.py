@@ -193,17 +193,19 @@ def import_grad_buffers(ws, dw, dw_shared, *, accumulate: bool, stream, ordered=
     return out, (dtypes.float32 if first is None else first[1])
 
 
-def check_backend_precision(backend: str, precision: str) -> None:
+def check_backend_precision(backend: str, precision: str, num_ranks: int = 1) -> None:
     """Raise ``ArgumentError("precision", ...)`` where ``backend`` cannot run ``precision``."""
     if backend != "cuda" or precision == "bf16":
         return
     if precision == "mxfp8":
-        raise ArgumentError("precision", "'mxfp8' needs a Blackwell GPU (sm_100a); Hopper supports 'bf16' (and "
-                                         "'fp8_block' once its kernels land). backend='reference' emulates it")
+        raise ArgumentError("precision", "'mxfp8' needs a Blackwell GPU (sm_100a); Hopper supports 'bf16' and "
+                                         "'fp8_block'. backend='reference' emulates it")
     if precision == "fp8_block":
-        raise ArgumentError("precision", "the CUDA kernels for 'fp8_block' are not built yet; use "
-                                         "backend='reference' to emulate it")
-    raise ArgumentError("precision", f"the CUDA backend runs 'bf16' only, got {precision!r}")
+        if num_ranks > 1:
+            raise ArgumentError("precision", "'fp8_block' with expert parallelism is not built yet on the CUDA "
+                                             "backend (one rank only: the EP push of E4M3 rows is missing)")
+        return
+    raise ArgumentError("precision", f"the CUDA backend runs 'bf16' and 'fp8_block', got {precision!r}")
 
 
 def check_quantized(rank, qw: QuantizedWeights, shared) -> None:
@@ -223,3 +225,20 @@ def check_quantized(rank, qw: QuantizedWeights, shared) -> None:
     if tuple(qw.shapes) != want:
         raise ArgumentError("experts", f"quantised weights of shapes {qw.shapes} do not fit this workspace "
                                        f"(expected {want})")
+    # The quantised tensors are in the layout of the backend that made them.
+    if rank.backend == "cuda":
+        from mok_rt.kernels.fp8_quantize import DeviceQuantized
+        for q in (qw.experts, qw.shared):
+            if q is None:
+                continue
+            if not isinstance(q, DeviceQuantized):
+                raise ArgumentError("experts", "these QuantizedWeights were made by another backend: quantise "
+                                               "with mok.quantize_weights on this CUDA workspace")
+            if q.device_id != rank.device_id:
+                raise ArgumentError("experts", f"quantised on device {q.device_id}, but this rank runs on device "
+                                               f"{rank.device_id}")
+    else:
+        from mok_rt.reference.quantize import QuantizedExperts
+        if not isinstance(qw.experts, QuantizedExperts):
+            raise ArgumentError("experts", "these QuantizedWeights were made by the CUDA backend: quantise with "
+                                           "mok.quantize_weights on this reference workspace")

@@ -207,6 +207,7 @@ class Workspace:
         self.num_ranks = len(devices)
         self.experts_per_rank = config.experts_per_rank(self.num_ranks)
         self.capacity_rows = config.capacity_rows(max_tokens=max_tokens, num_ranks=self.num_ranks)
+        check_backend_precision(backend, config.precision, self.num_ranks)
         if self.num_ranks > 1:
             if backend != "cuda":
                 raise ArgumentError("backend", f"the {backend!r} backend runs one rank; expert parallelism over "

@@ -28,6 +28,8 @@ import numpy as np
 from mok_rt.errors import ArgumentError
 from mok_rt.interop import dtypes
 from mok_rt.interop.tensor import Tensor
+from mok_rt.kernels import fp8_quantize as Q8
+from mok_rt.kernels import moe_fp8 as M8
 from mok_rt.kernels import moe_launch as L
 from mok_rt.kernels import moe_params as P
 from mok_rt.kernels import trace as _trace
@@ -44,6 +46,8 @@ _MAX_PENDING_TRACES = 64   # traced launches kept until take_traces() (the oldes
 _DTYPES = {"bf16": dtypes.bfloat16, "f32": dtypes.float32, "i32": dtypes.int32}
 _FORWARD = {b.name: b for b in P.FORWARD_BUFFERS}
 _BACKWARD = {b.name: b for b in P.BACKWARD_BUFFERS}
+_QPARTS = ("gate", "up", "down")
+_FP8_FORWARD = {b.name: b for b in M8.F.FP8_FORWARD_BUFFERS}
 
 
 class _ForwardState:
@@ -115,6 +119,8 @@ class CudaBackend:
         self._calls = PreparedCalls()           # prepared launches of calls that repeat (cuda_calls.py)
         self._poison = bool(ws.poison_outputs)
         self._peak = 0                          # memory_bytes()["peak"]
+        self._fp8 = cfg.precision == "fp8_block"   # the forward runs moe_forward_fp8 (one rank; no backward yet)
+        self._fp8_sizes: dict[int, dict] = {}      # token count -> moe_forward_fp8's buffer bytes
 
     # -- lifetime / errors ---------------------------------------------------------------------
     def close(self) -> None:
@@ -401,6 +407,8 @@ class CudaBackend:
         return not capturing and self.ep is None and not self.ws.trace
 
     def _run_forward(self, sched, args, stream, *, context_only: bool):
+        if self._fp8:
+            return self._run_forward_fp8(sched, args, stream, context_only=context_only)
         capturing, handle = self._begin(stream)
         T = sched.tokens
         sh = self._shapes_for(T)
@@ -437,6 +445,69 @@ class CudaBackend:
         prep()
         return out, _ForwardState(dims, ptrs, ptrs_key, (args, sched, owner))
 
+    # -- fp8_block (moe_forward_fp8; docs/FP8_DESIGN.md) ---------------------------------------------
+    def quantize(self, groups, *, stream) -> dict:
+        """``mok.quantize_weights``: ``groups`` [(name, (gate, up, down) bf16 views)] ->
+        {name: DeviceQuantized}, the forward copies and scales in one block (one launch)."""
+        capturing, _ = self._begin(stream)
+        parts = {}
+        for name, views in groups:
+            for part, v in zip(_QPARTS, views):
+                parts[f"{name}.{part}"] = (v.shape, dtypes.float8_e4m3fn)
+                parts[f"{name}.{part}_scale"] = (Q8.scale_shape(v.shape), dtypes.float32)
+        block = self._block(parts, stream, capturing, poison=False)
+        pairs = [(v.ptr, Q8.as_shape3(v.shape), block[f"{name}.{part}"].ptr, block[f"{name}.{part}_scale"].ptr)
+                 for name, views in groups for part, v in zip(_QPARTS, views)]
+        Q8.launch_quantize(pairs, stream=stream, device_id=self.device_id)
+        out = {}
+        for name, views in groups:
+            t = {k: block[f"{name}.{k}"] for k in (*_QPARTS, *(f"{p}_scale" for p in _QPARTS))}
+            t["gate"]._owner = (t["gate"]._owner, tuple(views))   # the sources outlive the launch
+            out[name] = Q8.DeviceQuantized(**t, device_id=self.device_id)
+        return out
+
+    def _run_forward_fp8(self, sched, args, stream, *, context_only: bool):
+        """The "fp8_block" forward (moe_forward_fp8): on QuantizedWeights, or on bf16 master weights
+        quantised for this call first (one more launch; mok.quantize_weights once per step saves it).
+        Not through the prepared-call cache: every call fills its parameters anew."""
+        capturing, _ = self._begin(stream)
+        T = sched.tokens
+        dims = self._shapes_for(T).dims
+        sizes = self._fp8_sizes.get(T)
+        if sizes is None:
+            if len(self._fp8_sizes) > 64:
+                self._fp8_sizes.clear()
+            sizes = self._fp8_sizes[T] = M8.forward_buffer_bytes(dims)
+        if args.quantized is not None:
+            routed, shared = args.quantized.experts, args.quantized.shared
+        else:
+            groups = [("experts", (args.w_gate, args.w_up, args.w_down))]
+            if args.shared_gate is not None:
+                groups.append(("shared", (args.shared_gate, args.shared_up, args.shared_down)))
+            q = self.quantize(groups, stream=stream)
+            routed, shared = q["experts"], q.get("shared")
+        parts = {n: ((nb,), dtypes.uint8) for n, nb in sizes.items() if _FP8_FORWARD[n].role == "context"}
+        if not context_only:
+            parts["out"] = ((T, dims.hidden), dtypes.bfloat16)
+        block = self._block(parts, stream, capturing, poison=True)
+        out = block.pop("out", None)
+        scratch = self._scratch_ptrs("forward_fp8", {n: nb for n, nb in sizes.items()
+                                                     if _FP8_FORWARD[n].role in ("scratch", "counters")},
+                                     stream, capturing)
+        wq = {}
+        for prefix, g in (("", routed), ("shared_", shared)):
+            for part in _QPARTS:
+                wq[prefix + part] = 0 if g is None else getattr(g, part).ptr
+                wq[f"{prefix}{part}_s"] = 0 if g is None else getattr(g, f"{part}_scale").ptr
+        fb = M8.Fp8ForwardBuffers(x=args.x.ptr, topk_weights=_ptr(args.topk_weights), out=_ptr(out), **wq,
+                                  **{n: (v.ptr if sizes[n] else 0) for n, v in block.items()}, **scratch)
+        plan = M8.forward_plan(dims, context_only=context_only)
+        trace = self._trace_buffer("recompute" if context_only else "forward", plan, stream, capturing)
+        M8.launch_forward_fp8(fb, sched._launch_bufs, dims, stream=stream, err_ptr=self.error.device_ptr,
+                              device_id=self.device_id, knobs=self.knobs, context_only=context_only,
+                              trace_ptr=trace, plan=plan)
+        return out, _ForwardState(dims=dims, bufs=block, keep=(args, sched, routed, shared))
+
     @staticmethod
     def _forward_parts(sh: _Shapes, context_only: bool) -> dict:
         parts = {n: ((nb,), dtypes.uint8) for n, nb in sh.forward.items() if _FORWARD[n].role == "context"}
@@ -453,6 +524,14 @@ class CudaBackend:
     def backward(self, sched, state: _ForwardState, dout, args, *, out, grad_dtype, accumulate, stream):
         """Gradients by kernel name (dx, d_topk_weights, dw_gate ... d_shared_down); ``out``:
         the caller's validated buffers by the same names (None: allocate, in ``grad_dtype``)."""
+        if self._fp8:
+            # Refused before anything is launched: running the bf16 backward on an FP8 context would
+            # silently compute other gradients (docs/FP8_DESIGN.md, step 2 "Not built").
+            raise ArgumentError("precision", "the CUDA backward of 'fp8_block' is not built yet (missing: the FP8 "
+                                             "dA / dX GEMMs, the dSwiGLU quantisation, the transposed weight "
+                                             "copies and the wgrad operands); the CUDA backend runs the FP8 "
+                                             "forward and recompute_context only. Use backend='reference' for "
+                                             "FP8 gradients")
         capturing, handle = self._begin(stream)
         dims = state.dims
         T = dims.tokens

@@ -55,7 +55,7 @@ def combine_parts(token_blocks: int) -> int:
 # "scratch" (per launch), "heap" (scratch on one GPU; with expert parallelism the rows that travel,
 # in the symmetric heap), "counters" (the dependency counters: the plan's layout, zeroed per launch).
 ROLES = ("schedule", "input", "context", "output", "scratch", "heap", "counters")
-_ITEMSIZE = {"bf16": 2, "f32": 4, "i32": 4}
+_ITEMSIZE = {"bf16": 2, "f32": 4, "i32": 4, "u8": 1}   # u8: E4M3 (kernels/moe_params_fp8.py)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ import ctypes
 from dataclasses import dataclass
 
 from mok_rt.kernels import moe_params as P
+from mok_rt.kernels.moe_params_fp8 import FP8_TILE_N, token_ld
 
 __all__ = ["Phase", "Counter", "Wait", "Plan", "forward_plan", "backward_plan", "combine_parts"]
 
@@ -77,6 +78,7 @@ class Plan:
     tiles: dict                      # the plan struct's tile-count fields
     waits: tuple[Wait, ...]
     counters: tuple[Counter, ...]
+    precision: str = "bf16"          # "fp8_block": the FP8 forward (MoEFp8Plan holds the extras)
 
     @property
     def total(self) -> int:
@@ -107,22 +109,43 @@ class Plan:
         return {c.name: base + 4 * c.offset for c in self.counters}
 
     def struct(self) -> ctypes.Structure:
-        """The kernels' plan struct (MoEForwardPlan / MoEBackwardPlan)."""
+        """The kernels' plan struct (MoEForwardPlan / MoEBackwardPlan); for an FP8 plan its
+        bf16-shaped part (the rest: :meth:`fp8_struct`)."""
         cls = P.MoEForwardPlan if self.kind == "forward" else P.MoEBackwardPlan
         s = cls()
+        values = {n for n, _ in cls._fields_}
+        extra = set(_FP8_EXTRA) if self.precision != "bf16" else set()
         for ph in self.phases:
-            r = getattr(s, ph.name)
-            r.begin, r.count = ph.begin, ph.count
+            if ph.name not in extra:
+                r = getattr(s, ph.name)
+                r.begin, r.count = ph.begin, ph.count
         s.total = self.total
         for name, v in self.tiles.items():
-            setattr(s, name, v)
+            if name not in extra:
+                setattr(s, name, v)
         for w in self.waits:
-            setattr(s, w.field, w.target)
-        values = {n for n, _ in cls._fields_}
+            if w.field not in extra:
+                setattr(s, w.field, w.target)
         given = {ph.name for ph in self.phases} | {"total"} | set(self.tiles) | {w.field for w in self.waits}
-        if given != values:
-            raise AssertionError(f"plan fields {sorted(given ^ values)} do not match {cls.__name__}")
+        if given - extra != values:
+            raise AssertionError(f"plan fields {sorted((given - extra) ^ values)} do not match {cls.__name__}")
         return s
+
+    def fp8_struct(self) -> ctypes.Structure:
+        """What the FP8 forward's plan adds (MoEFp8Plan in cuda_src/moe/params_fp8.cuh)."""
+        from mok_rt.kernels.moe_params_fp8 import MoEFp8Plan
+        if self.precision == "bf16":
+            raise AssertionError("a bf16 plan has no FP8 part")
+        ph = self.phase("quant_x")
+        s = MoEFp8Plan()
+        s.quant_x.begin, s.quant_x.count = ph.begin, ph.count
+        s.wait_token_xq_ready = next(w.target for w in self.waits if w.field == "wait_token_xq_ready")
+        s.token_ld = self.tiles["token_ld"]
+        return s
+
+
+# The FP8 forward plan's names that live in MoEFp8Plan, not in MoEForwardPlan.
+_FP8_EXTRA = ("quant_x", "wait_token_xq_ready", "token_ld")
 
 
 def _layout(sizes) -> tuple[Counter, ...]:
@@ -142,19 +165,29 @@ def _phases(entries) -> tuple[Phase, ...]:
 
 
 @functools.lru_cache(maxsize=256)   # plans are immutable and rebuilt for every launch otherwise
-def forward_plan(dims, *, context_only: bool = False, push_tasks: int = 0) -> Plan:
+def forward_plan(dims, *, context_only: bool = False, push_tasks: int = 0, precision: str = "bf16") -> Plan:
     """The forward's plan; ``push_tasks`` > 0 with expert parallelism (then the shared expert's
-    gate|up runs while the rows travel, before the dispatch)."""
+    gate|up runs while the rows travel, before the dispatch).
+
+    ``precision="fp8_block"`` (one rank only): the FP8 forward's plan (cuda_src/moe/tasks/
+    forward_fp8.cuh).  Its down tiles are 128 columns wide (``h_tiles``), and a ``quant_x`` phase
+    (x quantised in token order, one task per token block, only with a shared expert) comes before
+    the dispatch: the shared gate|up tiles of token block tb wait for it (``token_xq_ready``)."""
     d = dims
+    fp8 = precision != "bf16"
+    if fp8 and (precision != "fp8_block" or push_tasks):
+        raise AssertionError(f"no FP8 plan for precision={precision!r}, push_tasks={push_tasks}")
     tb, mb = d.token_blocks, d.max_blocks
     gu, sgu = _ceil_div(d.intermediate, P.GATE_UP_COLS), _ceil_div(d.shared_intermediate, P.GATE_UP_COLS)
-    h_t = _ceil_div(d.hidden, P.TILE_N)
+    h_t = _ceil_div(d.hidden, FP8_TILE_N if fp8 else P.TILE_N)
     shared, ep = d.shared_intermediate > 0, push_tasks > 0
     cparts = combine_parts(tb)
     if ep:
         lead = [("push", push_tasks), ("push_notify", 1), ("shared_gu", tb * sgu), ("dispatch", mb)]
     else:
         lead = [("push", 0), ("push_notify", 0), ("dispatch", mb), ("shared_gu", tb * sgu)]
+    if fp8:
+        lead.insert(2, ("quant_x", tb if shared else 0))
     phases = _phases(lead + [
         ("routed_gu", mb * gu),
         ("shared_down", tb * h_t if shared and not context_only else 0),
@@ -172,10 +205,14 @@ def forward_plan(dims, *, context_only: bool = False, push_tasks: int = 0) -> Pl
              per_block=True),
         Wait("wait_push_done", "push_done", push_tasks, "push", 1, ("push_notify",)),
     )
-    counters = _layout([("task_next", 1), ("down_done", 1), ("block_ready", mb), ("block_act_ready", mb),
-                        ("token_sact_ready", tb), ("token_shared_done", tb), ("push_done", 1), ("ctas_done", 1)])
+    sizes = [("task_next", 1), ("down_done", 1), ("block_ready", mb), ("block_act_ready", mb),
+             ("token_sact_ready", tb), ("token_shared_done", tb), ("push_done", 1), ("ctas_done", 1)]
     tiles = {"token_blocks": tb, "gu_tiles": gu, "sgu_tiles": sgu, "h_tiles": h_t, "combine_parts": cparts}
-    return Plan("forward", phases, tiles, waits, counters)
+    if fp8:
+        waits += (Wait("wait_token_xq_ready", "token_xq_ready", 1 if shared else 0, "quant_x", tb, ("shared_gu",)),)
+        sizes.append(("token_xq_ready", tb))
+        tiles["token_ld"] = token_ld(d)
+    return Plan("forward", phases, tiles, waits, _layout(sizes), precision)
 
 
 @functools.lru_cache(maxsize=256)

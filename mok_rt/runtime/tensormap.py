@@ -1,6 +1,6 @@
 """TMA tensor maps (``CUtensorMap``) for the Hopper GEMM engine (cuda_src/moe/gemm_wgmma.cuh).
 
-A tensor map describes a bf16 tensor in global memory (sizes innermost dimension first, byte
+A tensor map describes a bf16 (or, for the FP8 kernels, uint8 / fp32) tensor in global memory (sizes innermost dimension first, byte
 strides of the outer dimensions) and the box that one TMA load copies into shared memory.
 :func:`encode` runs ``cuTensorMapEncodeTiled`` through :func:`mok_rt.runtime.driver.call` and returns
 the 128 opaque bytes, which travel inside a kernel's by-value parameter struct: C++
@@ -30,6 +30,9 @@ TensorMapBytes = ctypes.c_uint8 * TENSOR_MAP_BYTES   # a ctypes field; put it at
 GEMM_BK = 64                                           # k per stage of the engine (one 128-byte line)
 _BF16 = 2
 _MAX_RANK = 5
+# Element types a map may describe: bf16 (the default), u8 (E4M3 bytes), f32 (FP8 scales).
+_ELEM = {"bf16": (2, "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16"), "u8": (1, "CU_TENSOR_MAP_DATA_TYPE_UINT8"),
+         "f32": (4, "CU_TENSOR_MAP_DATA_TYPE_FLOAT32")}
 
 
 class Swizzle(enum.IntEnum):
@@ -66,7 +69,7 @@ def _ints(name: str, v, length: int | None = None) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class TensorMapSpec:
-    """A bf16 tensor and the box of one TMA load.
+    """A tensor (``dtype``: "bf16", "u8" or "f32") and the box of one TMA load.
 
     ``dims``: elements per dimension, innermost (contiguous) first, 1 to 5 of them.
     ``strides``: bytes between consecutive indices of ``dims[1:]`` (one per outer dimension).
@@ -78,8 +81,12 @@ class TensorMapSpec:
     strides: tuple[int, ...]
     box: tuple[int, ...]
     swizzle: Swizzle = Swizzle.B128
+    dtype: str = "bf16"
 
     def __post_init__(self):
+        if self.dtype not in _ELEM:
+            raise ArgumentError("dtype", f"expected one of {tuple(_ELEM)}, got {self.dtype!r}")
+        esize = _ELEM[self.dtype][0]
         if not _is_int(self.address) or self.address <= 0 or self.address % 16:
             raise ArgumentError("address", f"expected a 16-byte aligned device pointer, got {self.address!r}")
         dims = _ints("dims", self.dims)
@@ -103,13 +110,13 @@ class TensorMapSpec:
             if s <= 0 or s % 16 or s >= 2 ** 40:
                 raise ArgumentError("strides", f"strides[{i}] = {s} bytes: must be a positive multiple of 16 "
                                                f"below 2**40")
-        if rank > 1 and strides[0] < dims[0] * _BF16:
+        if rank > 1 and strides[0] < dims[0] * esize:
             raise ArgumentError("strides", f"strides[0] = {strides[0]} bytes is shorter than a row of "
-                                           f"{dims[0]} bf16 ({dims[0] * _BF16} bytes)")
+                                           f"{dims[0]} {self.dtype} ({dims[0] * esize} bytes)")
         for i, b in enumerate(box):
             if not 1 <= b <= 256:
                 raise ArgumentError("box", f"box[{i}] = {b} outside [1, 256]")
-        inner = box[0] * _BF16
+        inner = box[0] * esize
         if inner % 16:
             raise ArgumentError("box", f"inner box extent {inner} bytes is not a multiple of 16")
         if self.swizzle != Swizzle.NONE and inner > self.swizzle:
@@ -122,7 +129,7 @@ class TensorMapSpec:
     @property
     def box_bytes(self) -> int:
         """Bytes one load writes to shared memory (and credits to its mbarrier)."""
-        n = _BF16
+        n = _ELEM[self.dtype][0]
         for b in self.box:
             n *= b
         return n
@@ -145,7 +152,7 @@ def encode(spec: TensorMapSpec) -> bytes:
     u64, u32 = driver.cuuint64_t, driver.cuuint32_t
     tmap = call(
         "cuTensorMapEncodeTiled",
-        driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        getattr(driver.CUtensorMapDataType, _ELEM[spec.dtype][1]),
         spec.rank,
         spec.address,
         [u64(d) for d in spec.dims],

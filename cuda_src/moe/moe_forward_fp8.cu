@@ -1,0 +1,66 @@
+// The "fp8_block" forward megakernel (docs/FP8_DESIGN.md): one persistent launch per forward or
+// recompute_context on one GPU, on the bf16 kernels' pipeline (roles, ring, Job queue, task order)
+// with the FP8 task set of tasks/forward_fp8.cuh.  A cubin of its own, so the bf16 kernels
+// (moe_layer.cu) are built exactly as before.
+// Launch: 384 threads (pipe::kCtaThreads), pipe::kSmemBytes of dynamic shared memory, a grid of
+// about one CTA per SM; parameters: MoEFp8ForwardTmaParams (moe/params_fp8.cuh).
+#include "moe/tasks/forward_fp8.cuh"
+
+using namespace mok;
+
+namespace {
+
+// Register split: the gate|up task holds 64 partial + 64 total accumulators + the first sub-tile's
+// 32 values of a; at the bf16 kernels' 56 / 224 split that left the workers one register short
+// (a loop counter spilled).  40 / 232 (the probe's split) uses the same pool (384 x 168).
+constexpr int kFp8ProducerRegs = 40;
+constexpr int kFp8WorkerRegs = 232;
+static_assert(128 * kFp8ProducerRegs + kThreads * kFp8WorkerRegs <= 384 * 168, "the CTA's register pool");
+
+// The same start and role split as moe_layer.cu's run_megakernel (kept in step by hand: that file
+// is not touched, so the bf16 cubin cannot change).  Expert parallelism is refused (the host
+// never launches it so: FP8 rows do not travel yet).
+__device__ __forceinline__ void run_fp8_forward(const MoEFp8ForwardTmaParams& tp, unsigned char* smem) {
+  const MoEFp8ForwardParams& q = tp.p;
+  const MoEForwardParams& p = q.p;
+  const int num_blocks = p.sched.num_blocks[0];
+  const pipe::Shared s = pipe::layout(smem);
+  __shared__ Fp8Plans plan;
+  __shared__ pipe::AheadOrder order;
+  if (threadIdx.x == 0) {
+    plan.f = p.plan;
+    plan.x = q.plan8;
+    order = TmaForwardFp8::make_order(plan.f, p, num_blocks);
+  }
+  if (__syncthreads_or(threadIdx.x == 0 && error_set(p.err))) return;
+  if (p.peers.num_ranks > 1) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) set_error(p.err, kErrInternal, __LINE__, p.peers.num_ranks, 0);
+    return;
+  }
+  if (!check_capacity(num_blocks, p.dims, p.err)) return;
+  pipe::init(s);
+  __syncthreads();
+  const ForwardTasks tasks{p, plan.f, num_blocks};
+  const TmaForwardFp8 k{tp.maps, q, plan, tasks, order, num_blocks};
+  const WaitCtx wc{p.err, p.dims.timeout_ns, p.dims.rank};
+  if (threadIdx.x < 128) {
+    setmaxnreg_dec<kFp8ProducerRegs>();
+    if (threadIdx.x == 0) {
+      const TensorMap* first = reinterpret_cast<const TensorMap*>(&tp.maps);
+      for (int i = 0; i < static_cast<int>(sizeof(MoEFp8ForwardMaps) / sizeof(TensorMap)); ++i)
+        if ((first[i].opaque[0] | first[i].opaque[1]) != 0) tma_prefetch_map(first + i);  // unused views: zeros
+      pipe::producer_loop(k, s, p.cnt.task_next, plan.f.total, wc);
+    }
+    return;
+  }
+  setmaxnreg_inc<kFp8WorkerRegs>();
+  pipe::worker_loop(k, s, wc);
+}
+
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(pipe::kCtaThreads, 1)
+    moe_forward_fp8(const __grid_constant__ MoEFp8ForwardTmaParams tp) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  run_fp8_forward(tp, smem);
+}

@@ -1,0 +1,128 @@
+// The non-GEMM bodies and the epilogues of the "fp8_block" forward (tasks/forward_fp8.cuh):
+// quantising x rows (the dispatch, and the token-order copy the shared expert reads), the gate|up
+// sub-tile epilogue (g, u stored in bf16; a = swiglu(g, u) kept in fp32 registers) and the
+// quantisation of a whole 128-column I block of a into E4M3 + one scale per row.
+// Quantisers: common/fp8.cuh, bitwise the oracle's (docs/SEMANTICS.md §10).
+#pragma once
+#include "common/fp8.cuh"
+#include "moe/params_fp8.cuh"
+#include "moe/pipeline/epilogue.cuh"
+#include "moe/pipeline/gemm_fp8.cuh"
+#include "moe/tasks/forward_bodies.cuh"
+
+namespace mok {
+namespace fp8f {
+
+constexpr int kRowBatch = 8;  // K blocks of a row loaded together per lane (8-byte loads in flight)
+
+// One row of `hidden` bf16 (src; nullptr: a padding row) -> e4m3 dst[0, hidden) and its
+// ceil(hidden/128) scales at scale[kb * ld].  Called by a whole warp (lane l: elements 4l .. 4l+3
+// of each 1 x 128 block, the warp layout of fp8.cuh).  A padding row quantises zeros: q = 0, s = 0.
+__device__ __forceinline__ void quantize_row_warp(const bf16* src, uint8_t* dst, float* scale, size_t ld, int hidden) {
+  const int lane = threadIdx.x & 31;
+  const int kbs = (hidden + fp8::kBlock - 1) / fp8::kBlock;
+  for (int kb0 = 0; kb0 < kbs; kb0 += kRowBatch) {
+    uint2 raw[kRowBatch];
+#pragma unroll
+    for (int u = 0; u < kRowBatch; ++u) {
+      const int col = (kb0 + u) * fp8::kBlock + 4 * lane;
+      raw[u] = src != nullptr && kb0 + u < kbs && col < hidden ? __ldg(reinterpret_cast<const uint2*>(src + col))
+                                                               : make_uint2(0u, 0u);
+    }
+#pragma unroll
+    for (int u = 0; u < kRowBatch; ++u) {
+      if (kb0 + u >= kbs) break;  // warp-uniform
+      const int col = (kb0 + u) * fp8::kBlock + 4 * lane;
+      const fp8::QuantizedRow128 r = fp8::quantize_row128_warp_bf16(raw[u]);  // hidden % 4 == 0
+      if (col < hidden) *reinterpret_cast<uint32_t*>(dst + col) = r.q;
+      if (lane == 0) scale[(size_t)(kb0 + u) * ld] = r.scale;
+    }
+  }
+}
+
+// F0 (FP8): routed row block b <- Q(x[slot / k]) row by row (warp w of the workers: rows w, w + 8, ...),
+// padding rows zero; then block_ready[b].
+__device__ __forceinline__ void dispatch_quantize(const MoEFp8ForwardParams& q, int b) {
+  const MoEForwardParams& p = q.p;
+  const MoEDims& d = p.dims;
+  const int slots = d.tokens * d.top_k;
+  for (int r = worker_tid() >> 5; r < kBlockM; r += kThreads / 32) {
+    const int row = b * kBlockM + r;
+    const int slot = p.sched.row_slot[row];
+    if (slot >= slots && (threadIdx.x & 31) == 0) set_error(p.err, kErrInternal, __LINE__, row, slot);  // corrupt schedule
+    const bf16* src = slot >= 0 && slot < slots ? p.x + (size_t)(slot / d.top_k) * d.hidden : nullptr;
+    quantize_row_warp(src, q.qctx.xrq + (size_t)row * d.hidden, q.qctx.xrq_s + row, d.max_rows, d.hidden);
+  }
+  signal_counter(p.cnt.block_ready + b);
+}
+
+// Fq: token block tb of x in token order (the shared expert's A); then token_xq_ready[tb].
+__device__ __forceinline__ void quantize_tokens(const MoEFp8ForwardParams& q, int tb) {
+  const MoEForwardParams& p = q.p;
+  const MoEDims& d = p.dims;
+  for (int r = worker_tid() >> 5; r < kBlockM; r += kThreads / 32) {
+    const int t = tb * kBlockM + r;
+    if (t >= d.tokens) break;  // warp-uniform
+    quantize_row_warp(p.x + (size_t)t * d.hidden, q.qctx.xq + (size_t)t * d.hidden, q.qctx.xq_s + t,
+                      q.plan8.token_ld, d.hidden);
+  }
+  signal_counter(q.token_xq_ready + tb);
+}
+
+// Sub-tile S of a gate|up task (registers: chunks j < 8 = gate columns, j >= 8 = up columns, both
+// for intermediate columns c0 + 8 (j mod 8) + 2 quad + {0, 1}): g and u to gu (bf16, rounded to
+// nearest even: the FP8 oracle's context is exactly bf16(g), bf16(u) and its dSwiGLU takes the clamp
+// masks from those, so unlike the bf16 forward the clamp side is not kept; gate at column c, up at
+// inter + c) for tile rows r < rows, and a = swiglu(g, u) from the fp32 totals into act[32 S ..],
+// the fragment layout of a 128-column I block (chunk 8 S + j).  gu points at the tile's row 0.
+template <int S>
+__device__ __forceinline__ void gate_up_subtile(const float (&t)[fp8g::kRegs], const pipe::Frag& f, int rows, bf16* gu,
+                                                int inter, int c0, const SwiGLU& sw, float (&act)[fp8g::kRegs]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = f.row0 + 8 * h;
+    bf16* const gu_row = gu + (size_t)r * 2 * inter;
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      uint32_t gw[4], uw[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int j = 4 * q + k;
+        const float g0 = t[4 * j + 2 * h], g1 = t[4 * j + 2 * h + 1];
+        const float u0 = t[4 * (j + 8) + 2 * h], u1 = t[4 * (j + 8) + 2 * h + 1];
+        act[32 * S + 4 * j + 2 * h] = sw.act(g0, u0);
+        act[32 * S + 4 * j + 2 * h + 1] = sw.act(g1, u1);
+        gw[k] = pack_bf16x2(g0, g1);
+        uw[k] = pack_bf16x2(u0, u1);
+      }
+      pipe::quad_transpose(gw);
+      pipe::quad_transpose(uw);
+      if (r >= rows) continue;
+      const int c = c0 + f.chunk_col(q);
+      *reinterpret_cast<uint4*>(gu_row + c) = make_uint4(gw[0], gw[1], gw[2], gw[3]);
+      *reinterpret_cast<uint4*>(gu_row + inter + c) = make_uint4(uw[0], uw[1], uw[2], uw[3]);
+    }
+  }
+}
+
+// aq = Q(a) of the 128-column I block i0 (act: its fragment; zeros past `inter`): e4m3 to aq (the
+// tile's row 0; row pitch inter) for tile rows r < rows, the row's scale to scale[(i0 / 128) * ld +
+// row_base + r].  Every lane of each quad takes part (the row's amax is a quad reduction).
+__device__ __forceinline__ void store_act_quantized(const float (&act)[fp8g::kRegs], const pipe::Frag& f, int rows,
+                                                   uint8_t* aq, float* scale, size_t ld, int row_base, int inter,
+                                                   int i0) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const fp8::QuantizedFragRow qr = fp8::quantize_frag_row128(act, h);
+    const int r = f.row0 + 8 * h;
+    if (r >= rows) continue;
+    uint8_t* const row = aq + (size_t)r * inter + i0 + f.col0;
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+      if (i0 + f.col0 + 8 * j < inter) *reinterpret_cast<uint16_t*>(row + 8 * j) = qr.q[j];
+    if (f.quad == 0) scale[(size_t)(i0 / fp8::kBlock) * ld + row_base + r] = qr.scale;
+  }
+}
+
+}  // namespace fp8f
+}  // namespace mok

@@ -1,0 +1,108 @@
+"""Host side of the CUDA weight quantiser (cuda_src/fp8/quantize_weights.cu): the "fp8_block"
+forward copies of SwiGLU expert weights on the device, for ``mok.quantize_weights``.
+
+Each weight ``[G, R, C]`` (C = the forward GEMM's reduction dimension, already contiguous) gets
+an E4M3 copy of the same layout and fp32 scales ``[G, ceil(R/128), ceil(C/128)]``: exactly the
+oracle's ``quantize_experts(...).gate / .up / .down`` (values and scales), bit for bit.
+
+:func:`plan_jobs` (pure arithmetic, tested on the CPU) lays the tensors out as the kernel's jobs;
+:func:`launch_quantize` fills the parameter struct and launches one grid for all of them.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+from mok_rt.errors import ArgumentError
+
+__all__ = ["BLOCK", "MAX_JOBS", "THREADS", "QuantJob", "Params", "DeviceQuantized", "plan_jobs", "scale_shape",
+           "as_shape3", "launch_quantize"]
+
+BLOCK = 128        # 128 x 128 weight blocks (fp8q::quantize_block)
+MAX_JOBS = 6       # fp8q::kMaxJobs: routed gate, up, down + the shared expert's
+THREADS = 256      # fp8q::kThreads
+_MAX_GRID = 1 << 20   # CTAs launched at most (the kernel strides over the rest)
+
+
+class QuantJob(ctypes.Structure):
+    _fields_ = [("w", ctypes.c_uint64), ("q", ctypes.c_uint64), ("s", ctypes.c_uint64),
+                ("groups", ctypes.c_int32), ("r", ctypes.c_int32), ("c", ctypes.c_int32),
+                ("first_block", ctypes.c_int32)]
+
+
+class Params(ctypes.Structure):
+    _fields_ = [("jobs", QuantJob * MAX_JOBS), ("num_jobs", ctypes.c_int32), ("pad_", ctypes.c_int32)]
+
+
+assert ctypes.sizeof(QuantJob) == 40 and ctypes.sizeof(Params) == MAX_JOBS * 40 + 8   # static_assert'ed in the .cu
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def scale_shape(shape: tuple) -> tuple:
+    """Scales of a ``[..., R, C]`` weight: one fp32 per 128 x 128 block (the oracle's layout)."""
+    *lead, r, c = shape
+    return (*lead, _cdiv(r, BLOCK), _cdiv(c, BLOCK))
+
+
+def plan_jobs(tensors) -> tuple[list[tuple[int, int, int, int]], int]:
+    """``tensors``: shapes ``(G, R, C)`` -> per job (groups, r, c, first_block) and the total
+    number of 128 x 128 blocks (the grid the kernel strides over)."""
+    if len(tensors) > MAX_JOBS:
+        raise ArgumentError("weights", f"at most {MAX_JOBS} tensors per launch, got {len(tensors)}")
+    jobs, at = [], 0
+    for g, r, c in tensors:
+        if r % 4 or c % 4 or min(g, r, c) < 1:
+            raise ArgumentError("weights", f"shape {(g, r, c)}: the kernel needs positive sizes, R and C multiples "
+                                           f"of 4")
+        jobs.append((g, r, c, at))
+        at += g * _cdiv(r, BLOCK) * _cdiv(c, BLOCK)
+    if at >= 2 ** 31:
+        raise ArgumentError("weights", "too many 128 x 128 blocks for one launch")
+    return jobs, at
+
+
+@dataclass(frozen=True, eq=False)
+class DeviceQuantized:
+    """One group of SwiGLU weights quantised on the device (the routed experts, or the shared
+    expert without the leading axis): the forward copies ``gate``, ``up`` ``[.., I, H]`` and
+    ``down`` ``[.., H, I]`` (float8_e4m3fn tensors) and their fp32 scales.  Opaque to users (the
+    ``experts`` / ``shared`` of a :class:`mok_rt.QuantizedWeights`)."""
+
+    gate: object
+    up: object
+    down: object
+    gate_scale: object
+    up_scale: object
+    down_scale: object
+    device_id: int
+
+    def to_numpy(self) -> dict:
+        """Host copies by name (waits for the producing stream): what tests compare bitwise
+        with the oracle's ``quantize_experts``."""
+        names = ("gate", "up", "down", "gate_scale", "up_scale", "down_scale")
+        return {n: getattr(self, n).to_numpy() for n in names}
+
+
+def launch_quantize(pairs, *, stream, device_id: int) -> None:
+    """Quantise every ``(src bf16 pointer, shape (G, R, C), dst e4m3 pointer, dst scale pointer)``
+    of ``pairs`` in one launch on ``stream``."""
+    from mok_rt.runtime.cubins import get_kernel
+    from mok_rt.runtime.launch import launch
+    jobs, total = plan_jobs([shape for _, shape, _, _ in pairs])
+    if total == 0:
+        return
+    p = Params()
+    for i, ((src, _, q, s), (g, r, c, first)) in enumerate(zip(pairs, jobs)):
+        p.jobs[i] = QuantJob(int(src), int(q), int(s), g, r, c, first)
+    p.num_jobs = len(jobs)
+    kernel = get_kernel("quantize_weights", "fp8_quantize_weights", device_id)
+    launch(kernel, grid=min(total, _MAX_GRID), block=THREADS, params=p, stream=stream, device_id=device_id)
+
+
+def as_shape3(shape: tuple) -> tuple:
+    """(G, R, C) of a 2-D (shared expert) or 3-D weight shape."""
+    return tuple(shape) if len(shape) == 3 else (1, *shape)
+

@@ -1,0 +1,230 @@
+"""Host side of the "fp8_block" forward on the CUDA backend, without a GPU: the FP8 task plan, the
+parameter structs against the header's static_asserts, the buffer table, the tensor maps, the weight
+quantiser's job layout, the launch parameters and the validation (docs/FP8_DESIGN.md)."""
+from __future__ import annotations
+
+import ctypes
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+import mok_rt as mok
+from mok_rt.api.validate import check_backend_precision, check_quantized
+from mok_rt.kernels import fp8_quantize as Q8
+from mok_rt.kernels import moe_fp8 as M8
+from mok_rt.kernels import moe_launch as L
+from mok_rt.kernels import moe_params as P
+from mok_rt.kernels import moe_params_fp8 as F
+from mok_rt.runtime.tensormap import Swizzle
+from mok_rt.types import QuantizedWeights
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _dims(T=300, H=320, I=192, Is=320, E=5, k=3, R=1280):
+    return L.LayerDims(tokens=T, hidden=H, intermediate=I, top_k=k, local_experts=E, capacity_rows=R,
+                       shared_intermediate=Is)
+
+
+DIMS = [_dims(), _dims(Is=0), _dims(T=0), _dims(T=1, H=256, I=128, Is=128), _dims(T=4096, H=2048, I=768, Is=0,
+                                                                                 E=128, k=8, R=4096 * 8 + 128 * 128)]
+
+
+# ---- the plan ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("d", DIMS)
+@pytest.mark.parametrize("ctx", (False, True))
+def test_fp8_plan_phases_waits_and_counters(d, ctx):
+    plan = M8.forward_plan(d, context_only=ctx)
+    assert plan.precision == "fp8_block"
+    at = 0
+    for ph in plan.phases:
+        assert ph.begin == at
+        at = ph.end
+    assert at == plan.total
+    for w in plan.waits:   # producers before consumers; targets = what the producers signal
+        prod = plan.phase(w.producer)
+        for c in w.consumers:
+            if prod.count and plan.phase(c).count:
+                assert prod.end <= plan.phase(c).begin, (w.counter, c)
+        if prod.count:
+            assert w.target * w.units == prod.count, w
+    # quant_x comes before the range pipe::AheadOrder permutes (dispatch, shared_gu, routed_gu), so
+    # it is grabbed before every shared gate|up tile that waits on it.
+    qx, disp, sgu = plan.phase("quant_x"), plan.phase("dispatch"), plan.phase("shared_gu")
+    assert qx.end <= disp.begin and disp.end == sgu.begin
+    assert qx.count == (d.token_blocks if d.shared_intermediate else 0)
+    assert plan.tiles["h_tiles"] == -(-d.hidden // 128)              # 128 x 128 FP8 tiles
+    assert plan.tiles["gu_tiles"] == -(-d.intermediate // 128)       # one 128-column I block per task
+    assert plan.tiles["token_ld"] % 4 == 0 and plan.tiles["token_ld"] >= d.tokens
+    names = [c.name for c in plan.counters]
+    assert names == [n for n, _ in P.MoEForwardCounters._fields_] + ["token_xq_ready"]
+    s, x = plan.struct(), plan.fp8_struct()
+    assert s.total == plan.total and s.h_tiles == plan.tiles["h_tiles"]
+    for ph in plan.phases:
+        r = x.quant_x if ph.name == "quant_x" else getattr(s, ph.name)
+        assert (r.begin, r.count) == (ph.begin, ph.count)
+    assert x.token_ld == plan.tiles["token_ld"] and x.wait_token_xq_ready == (1 if d.shared_intermediate else 0)
+
+
+def test_bf16_plan_is_unchanged_by_the_precision_argument():
+    d = _dims()
+    a, b = L.forward_plan(d), L.forward_plan(d)
+    assert a is b and a.precision == "bf16" and "quant_x" not in {ph.name for ph in a.phases}
+    assert a.tiles["h_tiles"] == -(-d.hidden // 256)
+    with pytest.raises(AssertionError):
+        a.fp8_struct()
+    with pytest.raises(AssertionError):   # no FP8 plan with expert parallelism
+        from mok_rt.kernels import moe_plan
+        moe_plan.forward_plan(d, push_tasks=4, precision="fp8_block")
+
+
+# ---- structs: one source of truth with cuda_src/moe/params_fp8.cuh --------------------------------------
+def _header_asserts(path: Path) -> dict:
+    text = path.read_text()
+    sizes = {m.group(1): int(m.group(2)) for m in re.finditer(r"sizeof\((\w+)\) == (\d+)\b(?! \*)", text)}
+    offsets = {(m.group(1), m.group(2)): int(m.group(3)) for m in re.finditer(r"offsetof\((\w+), (\w+)\) == (\d+)", text)}
+    return {"sizes": sizes, "offsets": offsets}
+
+
+def test_struct_layouts_match_the_header():
+    h = _header_asserts(REPO / "cuda_src/moe/params_fp8.cuh")
+    classes = {c.__name__: c for c in F.LAYOUT}
+    for name, size in h["sizes"].items():
+        if name in classes:
+            assert ctypes.sizeof(classes[name]) == size, name
+    for (name, field), at in h["offsets"].items():
+        assert getattr(classes[name], field).offset == at, (name, field)
+    assert {"MoEFp8ForwardParams", "MoEFp8ForwardTmaParams", "MoEFp8Plan"} <= set(h["sizes"])
+    # The FP8 struct starts with the bf16 one, unchanged.
+    assert F.MoEFp8ForwardParams.p.offset == 0 and F.MoEFp8ForwardParams.p.size == ctypes.sizeof(P.MoEForwardParams)
+    assert ctypes.sizeof(F.MoEFp8ForwardTmaParams) <= 4096
+    assert [n for n, _ in F.MoEFp8ForwardMaps._fields_] == list(F.FP8_FORWARD_MAP_NAMES)
+
+
+def test_quantizer_params_match_the_kernel():
+    text = (REPO / "cuda_src/fp8/quantize_weights.cu").read_text()
+    assert f"kMaxJobs = {Q8.MAX_JOBS};" in text and f"kThreads = {Q8.THREADS};" in text
+    assert "sizeof(Job) == 40" in text and ctypes.sizeof(Q8.QuantJob) == 40
+    assert ctypes.sizeof(Q8.Params) == Q8.MAX_JOBS * 40 + 8
+
+
+# ---- buffers and maps --------------------------------------------------------------------------------
+def test_buffer_table_sizes():
+    d = _dims()
+    b = {x.name: x for x in F.FP8_FORWARD_BUFFERS}
+    assert b["gate"].nbytes(d) == 5 * 192 * 320 and b["gate_s"].shape(d) == (5, 2, 3)
+    assert b["down_s"].shape(d) == (5, 3, 2) and b["shared_down_s"].shape(d) == (3, 3)
+    assert b["xrq"].nbytes(d) == 1280 * 320 and b["xrq_s"].shape(d) == (3, 1280)
+    assert b["aq_s"].shape(d) == (2, 1280) and b["xq_s"].shape(d) == (3, 384) and b["saq_s"].shape(d) == (3, 384)
+    sizes = M8.forward_buffer_bytes(d)
+    assert set(sizes) == {x.name for x in F.FP8_FORWARD_BUFFERS if x.role in ("context", "output", "scratch", "counters")}
+    assert sizes["counters"] == 4 * M8.forward_plan(d).counter_words
+    n = M8.forward_buffer_bytes(_dims(Is=0))
+    assert n["xq"] == n["xq_s"] == n["saq"] == n["sgu"] == n["shared_y"] == 0
+    z = M8.forward_buffer_bytes(_dims(T=0))
+    assert z["xq"] == z["y_slot"] == z["out"] == 0
+
+
+def _bufs(shared=True):
+    v = iter(range(1 << 20, 1 << 34, 1 << 20))
+    b = {n: next(v) for n in M8.Fp8ForwardBuffers.__dataclass_fields__}
+    if not shared:
+        b.update({n: 0 for n in ("shared_gate", "shared_up", "shared_down", "shared_gate_s", "shared_up_s",
+                                 "shared_down_s", "sgu", "xq", "xq_s", "saq", "saq_s", "shared_y")})
+    return M8.Fp8ForwardBuffers(**b)
+
+
+def test_map_specs():
+    d = _dims()
+    b = _bufs()
+    s = M8.map_specs(b, d)
+    assert tuple(s) == F.FP8_FORWARD_MAP_NAMES
+    assert s["xrq_k"].dims == (320, 1280) and s["xrq_k"].box == (128, 128) and s["xrq_k"].dtype == "u8"
+    assert s["xrq_k"].swizzle == Swizzle.B128 and s["xrq_k"].box_bytes == 128 * 128
+    assert s["xq_k"].dims == (320, 300)
+    assert s["xq_s"].dims == (300, 3) and s["xq_s"].strides == (384 * 4,) and s["xq_s"].box == (128, 1)
+    assert s["xq_s"].dtype == "f32" and s["xq_s"].swizzle == Swizzle.NONE and s["xq_s"].box_bytes == 512
+    assert s["aq_s"].dims == (1280, 2) and s["aq_s"].strides == (1280 * 4,)
+    assert s["gate_k"].dims == (320, 192, 5) and s["gate_k"].box == (128, 64, 1)
+    assert s["down_k"].dims == (192, 320, 5) and s["down_k"].box == (128, 128, 1) and s["down_k"].strides == (192, 320 * 192)
+    assert s["shared_down_k"].dims == (320, 320, 1)
+    # A stage credits A + B + scales: 16 KB + 16 KB (one box or two halves) + 512 B (gemm_fp8.cuh kStageTx).
+    assert s["xrq_k"].box_bytes + 2 * s["gate_k"].box_bytes + s["xrq_s"].box_bytes == 32768 + 512
+    assert s["aq_k"].box_bytes + s["down_k"].box_bytes + s["aq_s"].box_bytes == 32768 + 512
+    n = M8.map_specs(_bufs(shared=False), _dims(Is=0))
+    assert all(n[k] is None for k in ("xq_k", "saq_k", "xq_s", "saq_s", "shared_gate_k", "shared_up_k", "shared_down_k"))
+
+
+def test_launch_params():
+    d = _dims()
+    b = _bufs()
+    plan = M8.forward_plan(d)
+    sched = L.ScheduleBuffers(**{n: 4096 * (i + 1) for i, n in enumerate(L.ScheduleBuffers.__dataclass_fields__)})
+    q = M8._params(b, sched, plan, d, L.KernelKnobs(), err_ptr=64, trace_ptr=0, context_only=False)
+    assert all(getattr(q.p.w, n) == 0 for n, _ in P.MoEWeights._fields_)
+    assert q.p.ctx.x_routed == q.p.ctx.act == q.p.ctx.sact == 0
+    assert q.p.ctx.gu == b.gu and q.p.ctx.y_slot == b.y_slot and q.p.ctx.sgu == b.sgu
+    assert q.wq.gate == b.gate and q.wq.shared_down_s == b.shared_down_s and q.qctx.aq_s == b.aq_s
+    ptrs = plan.counter_pointers(b.counters)
+    assert q.token_xq_ready == ptrs["token_xq_ready"] and q.p.cnt.block_ready == ptrs["block_ready"]
+    assert q.plan8.quant_x.count == d.token_blocks and q.plan8.token_ld == 384
+    assert q.p.plan.h_tiles == 3 and q.p.peers.num_ranks == 1 and q.p.err == 64
+    with pytest.raises(mok.ArgumentError):
+        M8.launch_forward_fp8(L.ForwardBuffers(), sched, d, stream=0, err_ptr=64)
+
+
+# ---- the weight quantiser -------------------------------------------------------------------------------
+def test_quantizer_jobs():
+    jobs, total = Q8.plan_jobs([(8, 192, 320), (8, 192, 320), (8, 320, 192), (1, 128, 320)])
+    assert jobs == [(8, 192, 320, 0), (8, 192, 320, 48), (8, 320, 192, 96), (1, 128, 320, 144)]
+    assert total == 147
+    assert Q8.scale_shape((8, 192, 320)) == (8, 2, 3) and Q8.scale_shape((320, 64)) == (3, 1)
+    assert Q8.as_shape3((320, 64)) == (1, 320, 64)
+    with pytest.raises(mok.ArgumentError):
+        Q8.plan_jobs([(1, 64, 64)] * 7)
+    with pytest.raises(mok.ArgumentError):
+        Q8.plan_jobs([(1, 66, 64)])
+
+
+# ---- validation ------------------------------------------------------------------------------------------
+def _cfg(**kw):
+    return mok.MoEConfig(hidden=256, intermediate=128, num_experts=8, top_k=2, precision="fp8_block", **kw)
+
+
+def test_backend_precision_rules():
+    check_backend_precision("cuda", "fp8_block")
+    check_backend_precision("cuda", "bf16", 4)
+    check_backend_precision("reference", "mxfp8")
+    for args in (("cuda", "mxfp8"), ("cuda", "fp8_block", 2)):
+        with pytest.raises(mok.ArgumentError) as ei:
+            check_backend_precision(*args)
+        assert ei.value.argument == "precision"
+
+
+def test_quantized_weights_must_come_from_the_backend_that_runs_them():
+    import numpy as np
+    from mok_rt.reference.quantize import quantize_experts
+    cfg = _cfg()
+    shapes = (((8, 128, 256), (8, 128, 256), (8, 256, 128)), None)
+    ref_q = quantize_experts(np.zeros((8, 128, 256)), np.zeros((8, 128, 256)), np.zeros((8, 256, 128)), "fp8_block")
+    dev_q = Q8.DeviceQuantized(*([None] * 6), device_id=1)
+    cuda_rank = SimpleNamespace(config=cfg, experts_per_rank=8, backend="cuda", device_id=0)
+    ref_rank = SimpleNamespace(config=cfg, experts_per_rank=8, backend="reference", device_id=0)
+    for rank, qw, words in ((cuda_rank, QuantizedWeights("fp8_block", shapes, ref_q), "made by another backend"),
+                            (cuda_rank, QuantizedWeights("fp8_block", shapes, dev_q), "quantised on device 1"),
+                            (ref_rank, QuantizedWeights("fp8_block", shapes, dev_q), "made by the CUDA backend")):
+        with pytest.raises(mok.ArgumentError) as ei:
+            check_quantized(rank, qw, None)
+        assert ei.value.argument == "experts" and words in str(ei.value)
+    check_quantized(ref_rank, QuantizedWeights("fp8_block", shapes, ref_q), None)
+    check_quantized(cuda_rank, QuantizedWeights("fp8_block", shapes, Q8.DeviceQuantized(*([None] * 6), device_id=0)),
+                    None)
+
+
+def test_cuda_backward_on_an_fp8_workspace_is_refused_not_run_in_bf16():
+    from mok_rt.backends.cuda import CudaBackend
+    with pytest.raises(mok.ArgumentError) as ei:
+        CudaBackend.backward(SimpleNamespace(_fp8=True), None, None, None, None, out={}, accumulate=False, stream=None)
+    assert ei.value.argument == "precision" and "backward of 'fp8_block' is not built yet" in str(ei.value)

@@ -1,0 +1,154 @@
+"""The "fp8_block" calls of the CUDA backend on the CPU, against the null driver of
+bench/null_driver.py (nothing runs; every launch is recorded): which kernels are enqueued, and
+what their parameter structs hold -- the quantiser's jobs, the FP8 forward's weights, context,
+counters and plan -- for quantize_weights, forward (on QuantizedWeights and on bf16 weights),
+recompute_context, and the refused backward."""
+from __future__ import annotations
+
+import ctypes
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from null_driver import FakeDeviceArray, null_driver  # noqa: E402
+
+import mok_rt as mok  # noqa: E402
+from mok_rt.kernels import fp8_quantize as Q8  # noqa: E402
+from mok_rt.kernels import moe_params_fp8 as F  # noqa: E402
+from mok_rt.runtime import launch as rlaunch  # noqa: E402
+
+T, H, I, Is, E, K = 200, 320, 192, 128, 6, 3
+BF = ml_dtypes.bfloat16
+
+
+class _Inputs:
+    def __init__(self, tokens=T, base=1 << 44):
+        self._next = base
+        self.ids = self.new((tokens, K), np.int32)
+        self.x, self.d_out = self.new((tokens, H), BF), self.new((tokens, H), BF)
+        self.tw = self.new((tokens, K), np.float32)
+        self.experts = mok.ExpertWeights(self.new((E, I, H), BF), self.new((E, I, H), BF), self.new((E, H, I), BF))
+        self.shared = mok.ExpertWeights(self.new((Is, H), BF), self.new((Is, H), BF), self.new((H, Is), BF))
+
+    def new(self, shape, dtype):
+        ptr = self._next
+        self._next += -(-int(np.prod(shape)) * np.dtype(dtype).itemsize // 4096) * 4096 + 4096
+        return FakeDeviceArray(shape, dtype, ptr=ptr)
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Every launch enqueued: (kernel name, parameter bytes)."""
+    seen = []
+    real = rlaunch.PreparedLaunch.__call__
+
+    def record(self):
+        p = self.params
+        seen.append((self.kernel.name, ctypes.string_at(ctypes.addressof(p), ctypes.sizeof(p))))
+        real(self)
+    monkeypatch.setattr(rlaunch.PreparedLaunch, "__call__", record)
+    return seen
+
+
+def _ws(tokens=T):
+    cfg = mok.MoEConfig(hidden=H, intermediate=I, num_experts=E, top_k=K, shared_intermediate=Is,
+                        precision="fp8_block")
+    return mok.Workspace(cfg, max_tokens=tokens)
+
+
+def _fwd_params(raw: bytes) -> F.MoEFp8ForwardTmaParams:
+    assert len(raw) == ctypes.sizeof(F.MoEFp8ForwardTmaParams)
+    return F.MoEFp8ForwardTmaParams.from_buffer_copy(raw)
+
+
+def test_quantize_weights_one_launch_of_six_jobs(launches):
+    with null_driver(), _ws() as ws:
+        a = _Inputs()
+        qw = mok.quantize_weights(ws, a.experts, a.shared)
+        assert [n for n, _ in launches] == ["fp8_quantize_weights"]
+        p = Q8.Params.from_buffer_copy(launches[0][1])
+        assert p.num_jobs == 6
+        srcs = [*a.experts, *a.shared]
+        dsts = [(g, getattr(qw.experts if i < 3 else qw.shared, part), getattr(qw.experts if i < 3 else qw.shared,
+                                                                                part + "_scale"))
+                for i, (g, part) in enumerate(zip(srcs, ("gate", "up", "down") * 2))]
+        first = 0
+        for j, (src, q, s) in enumerate(dsts):
+            job = p.jobs[j]
+            shape = src.shape if len(src.shape) == 3 else (1, *src.shape)
+            assert (job.w, job.q, job.s) == (src.ptr, q.ptr, s.ptr)
+            assert (job.groups, job.r, job.c, job.first_block) == (*shape, first)
+            assert tuple(q.shape) == tuple(src.shape) and q.dtype.name == "float8_e4m3fn"
+            assert tuple(s.shape) == Q8.scale_shape(src.shape) and q.ptr % 256 == 0 and s.ptr % 256 == 0
+            first += shape[0] * -(-shape[1] // 128) * -(-shape[2] // 128)
+        assert qw.precision == "fp8_block" and qw.shapes[1] == ((Is, H), (Is, H), (H, Is))
+
+
+def test_forward_recompute_and_the_refused_backward(launches, monkeypatch):
+    # Each "encoded" map holds its spec's address and dtype (the null driver's maps are zeros).
+    from mok_rt.kernels import moe_fp8, moe_maps
+    monkeypatch.setattr(moe_maps, "encode", lambda spec: spec.address.to_bytes(8, "little") +
+                        spec.dtype.encode().ljust(8, b"\0") + bytes(112))
+    monkeypatch.setattr(moe_maps, "_cache", type(moe_maps._cache)())
+    monkeypatch.setattr(moe_fp8, "_maps_cache", {})
+    with null_driver(), _ws() as ws:
+        a = _Inputs()
+        qw = mok.quantize_weights(ws, a.experts, a.shared)
+        sched = mok.schedule(ws, a.ids)
+        n0 = len(launches)
+        out, ctx = mok.forward(ws, sched, a.x, a.tw, qw)
+        assert [n for n, _ in launches[n0:]] == ["moe_forward_fp8"]
+        tp = _fwd_params(launches[-1][1])
+        q, p = tp.p, tp.p.p
+        assert (p.x, p.topk_weights, p.out) == (a.x.ptr, a.tw.ptr, out.ptr) and out.shape == (T, H)
+        assert all(getattr(p.w, n) == 0 for n, _ in p.w._fields_)          # bf16 weights unused
+        assert p.ctx.x_routed == p.ctx.act == p.ctx.sact == 0
+        assert (q.wq.gate, q.wq.down_s, q.wq.shared_up) == (qw.experts.gate.ptr, qw.experts.down_scale.ptr,
+                                                           qw.shared.up.ptr)
+        ctx_ptrs = [getattr(q.qctx, n) for n, _ in q.qctx._fields_] + [p.ctx.gu, p.ctx.y_slot, p.ctx.sgu]
+        assert all(ctx_ptrs) and len(set(ctx_ptrs)) == len(ctx_ptrs) and all(v % 256 == 0 for v in ctx_ptrs)
+        assert q.plan8.quant_x.count == -(-T // 128) and q.plan8.token_ld == 256 and p.plan.h_tiles == 3
+        assert q.token_xq_ready and q.token_xq_ready not in (p.cnt.block_ready, p.cnt.task_next)
+        assert p.context_only == 0 and p.peers.num_ranks == 1
+        def map_of(name):
+            raw = bytes(getattr(tp.maps, name))
+            return int.from_bytes(raw[:8], "little"), raw[8:16].rstrip(b"\0").decode()
+        assert map_of("xq_k") == (q.qctx.xq, "u8") and map_of("xrq_s") == (q.qctx.xrq_s, "f32")
+        assert map_of("aq_k") == (q.qctx.aq, "u8") and map_of("saq_s") == (q.qctx.saq_s, "f32")
+        assert map_of("gate_k") == (q.wq.gate, "u8") and map_of("shared_down_k") == (q.wq.shared_down, "u8")
+        # bf16 master weights: quantised inside the call (one more launch), then the same forward.
+        n0 = len(launches)
+        mok.forward(ws, sched, a.x, a.tw, a.experts, shared=a.shared)
+        assert [n for n, _ in launches[n0:]] == ["fp8_quantize_weights", "moe_forward_fp8"]
+        # recompute_context: context only, no out.
+        n0 = len(launches)
+        mok.recompute_context(ws, sched, a.x, a.tw, qw)
+        r = _fwd_params(launches[-1][1]).p.p
+        assert [n for n, _ in launches[n0:]] == ["moe_forward_fp8"] and r.context_only == 1 and r.out == 0
+        # The backward on an FP8 context: refused before anything is launched.
+        n0 = len(launches)
+        with pytest.raises(mok.ArgumentError) as ei:
+            mok.backward(ws, ctx, a.d_out)
+        assert ei.value.argument == "precision" and len(launches) == n0
+
+
+def test_bf16_quantized_weights_mismatch_is_refused():
+    with null_driver(), _ws() as ws:
+        a = _Inputs()
+        qw = mok.quantize_weights(ws, a.experts, a.shared)
+        sched = mok.schedule(ws, a.ids)
+        with pytest.raises(mok.ArgumentError) as ei:
+            mok.forward(ws, sched, a.x, a.tw, qw, shared=a.shared)
+        assert ei.value.argument == "shared"
+        cfg16 = mok.MoEConfig(hidden=H, intermediate=I, num_experts=E, top_k=K, shared_intermediate=Is)
+        with mok.Workspace(cfg16, max_tokens=T) as ws16:
+            with pytest.raises(mok.ArgumentError) as ei:
+                mok.forward(ws16, mok.schedule(ws16, a.ids), a.x, a.tw, qw)
+            assert ei.value.argument == "experts"
+            with pytest.raises(mok.ArgumentError) as ei:
+                mok.quantize_weights(ws16, a.experts, a.shared)
+            assert ei.value.argument == "precision"
