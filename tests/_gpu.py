@@ -50,7 +50,7 @@ CHILD_ENV = "MOK_RT_GPU_CHILD"       # set in the child: the test runs there
 ECHO = ("FP8ERR", "FP8PROBE")         # output lines of a child passed on (print and return)
 
 
-def run_isolated(request, *, env: dict | None = None, timeout: float = 600.0) -> list[str] | None:
+def run_isolated(request, *, env: dict | None = None, timeout: float = 300.0) -> list[str] | None:
     """Runs the calling test again in a child pytest process; returns the child's ECHO lines, or
     None when the test is to run here (this is the child, or MOK_RT_GPU_ISOLATE=0).  Use:
     ``if (lines := run_isolated(request)) is not None: return``.

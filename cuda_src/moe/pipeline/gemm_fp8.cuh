@@ -13,8 +13,9 @@
 //
 // Consumers: per K block a warpgroup waits for the stage, issues its four m64n128k32 MMAs into a
 // partial set (the first with scale-d = 0), waits for them (wait_group 0: the other warpgroup's
-// MMAs keep the tensor cores busy meanwhile) and promotes: total += partial * fp32(s_a[row] * s_b)
-// with one fma.  The B scale of a gate|up sub-tile differs between its gate columns (registers of
+// MMAs keep the tensor cores busy meanwhile), releases the stage (its operands are consumed and
+// its scales are in registers, so the producer refills it during the promotion) and promotes:
+// total += partial * fp32(s_a[row] * s_b) with one fma.  The B scale of a gate|up sub-tile differs between its gate columns (registers of
 // chunks j < 8) and its up columns (j >= 8): two B scales per K block, four products per thread.
 // Same promotion order every run: deterministic.
 #pragma once
@@ -52,6 +53,12 @@ __device__ __forceinline__ float ld_shared_f32(uint32_t addr) {
 // ---- producer: one stage's loads (into the slot at dst; returns the bytes for expect_tx) ---------
 // a: 2D {K, rows}; sa: 2D {rows, K/128}; b: 3D {K, N, group}; b2 (gate|up): the up half, both
 // halves from row n0 of their map.
+// TMA alignment: a tiled load whose innermost coordinate times the element size is not a multiple
+// of 16 bytes faults with an illegal instruction (the probe's first GPU run: a group starting at
+// row 277).  The A and B boxes start at K = kb * 128 bytes; the A-scale box's innermost coordinate
+// is row0 (fp32), so row0 must be a multiple of 4: here it is always a multiple of kBlockM (tiles
+// of row blocks / token blocks), and the scale arrays' ld (token_ld, R) is a multiple of 4.
+static_assert(kBlockM % 4 == 0, "the A-scale box's innermost coordinate (row0, fp32) stays 16-byte aligned");
 __device__ __forceinline__ uint32_t load_stage(uint32_t dst, uint32_t bar, const TensorMap* a, const TensorMap* sa,
                                                int row0, int kb, const TensorMap* b, const TensorMap* b2, int n0,
                                                int group) {
@@ -91,15 +98,23 @@ __device__ __forceinline__ bool mainloop(const pipe::Shared& s, wg::PipeState& p
   for (int kb = 0; kb < k_blocks; ++kb) {
     if (!failed) failed = !mbar_wait(s.ring.full(ps.slot), ps.phase, w);
     const uint32_t base = a_tile(s, ps.slot);
+    float s_lo = 0.f, s_hi = 0.f, sa0 = 0.f, sa1 = 0.f;
     if (!idle) {
-      const float s_lo = __ldg(sb.lo + kb), s_hi = __ldg(sb.hi + kb);  // latency hidden by the MMAs
-      const float sa0 = ld_shared_f32(scales(base) + row_off), sa1 = ld_shared_f32(scales(base) + row_off + 32u);
+      s_lo = __ldg(sb.lo + kb), s_hi = __ldg(sb.hi + kb);  // latency hidden by the MMAs
+      sa0 = ld_shared_f32(scales(base) + row_off), sa1 = ld_shared_f32(scales(base) + row_off + 32u);
       wgmma_fence();  // partial was read by the last promotion
       wgmma_e4m3_kblock<kBN>(partial, smem_desc_kmajor_sw128(base + consumer * 64 * kBK),
                              smem_desc_kmajor_sw128(b_tile(s, ps.slot)));
       wgmma_commit();
       wgmma_wait<0>();
       wgmma_fence_operand(partial);
+    }
+    // The slot is consumed: the MMAs that read it are complete, and the arrive (release) orders the
+    // scale loads before it.  Released before the promotion, so the producer's refill overlaps it.
+    __syncwarp();
+    if (arriver) mbar_arrive(s.ring.empty(ps.slot));
+    ps.advance(pipe::kStages);
+    if (!idle) {
       // fp32 products, one rounding each; register 4j + 2h + e: row half h, chunk j (chunks j < 8
       // take s_lo, the others s_hi: two products live at a time).
       {
@@ -113,9 +128,6 @@ __device__ __forceinline__ bool mainloop(const pipe::Shared& s, wg::PipeState& p
         for (int i = kRegs / 2; i < kRegs; ++i) total[i] = __fmaf_rn(partial[i], (i & 2) ? p1 : p0, total[i]);
       }
     }
-    __syncwarp();
-    if (arriver) mbar_arrive(s.ring.empty(ps.slot));  // operands and scales of the slot consumed
-    ps.advance(pipe::kStages);
   }
   return !workers_any(failed);
 }
