@@ -2,7 +2,9 @@
 
 * fp8_quantize_rows / fp8_quantize_weights against mok_rt.reference.quantize: every E4M3 byte and
   every fp32 scale bitwise (zero, tiny, huge, inf and NaN blocks, subnormal inputs, ties, a partial
-  last block), both scale layouts, and the weights' transposed (dgrad) copy.
+  last block), both scale layouts, and the weights' transposed (dgrad) copy; the same for the
+  megakernel's pipelined dispatch quantiser (fp8_quantize_rows_pipelined), and its per-block
+  quotient against div.rn over every bf16 input for all scales in [1, 2) and samples of the others.
 * fp8_gemm_probe (grouped, uneven groups with an empty one, M and N not tile multiples, K not a
   multiple of 128): bitwise against the float64 emulation on operands where no step rounds
   (tests/fp8_probe_host.exact_problem); within TOL_GEMM (relative Frobenius) on random operands
@@ -86,6 +88,10 @@ class QuantWeightsParams(ctypes.Structure):
                 ("st", ctypes.c_uint64), ("groups", ctypes.c_int32), ("r", ctypes.c_int32), ("c", ctypes.c_int32)]
 
 
+class QuotientCheckParams(ctypes.Structure):
+    _fields_ = [("scales", ctypes.c_uint64), ("n_scales", ctypes.c_int64), ("result", ctypes.c_uint64)]
+
+
 assert ctypes.sizeof(Fp8GemmParams) == 512 and Fp8GemmParams.sb.offset == 384 and Fp8GemmParams.err.offset == 432
 assert Fp8GemmParams.groups.offset == 448 and Fp8GemmParams.cq_ld.offset == 468
 assert ctypes.sizeof(QuantRowsParams) == 48 and ctypes.sizeof(QuantWeightsParams) == 56
@@ -145,8 +151,9 @@ def _run(kernel, grid, block, params, stream, smem=0):
 
 # ---- quantisers ---------------------------------------------------------------------------------------
 
-def quantize_rows_dev(stream, x_bits, k: int, *, scale_ld: int | None = None):
-    """Device quantiser of bf16 rows; scales [rows, KB], or [KB, scale_ld] when scale_ld is given."""
+def quantize_rows_dev(stream, x_bits, k: int, *, scale_ld: int | None = None, kernel: str = "fp8_quantize_rows"):
+    """Device quantiser of bf16 rows; scales [rows, KB], or [KB, scale_ld] when scale_ld is given.
+    kernel "fp8_quantize_rows_pipelined" (the megakernel's dispatch quantiser) needs scale_ld."""
     rows = x_bits.shape[0]
     kb = H.cdiv(k, FP8_BLOCK)
     q = cp.full((rows, k), 0xAA, dtype=cp.uint8)
@@ -157,7 +164,12 @@ def quantize_rows_dev(stream, x_bits, k: int, *, scale_ld: int | None = None):
         s = cp.zeros((kb, scale_ld), dtype=cp.float32)
         s_row, s_kb = 1, scale_ld
     p = QuantRowsParams(_ptr(x_bits), _ptr(q), _ptr(s), rows, k, s_row, s_kb)
-    _run(_kernel("fp8_quantize_rows"), max(1, min(264, H.cdiv(rows * kb, 8))), 256, p, stream)
+    if kernel == "fp8_quantize_rows":
+        grid = max(1, min(264, H.cdiv(rows * kb, 8)))
+    else:  # a CTA per 128 rows, as the dispatch's tasks
+        assert scale_ld is not None
+        grid = max(1, H.cdiv(rows, 128))
+    _run(_kernel(kernel), grid, 256, p, stream)
     stream.synchronize()
     return q, s
 
@@ -205,6 +217,44 @@ def test_quantize_rows_bitwise(stream, k):
     q2, s2 = quantize_rows_dev(stream, xd, k, scale_ld=ld)
     assert cp.array_equal(q2, q)
     assert np.array_equal(cp.asnumpy(s2).view(np.uint32), H.bits_u32(H.act_scales_kmajor(want.scales, ld)))
+
+
+@pytest.mark.parametrize("k,rows", [(464, 37), (128, 37), (2048, 37), (2112, 300), (1088, 129)])
+def test_quantize_rows_pipelined_bitwise(stream, k, rows):
+    """The megakernel's dispatch quantiser (moe/tasks/quantize_rows.cuh: quad layout, BlockQuotient,
+    the div.rn fallback for scales below 2^-64 -- special_rows' subnormal block takes it) against the
+    oracle, byte for byte and scale for scale; partial last units (1088, 2112) and several tasks."""
+    rng = np.random.default_rng(k + rows)
+    x = H.activation_rows(rng, rows, k)
+    if k > 3 * FP8_BLOCK:
+        x = np.concatenate([x[:9], H.special_rows(k), x[9:]])
+    want = H.quantize_rows_ref(x)
+    m = x.shape[0]
+    ld = H.cdiv(m, 4) * 4 + 4
+    q, s = quantize_rows_dev(stream, _dev_bf16(x), k, scale_ld=ld, kernel="fp8_quantize_rows_pipelined")
+    _assert_q_equal(q, s[:, :m].T, want, "pipelined rows, scales [KB, ld]")
+
+
+def test_block_quotient_is_div_rn(stream):
+    """BlockQuotient (common/fp8.cuh: div.rn's fast path with the reciprocal taken once per block, no
+    range check) against div.rn, for every bf16 v with |v| <= 449 s: every scale in [1, 2) (all 2^23
+    significands) and random and extreme significands at exponents -64 .. 119.  The E4M3 byte must be
+    div.rn's; the fp32 quotient too wherever |div.rn(v, s)| > 2^-13 (then |v / s| > 2^-13)."""
+    rng = np.random.default_rng(7)
+    parts = [np.arange(0x3F800000, 0x40000000, dtype=np.uint32)]
+    for e in (-64, -63, -40, -13, -1, 1, 12, 40, 90, 118, 119):
+        mant = np.concatenate([rng.integers(0, 1 << 23, size=4096, dtype=np.uint32),
+                               np.array([0, 1, (1 << 23) - 1], dtype=np.uint32)])
+        parts.append(np.uint32((e + 127) << 23) | mant)
+    bf16_max = np.array([0x7F7F0000], dtype=np.uint32).view(np.float32)
+    parts.append((bf16_max / np.float32(448.0)).view(np.uint32))  # the largest scale a block can have
+    scales = cp.asarray(np.concatenate(parts).view(np.float32))
+    result = cp.zeros(2, dtype=cp.uint64)
+    p = QuotientCheckParams(_ptr(scales), scales.size, _ptr(result))
+    _run(_kernel("fp8_block_quotient_check"), 8 * multiprocessor_count(cp.cuda.Device().id), 256, p, stream)
+    stream.synchronize()
+    bad, first = (int(v) for v in cp.asnumpy(result))
+    assert bad == 0, f"{bad} mismatches; first: scale bits {first >> 32:#010x}, bf16 bits {first & 0xFFFF:#06x}"
 
 
 @pytest.mark.parametrize("shape", [(2, 272, 400), (1, 128, 128), (3, 384, 768)])

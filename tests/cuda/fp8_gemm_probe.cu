@@ -8,7 +8,10 @@
 // fp8_gemm_probe_overlap  the same with two K blocks in flight per consumer warpgroup (three
 //                     accumulator sets: block kb + 1's MMAs run during block kb's promotion);
 //                     same promotion order, so the same bits.
-// fp8_quantize_rows   bf16 rows -> e4m3 + 1 x 128 scales (the dispatch's quantiser).
+// fp8_quantize_rows   bf16 rows -> e4m3 + 1 x 128 scales (the reference quantiser, warp layout).
+// fp8_quantize_rows_pipelined  the same through the megakernel's dispatch quantiser
+//                     (moe/tasks/quantize_rows.cuh: quad layout, BlockQuotient, div.rn fallback).
+// fp8_block_quotient_check  BlockQuotient against div.rn over every bf16 input, for a list of scales.
 // fp8_quantize_weights  bf16 [G, R, C] -> e4m3 in 128 x 128 blocks, forward copy [G, R, C] and
 //                     transposed copy [G, C, R] (the dgrad operand) with their scales.
 //
@@ -21,6 +24,8 @@
 // Launch: fp8_gemm_probe(_overlap): 384 threads, kGemmSmemBytes (201568) dynamic smem, any
 // grid; tiles (row block of a group, 128-column tile) are dealt round-robin over the CTAs.
 // fp8_quantize_rows: any grid x 256 threads.  fp8_quantize_weights: G * RB * CB CTAs x 256.
+// fp8_quantize_rows_pipelined: ceil(rows / 128) CTAs x 256 (scales [KB, s_kb] only: s_row == 1).
+// fp8_block_quotient_check: any grid x 256 threads.
 // Tensor maps (tests/test_fp8_gemm_probe_gpu.py):
 //   a:  UINT8   dims {K, max_rows},    box {128, 128},   SWIZZLE_128B
 //   b:  UINT8   dims {K, N, groups},   box {128, 128, 1}, SWIZZLE_128B
@@ -40,6 +45,7 @@
 #include "common/mma.cuh"
 #include "common/wgmma_fp8.cuh"
 #include "moe/pipeline/gemm_wgmma.cuh"
+#include "moe/tasks/quantize_rows.cuh"
 
 namespace mok {
 
@@ -82,6 +88,11 @@ struct QuantWeightsParams {
   uint8_t* qt;               // e4m3 [G, C, R]     (transposed copy: reduction dim R)
   float* st;                 // fp32 [G, CB, RB]
   int groups, r, c;
+};
+struct QuotientCheckParams {
+  const float* scales;       // fp32 scales (normal, >= 2^-64)
+  long long n_scales;
+  unsigned long long* result;  // [0]: mismatches; [1]: the first one, scale bits << 32 | 0x10000 | bf16 bits
 };
 static_assert(sizeof(QuantRowsParams) == 48 && sizeof(QuantWeightsParams) == 56,
               "parameter layouts: update tests/test_fp8_gemm_probe_gpu.py");
@@ -330,6 +341,43 @@ __device__ void quantize_rows(const QuantRowsParams& p) {
   }
 }
 
+// The dispatch's quantiser as the megakernel runs it: CTA b is a task of rows 128 b .. 128 b + 127,
+// warp w its rows 128 b + w + 8 j, in token order.
+__device__ void quantize_rows_pipelined(const QuantRowsParams& p) {
+  const int lane = threadIdx.x & 31, row0 = blockIdx.x * kBlockM + (threadIdx.x >> 5);
+  const int nrows = p.rows > row0 ? min(fp8f::kRowsPerWarp, (p.rows - row0 + fp8f::kQuantWarps - 1) / fp8f::kQuantWarps) : 0;
+  const fp8f::QuantRows r{p.q, p.scale, (size_t)p.s_kb, p.k, row0, nrows,
+                          reinterpret_cast<const bf16*>(p.x) + (size_t)(row0 + fp8f::kQuantWarps * (lane & 15)) * p.k};
+  fp8f::quantize_rows_warp(r);
+}
+
+// For each scale s (one per CTA at a time) and every bf16 v with |v| <= 449 s (a block's elements
+// are at most amax ~ 448 s): the byte BlockQuotient gives (sign from v, as encode_signed) must be
+// cvt(div.rn(v, s)), and where |div.rn(v, s)| > 2^-13 the fp32 quotient must be div.rn's, bit for bit.
+__device__ void block_quotient_check(const QuotientCheckParams& p) {
+  for (long long i = blockIdx.x; i < p.n_scales; i += gridDim.x) {
+    const float s = p.scales[i];
+    const fp8::BlockQuotient d = fp8::BlockQuotient::of(s);
+    const float limit = 449.0f * s;
+    for (uint32_t m = threadIdx.x; m < 0x7f80u; m += blockDim.x) {  // finite magnitudes
+      if (fp8::bf16_bits_to_f32(m) > limit) break;                     // increasing in m
+#pragma unroll
+      for (uint32_t sign = 0; sign <= 0x8000u; sign += 0x8000u) {
+        const uint32_t bits = m | sign;
+        const float v = fp8::bf16_bits_to_f32(bits);
+        const float ref = fp8::div_rn(v, s), got = d(v);
+        const float f[8] = {v, v, v, v, v, v, v, v};
+        const uint32_t got_byte = d.encode_signed(f, 0, bits * 0x10001u, bits * 0x10001u) & 0xffu;
+        const uint32_t want_byte = fp8::cvt_e4m3x2(ref, 0.0f) & 0xffu;
+        const bool bad = got_byte != want_byte ||
+                         (fabsf(ref) > 0x1p-13f && __float_as_uint(got) != __float_as_uint(ref));
+        if (bad && atomicAdd(p.result, 1ull) == 0)
+          p.result[1] = (static_cast<unsigned long long>(__float_as_uint(s)) << 32) | 0x10000u | bits;
+      }
+    }
+  }
+}
+
 // One CTA (8 warps) per 128 x 128 block; warp w holds rows 16w .. 16w+15 of the block in the warp
 // layout (64 values per lane).  The block's amax: per lane, per warp (redux), then the 8 warps'
 // maxima read in a fixed order from shared memory.  The e4m3 block is staged in shared memory
@@ -426,4 +474,12 @@ extern "C" __global__ void __launch_bounds__(256) fp8_quantize_rows(const __grid
 
 extern "C" __global__ void __launch_bounds__(256) fp8_quantize_weights(const __grid_constant__ QuantWeightsParams p) {
   fp8probe::quantize_weights(p);
+}
+
+extern "C" __global__ void __launch_bounds__(256) fp8_quantize_rows_pipelined(const __grid_constant__ QuantRowsParams p) {
+  fp8probe::quantize_rows_pipelined(p);
+}
+
+extern "C" __global__ void __launch_bounds__(256) fp8_block_quotient_check(const __grid_constant__ QuotientCheckParams p) {
+  fp8probe::block_quotient_check(p);
 }

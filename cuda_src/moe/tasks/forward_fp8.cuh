@@ -232,10 +232,8 @@ struct TmaForwardFp8 {
                       int consumer, const MbarWaitCtx& w, const pipe::Turns&) const {
     switch (job.kind) {
       case kF8QuantX:
-        fp8f::quantize_tokens(q, job.a);
-        return true;
       case kF8Dispatch:
-        fp8f::dispatch_quantize(q, job.a);
+        fp8f::quantize_x(q, job.kind == kF8Dispatch, job.a);
         return true;
       case kF8Combine:
         tasks.combine_body(job.a);
