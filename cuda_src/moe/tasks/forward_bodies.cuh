@@ -25,7 +25,11 @@ struct SwiGLU {
   bool limited;
   float limit;
 
-  __device__ __forceinline__ static float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+  // ex2.approx and rcp.approx (2 ulp / 1 ulp; the results are rounded to bf16 or to E4M3): the
+  // IEEE expf and division cost ~30 instructions each, and the epilogues apply this to 64 (forward)
+  // or 128 (backward) values per thread fully unrolled, so their code outgrew the instruction
+  // cache (ncu: dA epilogues stalled on instruction fetch).  Deterministic like any instruction.
+  __device__ __forceinline__ static float sigmoid(float x) { return __fdividef(1.f, 1.f + __expf(-x)); }
 
   __device__ __forceinline__ float act(float g, float u) const {
     if (limited) {
