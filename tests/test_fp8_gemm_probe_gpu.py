@@ -257,6 +257,47 @@ def test_block_quotient_is_div_rn(stream):
     assert bad == 0, f"{bad} mismatches; first: scale bits {first >> 32:#010x}, bf16 bits {first & 0xFFFF:#06x}"
 
 
+def _fp32_special_rows(rng, k: int) -> np.ndarray:
+    """fp32 rows for the epilogue quantiser: random significands (not bf16 values) at magnitudes
+    10^-3 .. 10^4, and blocks that take every path: zero, flushed (amax < 448 * 2^-126), the
+    2^64 rescale (amax 2^-117 .. 2^-56, subnormal elements among them), signed zeros, huge, inf,
+    NaN, ties after scaling by s = 2^e, quotients just around E4M3's smallest subnormal."""
+    assert k % FP8_BLOCK == 0
+    x = H.activation_rows(rng, 24, k).astype(np.float32)
+    x *= np.float32(1.0) + rng.uniform(-2.0 ** -8, 2.0 ** -8, size=x.shape).astype(np.float32)
+    n = FP8_BLOCK
+    blocks = [np.zeros(n), rng.standard_normal(n) * 1e-37, rng.standard_normal(n) * 2.0 ** -60,
+              rng.standard_normal(n) * 2.0 ** -110, rng.standard_normal(n) * 2.0 ** -118,
+              np.where(rng.random(n) < 0.5, -0.0, 0.0) + np.r_[2.0 ** -57, np.zeros(n - 1)],
+              rng.standard_normal(n) * 1e37, np.r_[np.inf, rng.standard_normal(n - 1)],
+              np.r_[-np.inf, np.nan, rng.standard_normal(n - 2)],
+              np.resize([448.0, 1.0625, -1.1875, 17.0, -19.0, 0.0, -0.0, 2.0 ** -10, -(2.0 ** -10),
+                         3 * 2.0 ** -10, 2.0 ** -11], n) * 2.0 ** -20,
+              np.r_[448.0, rng.uniform(-1, 1, n - 1) * 2.0 ** -8], np.r_[448.0, rng.uniform(-1, 1, n - 1) * 2.0 ** -12]]
+    sp = np.zeros((len(blocks), k), dtype=np.float32)
+    for i, b in enumerate(blocks):
+        sp[i, (i % (k // n)) * n:(i % (k // n) + 1) * n] = np.asarray(b, dtype=np.float64).astype(np.float32)
+    sp[4, 1] = np.float32(2.0 ** -140)   # a subnormal input in a rescaled block
+    return np.concatenate([x[:7], sp, x[7:]])
+
+
+@pytest.mark.parametrize("k", [128, 512])
+def test_quantize_frag_rows_fp32_bitwise(stream, k):
+    """The gate|up epilogue's quantiser (common/fp8.cuh quantize_frag_row128: fragment layout,
+    BlockQuotient with a sign copy, the 2^64 rescale of blocks with s < 2^-64) on fp32 rows, byte for
+    byte and scale for scale against the oracle."""
+    x = _fp32_special_rows(np.random.default_rng(k), k)
+    want = H.quantize_rows_ref(x)
+    rows, kb = x.shape[0], k // FP8_BLOCK
+    xd = cp.asarray(x)
+    q = cp.full((rows, k), 0xAA, dtype=cp.uint8)
+    s = cp.full((rows, kb), -1.0, dtype=cp.float32)
+    p = QuantRowsParams(_ptr(xd), _ptr(q), _ptr(s), rows, k, kb, 1)
+    _run(_kernel("fp8_quantize_frag_rows"), (H.cdiv(rows, 64), kb), 128, p, stream)
+    stream.synchronize()
+    _assert_q_equal(q, s, want, "fragment rows (fp32), scales [M, KB]")
+
+
 @pytest.mark.parametrize("shape", [(2, 272, 400), (1, 128, 128), (3, 384, 768)])
 def test_quantize_weights_bitwise(stream, shape):
     g, r, c = shape

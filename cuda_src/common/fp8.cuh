@@ -17,9 +17,10 @@
 //   * A true division, not v * (1/s): the reciprocal is off by up to an ulp, which moves fp32(v/s)
 //     across an E4M3 rounding midpoint now and then, so the bits would differ from the oracle in
 //     rare ties.  Each div.rn.f32 is a reciprocal, five dependent fma and a range check with a
-//     branch to a slow path, so a loop of them runs one division at a time.  The dispatch therefore
-//     uses BlockQuotient below: the same instructions, with the reciprocal part done once per block
-//     (it depends on s only), and no per-element branch; why its bytes equal div.rn's is explained there.
+//     branch to a slow path, so a loop of them runs one division at a time.  The dispatch and the
+//     epilogue quantiser therefore use BlockQuotient below: the same instructions, with the
+//     reciprocal part done once per block (it depends on s only), and no per-element branch; why
+//     its bytes equal div.rn's is explained there.
 //   * cvt.rn.satfinite: saturating round-to-nearest-even equals the oracle's clamp-then-round for
 //     every finite input (anything that rounds beyond 448 is clamped to 448), keeps signed zeros
 //     (-0 -> 0x80, as ml_dtypes does) and maps NaN to 0x7f.  Finite values never become NaN.
@@ -168,7 +169,11 @@ __device__ __forceinline__ QuantizedRow128 quantize_row128_warp_bf16(uint2 bf16x
 //     fma chain's errors are 2^-22 relative plus y 2^-150 <= 2^-86 absolute, so |q| < 2^-11 also
 //     rounds to a zero, but its sign can differ (v = -0 gives +0).  encode_signed therefore
 //     takes every byte's sign from v, which for a nonzero quotient is the sign cvt wrote anyway.
-// A block with s < 2^-64 (amax below ~2^-55) is not covered: the caller falls back to div.rn.
+// Nothing above uses that v is a bf16: for any fp32 v with |v / s| >= 2^-13, |v| >= 2^-77 and
+// ulp(v) >= 2^-100, so r is still a multiple of 2^-124 (the epilogue quantiser relies on this).
+// A block with s < 2^-64 (amax below ~2^-55) is not covered: the caller falls back to div.rn, or
+// (quantize_frag_row128) divides v * 2^64 by s * 2^64 instead: both products are exact (no
+// overflow: |v| < 2^-55; s >= 2^-126), the real quotient is the same, so div.rn's is too.
 constexpr uint32_t kMinFastScaleBits = 0x1f800000u;  // 2^-64
 
 struct BlockQuotient {
@@ -191,6 +196,9 @@ struct BlockQuotient {
     asm("lop3.b32 %0, %1, %2, %3, 0xd8;" : "=r"(r) : "r"(mag), "r"(sign), "r"(0x80808080u));
     return r;
   }
+  // One fp32 element, ready for cvt: the quotient with v's sign (one LOP3), the sign rule of
+  // encode_signed for inputs that are not bf16 words.
+  __device__ __forceinline__ float signed_quotient(float v) const { return copysignf((*this)(v), v); }
 };
 
 // ---- 1 x 128 blocks held by lane quads (16-byte layout) -------------------------------------------------
@@ -251,22 +259,44 @@ __device__ __forceinline__ QuantizedQuadBlock quantize_block_quad_bf16(const uin
 // acc: the 64 fp32 accumulators of one 128-column block of a 64 x N warpgroup tile (for N = 128,
 // the whole fragment).  For row half h (tile row row0 + 8h of the calling thread) returns the
 // block's scale and, in q[j], the two E4M3 of columns 8j + 2c + {0, 1} (low byte first).  All 4
-// lanes of each quad must call it (shuffles); rows past the end of the matrix only predicate the
-// caller's stores, and columns past its end must hold zeros (TMA zero-fills the B rows, so the
-// accumulators there are 0).
+// lanes of each quad must call it, with the whole warp converged (shuffles, a vote); rows past the
+// end of the matrix only predicate the caller's stores, and columns past its end must hold zeros
+// (TMA zero-fills the B rows, so the accumulators there are 0).
+// Division: BlockQuotient (the reciprocal once per row half, then three fma and a sign copy per
+// element, no branch), bitwise div.rn as argued above.  A finite block with s < 2^-64 (amax below
+// ~2^-55) divides v * 2^64 by s * 2^64 instead (exact, same quotient): a vote of the warp, and
+// 32 multiplications, taken only when some row of the warp needs them.
 struct QuantizedFragRow {
   uint16_t q[16];
   float scale;
 };
 __device__ __forceinline__ QuantizedFragRow quantize_frag_row128(const float (&acc)[64], int h) {
+  float v[32];
   uint32_t m = 0;
 #pragma unroll
-  for (int j = 0; j < 16; ++j) m = max(m, max(abs_bits(acc[4 * j + 2 * h]), abs_bits(acc[4 * j + 2 * h + 1])));
+  for (int j = 0; j < 16; ++j) {
+    v[2 * j] = acc[4 * j + 2 * h], v[2 * j + 1] = acc[4 * j + 2 * h + 1];
+    m = max(m, max(abs_bits(v[2 * j]), abs_bits(v[2 * j + 1])));
+  }
   const BlockScale bs = BlockScale::of_amax_bits(quad_max_u32(m));
+  float s = bs.scale;
+  const bool tiny = bs.kind == BlockScale::kFinite && __float_as_uint(s) < kMinFastScaleBits;
+  if (__any_sync(0xffffffffu, tiny)) {  // warp-uniform; exact power-of-two scaling (see above)
+    const float f = tiny ? 0x1p64f : 1.0f;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) v[i] = __fmul_rn(v[i], f);
+    s = __fmul_rn(s, f);
+  }
+  const BlockQuotient d = BlockQuotient::of(s);
+  // Flushed blocks: 0; non-finite: 0x7f7f (the quotients computed for them are dropped).
+  const uint32_t keep = bs.kind == BlockScale::kFinite ? 0xffffu : 0u;
+  const uint32_t special = bs.kind == BlockScale::kNonFinite ? (kE4M3NaN | (kE4M3NaN << 8)) : 0u;
   QuantizedFragRow r;
   r.scale = bs.scale;
 #pragma unroll
-  for (int j = 0; j < 16; ++j) r.q[j] = static_cast<uint16_t>(bs.encode2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]));
+  for (int j = 0; j < 16; ++j)
+    r.q[j] = static_cast<uint16_t>((cvt_e4m3x2(d.signed_quotient(v[2 * j]), d.signed_quotient(v[2 * j + 1])) & keep) |
+                                   special);
   return r;
 }
 

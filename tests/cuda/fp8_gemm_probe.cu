@@ -12,6 +12,8 @@
 // fp8_quantize_rows_pipelined  the same through the megakernel's dispatch quantiser
 //                     (moe/tasks/quantize_rows.cuh: quad layout, BlockQuotient, div.rn fallback).
 // fp8_block_quotient_check  BlockQuotient against div.rn over every bf16 input, for a list of scales.
+// fp8_quantize_frag_rows  fp32 rows -> e4m3 + 1 x 128 scales through the epilogue quantiser
+//                     (common/fp8.cuh quantize_frag_row128: wgmma fragment layout, BlockQuotient).
 // fp8_quantize_weights  bf16 [G, R, C] -> e4m3 in 128 x 128 blocks, forward copy [G, R, C] and
 //                     transposed copy [G, C, R] (the dgrad operand) with their scales.
 //
@@ -26,6 +28,7 @@
 // fp8_quantize_rows: any grid x 256 threads.  fp8_quantize_weights: G * RB * CB CTAs x 256.
 // fp8_quantize_rows_pipelined: ceil(rows / 128) CTAs x 256 (scales [KB, s_kb] only: s_row == 1).
 // fp8_block_quotient_check: any grid x 256 threads.
+// fp8_quantize_frag_rows: (ceil(rows / 64), ceil(K / 128)) CTAs x 128; QuantRowsParams with x = fp32 rows.
 // Tensor maps (tests/test_fp8_gemm_probe_gpu.py):
 //   a:  UINT8   dims {K, max_rows},    box {128, 128},   SWIZZLE_128B
 //   b:  UINT8   dims {K, N, groups},   box {128, 128, 1}, SWIZZLE_128B
@@ -378,6 +381,30 @@ __device__ void block_quotient_check(const QuotientCheckParams& p) {
   }
 }
 
+// The gate|up epilogue's quantiser on fp32 rows: CTA (x, y) holds rows 64x .. 64x + 63, block y, in
+// the accumulator fragment of one m64n128 warpgroup (zeros past the rows and columns).  K % 8 == 0.
+__device__ void quantize_frag_rows(const QuantRowsParams& p) {
+  const float* x = reinterpret_cast<const float*>(p.x);
+  const WgmmaAccCoord c = WgmmaAccCoord::of_thread(threadIdx.x & 127);
+  const int row0 = 64 * blockIdx.x, col0 = fp8::kBlock * blockIdx.y + c.col0;
+  float acc[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) {
+    const int row = row0 + c.row(i), col = col0 + 8 * (i >> 2) + (i & 1);
+    acc[i] = row < p.rows && col < p.k ? x[(size_t)row * p.k + col] : 0.0f;
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const fp8::QuantizedFragRow r = fp8::quantize_frag_row128(acc, h);
+    const int row = row0 + c.row0 + 8 * h;
+    if (row >= p.rows) continue;
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+      if (col0 + 8 * j < p.k) *reinterpret_cast<uint16_t*>(p.q + (size_t)row * p.k + col0 + 8 * j) = r.q[j];
+    if ((threadIdx.x & 3) == 0) p.scale[row * p.s_row + blockIdx.y * p.s_kb] = r.scale;
+  }
+}
+
 // One CTA (8 warps) per 128 x 128 block; warp w holds rows 16w .. 16w+15 of the block in the warp
 // layout (64 values per lane).  The block's amax: per lane, per warp (redux), then the 8 warps'
 // maxima read in a fixed order from shared memory.  The e4m3 block is staged in shared memory
@@ -482,4 +509,8 @@ extern "C" __global__ void __launch_bounds__(256) fp8_quantize_rows_pipelined(co
 
 extern "C" __global__ void __launch_bounds__(256) fp8_block_quotient_check(const __grid_constant__ QuotientCheckParams p) {
   fp8probe::block_quotient_check(p);
+}
+
+extern "C" __global__ void __launch_bounds__(128) fp8_quantize_frag_rows(const __grid_constant__ QuantRowsParams p) {
+  fp8probe::quantize_frag_rows(p);
 }
