@@ -34,13 +34,15 @@ __device__ __forceinline__ void batched_chunks(long long n, Load load, Store sto
 }
 
 // Up to kCopyBatch routes' 16-byte chunks of one token, loaded together: v[u] = chunk of route
-// j0 + u for u < min(kCopyBatch, top_k - j0).  `row(j)` is the element offset of route j's chunk.
+// j0 + u for u < min(kCopyBatch, top_k - j0), zeros for the others.  `row(j)` is the element offset
+// of route j's chunk.  The zeros matter: a register only written under a predicate keeps its old
+// value otherwise, so ptxas kept all 32 of them live around the callers' whole task loop (through
+// every other task's body: the FP8 gate|up mainloop spilled for them).
 template <class RowPtr>
 __device__ __forceinline__ int load_routes(uint4 (&v)[kCopyBatch], int j0, int top_k, RowPtr ptr) {
   const int n = min_int(kCopyBatch, top_k - j0);
 #pragma unroll
-  for (int u = 0; u < kCopyBatch; ++u)
-    if (u < n) v[u] = ld_cg_v4(ptr(j0 + u));
+  for (int u = 0; u < kCopyBatch; ++u) v[u] = u < n ? ld_cg_v4(ptr(j0 + u)) : make_uint4(0u, 0u, 0u, 0u);
   return n;
 }
 
