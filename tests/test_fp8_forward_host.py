@@ -55,7 +55,7 @@ def test_fp8_plan_phases_waits_and_counters(d, ctx):
     qx, disp, sgu = plan.phase("quant_x"), plan.phase("dispatch"), plan.phase("shared_gu")
     assert qx.end <= disp.begin and disp.end == sgu.begin
     assert qx.count == (d.token_blocks if d.shared_intermediate else 0)
-    assert plan.tiles["h_tiles"] == -(-d.hidden // 128)              # 128 x 128 FP8 tiles
+    assert plan.tiles["h_tiles"] == -(-d.hidden // 256)              # 128 x 256 FP8 tiles (two sub-tiles)
     assert plan.tiles["gu_tiles"] == -(-d.intermediate // 128)       # one 128-column I block per task
     assert plan.tiles["token_ld"] % 4 == 0 and plan.tiles["token_ld"] >= d.tokens
     names = [c.name for c in plan.counters]
@@ -150,9 +150,10 @@ def test_map_specs():
     assert s["gate_k"].dims == (320, 192, 5) and s["gate_k"].box == (128, 64, 1)
     assert s["down_k"].dims == (192, 320, 5) and s["down_k"].box == (128, 128, 1) and s["down_k"].strides == (192, 320 * 192)
     assert s["shared_down_k"].dims == (320, 320, 1)
-    # A stage credits A + B + scales: 16 KB + 16 KB (one box or two halves) + 512 B (gemm_fp8.cuh kStageTx).
-    assert s["xrq_k"].box_bytes + 2 * s["gate_k"].box_bytes + s["xrq_s"].box_bytes == 32768 + 512
-    assert s["aq_k"].box_bytes + s["down_k"].box_bytes + s["aq_s"].box_bytes == 32768 + 512
+    # A stage credits A + B of two sub-tiles + scales: 16 KB + 2 x 16 KB (per sub-tile one box or two
+    # halves) + 512 B (gemm_fp8.cuh load_stage): the 48 KB ring slot, the scales in a side ring.
+    assert s["xrq_k"].box_bytes + 4 * s["gate_k"].box_bytes + s["xrq_s"].box_bytes == 49152 + 512
+    assert s["aq_k"].box_bytes + 2 * s["down_k"].box_bytes + s["aq_s"].box_bytes == 49152 + 512
     n = M8.map_specs(_bufs(shared=False), _dims(Is=0))
     assert all(n[k] is None for k in ("xq_k", "saq_k", "xq_s", "saq_s", "shared_gate_k", "shared_up_k", "shared_down_k"))
 
@@ -170,7 +171,7 @@ def test_launch_params():
     ptrs = plan.counter_pointers(b.counters)
     assert q.token_xq_ready == ptrs["token_xq_ready"] and q.p.cnt.block_ready == ptrs["block_ready"]
     assert q.plan8.quant_x.count == d.token_blocks and q.plan8.token_ld == 384
-    assert q.p.plan.h_tiles == 3 and q.p.peers.num_ranks == 1 and q.p.err == 64
+    assert q.p.plan.h_tiles == 2 and q.p.peers.num_ranks == 1 and q.p.err == 64
     with pytest.raises(mok.ArgumentError):
         M8.launch_forward_fp8(L.ForwardBuffers(), sched, d, stream=0, err_ptr=64)
 

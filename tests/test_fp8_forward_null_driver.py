@@ -111,7 +111,7 @@ def test_forward_recompute_and_the_refused_backward(launches, monkeypatch):
                                                            qw.shared.up.ptr)
         ctx_ptrs = [getattr(q.qctx, n) for n, _ in q.qctx._fields_] + [p.ctx.gu, p.ctx.y_slot, p.ctx.sgu]
         assert all(ctx_ptrs) and len(set(ctx_ptrs)) == len(ctx_ptrs) and all(v % 256 == 0 for v in ctx_ptrs)
-        assert q.plan8.quant_x.count == -(-T // 128) and q.plan8.token_ld == 256 and p.plan.h_tiles == 3
+        assert q.plan8.quant_x.count == -(-T // 128) and q.plan8.token_ld == 256 and p.plan.h_tiles == 2
         assert q.token_xq_ready and q.token_xq_ready not in (p.cnt.block_ready, p.cnt.task_next)
         assert p.context_only == 0 and p.peers.num_ranks == 1
         def map_of(name):

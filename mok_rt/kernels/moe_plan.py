@@ -170,7 +170,7 @@ def forward_plan(dims, *, context_only: bool = False, push_tasks: int = 0, preci
     gate|up runs while the rows travel, before the dispatch).
 
     ``precision="fp8_block"`` (one rank only): the FP8 forward's plan (cuda_src/moe/tasks/
-    forward_fp8.cuh).  Its down tiles are 128 columns wide (``h_tiles``), and a ``quant_x`` phase
+    forward_fp8.cuh).  Its down tiles are 256 columns wide (``h_tiles``, as bf16), and a ``quant_x`` phase
     (x quantised in token order, one task per token block, only with a shared expert) comes before
     the dispatch: the shared gate|up tiles of token block tb wait for it (``token_xq_ready``)."""
     d = dims
