@@ -128,8 +128,11 @@ def run_gpu(cfg, h, *, max_tokens=None, repeat=2):
     return res
 
 
-def _check_weights(got, want):
-    for name in ("gate", "up", "down"):
+def _check_weights(got, want, *, for_backward=True):
+    """Bitwise: the forward copies, and (for_backward) the transposed input-gradient copies."""
+    names = ("gate", "up", "down") + (("gate_t", "up_t", "down_t") if for_backward else ())
+    assert ("gate_t" in got) == for_backward, sorted(got)
+    for name in names:
         q = getattr(want, name)
         np.testing.assert_array_equal(got[name].view(np.uint8), q.values.view(np.uint8), err_msg=f"{name} values")
         np.testing.assert_array_equal(got[f"{name}_scale"].view(np.uint32), q.scales.astype(np.float32).view(np.uint32),
@@ -293,6 +296,37 @@ def test_special_weight_blocks_quantise_bitwise(request):
         got = qw.experts.to_numpy()
     f = lambda a: a.astype(np.float32)  # noqa: E731
     _check_weights(got, quantize_experts(f(h["w_gate"]), f(h["w_up"]), f(h["w_down"]), "fp8_block"))
+
+
+def test_quantize_weights_transposed_copies_bitwise(request):
+    if _isolated(request):
+        return
+    # The input-gradient copies ([E, H, I], [E, H, I], [E, I, H] and the shared expert's) against the
+    # oracle's gate_t / up_t / down_t, with partial blocks on both axes (H = 320, I = 192) and special
+    # blocks; then for_backward=False: the forward copies alone, the same bytes.
+    h = make_problem(12, T=4, H=320, I=192, E=3, k=1, Is=192)
+    w = h["w_down"].astype(np.float32)                  # [E, H, I]: a partial block on both axes
+    w[0, 256:, 128:] = 0.0
+    w[1, :128, 128:] *= 1e-38
+    w[2, 256:, :128] *= 1e30
+    w[2, 300, 150] = np.nan
+    h["w_down"] = _bf16(w)
+    cfg = _cfg(h, 1)
+    d = {n: cp.asarray(v) for n, v in h.items() if n != "shared"}
+    sh = mok.ExpertWeights(*(cp.asarray(s) for s in h["shared"]))
+    ew = mok.ExpertWeights(d["w_gate"], d["w_up"], d["w_down"])
+    with mok.Workspace(cfg, mok.SingleProcessGroup(devices=[0]), max_tokens=4) as ws:
+        qw = mok.quantize_weights(ws, ew, sh)
+        qf = mok.quantize_weights(ws, ew, sh, for_backward=False)
+        ws.synchronize()
+        got = (qw.experts.to_numpy(), qw.shared.to_numpy())
+        got_f = (qf.experts.to_numpy(), qf.shared.to_numpy())
+    f = lambda a: a.astype(np.float32)  # noqa: E731
+    want = (quantize_experts(f(h["w_gate"]), f(h["w_up"]), f(h["w_down"]), "fp8_block"),
+            quantize_experts(*(f(s) for s in h["shared"]), "fp8_block"))
+    for g, gf, wq in zip(got, got_f, want):
+        _check_weights(g, wq)
+        _check_weights(gf, wq, for_backward=False)
 
 
 def test_report():

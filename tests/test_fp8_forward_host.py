@@ -106,8 +106,30 @@ def test_struct_layouts_match_the_header():
 def test_quantizer_params_match_the_kernel():
     text = (REPO / "cuda_src/fp8/quantize_weights.cu").read_text()
     assert f"kMaxJobs = {Q8.MAX_JOBS};" in text and f"kThreads = {Q8.THREADS};" in text
-    assert "sizeof(Job) == 40" in text and ctypes.sizeof(Q8.QuantJob) == 40
-    assert ctypes.sizeof(Q8.Params) == Q8.MAX_JOBS * 40 + 8
+    assert f"sizeof(Job) == {Q8.JOB_BYTES}" in text and ctypes.sizeof(Q8.QuantJob) == Q8.JOB_BYTES == 56
+    assert f"sizeof(Params) == kMaxJobs * {Q8.JOB_BYTES} + 8" in text
+    assert ctypes.sizeof(Q8.Params) == Q8.MAX_JOBS * Q8.JOB_BYTES + 8
+    # The kernel's Job fields, in order (the pointers first, then the ints).
+    fields = [n for n, _ in Q8.QuantJob._fields_]
+    assert fields == ["w", "q", "s", "qt", "st", "groups", "r", "c", "first_block"]
+    body = text[text.index("struct Job {"):text.index("};", text.index("struct Job {"))]
+    assert [body.index(f" {n}") for n in ("w;", "q;", "s;", "qt;", "st;")] == sorted(
+        body.index(f" {n}") for n in ("w;", "q;", "s;", "qt;", "st;"))
+
+
+def test_quantizer_params_with_and_without_transposed_copies():
+    p, total = Q8.fill_params([(0x1000, (2, 192, 320), 0x2000, 0x3000, 0x4000, 0x5000),
+                               (0x6000, (1, 320, 192), 0x7000, 0x8000),
+                               (0x9000, (1, 64, 64), 0xA000, 0xB000, 0, 0)])
+    assert p.num_jobs == 3 and total == 2 * 2 * 3 + 3 * 2 + 1
+    j0, j1, j2 = p.jobs[0], p.jobs[1], p.jobs[2]
+    assert (j0.w, j0.q, j0.s, j0.qt, j0.st) == (0x1000, 0x2000, 0x3000, 0x4000, 0x5000)
+    assert (j0.groups, j0.r, j0.c, j0.first_block) == (2, 192, 320, 0)
+    assert (j1.qt, j1.st, j1.first_block) == (0, 0, 12) and (j2.qt, j2.st, j2.first_block) == (0, 0, 18)
+    with pytest.raises(mok.ArgumentError):
+        Q8.fill_params([(0x1000, (1, 128, 128), 0x2000, 0x3000, 0x4000, 0)])   # values without scales
+    assert Q8.transposed_shape((5, 192, 320)) == (5, 320, 192) and Q8.transposed_shape((64, 128)) == (128, 64)
+    assert Q8.scale_shape(Q8.transposed_shape((5, 192, 320))) == (5, 3, 2)
 
 
 # ---- buffers and maps --------------------------------------------------------------------------------
