@@ -321,12 +321,26 @@ def test_quantize_weights_transposed_copies_bitwise(request):
         ws.synchronize()
         got = (qw.experts.to_numpy(), qw.shared.to_numpy())
         got_f = (qf.experts.to_numpy(), qf.shared.to_numpy())
+        # The transposed copy alone (q == nullptr): what the backward will quantise after a forward
+        # that quantised bf16 master weights for itself.
+        from mok_rt.kernels import fp8_quantize as Q8
+        shape = tuple(d["w_down"].shape)
+        qt = cp.full(Q8.transposed_shape(shape), 0xAA, dtype=cp.uint8)
+        st = cp.full(Q8.scale_shape(Q8.transposed_shape(shape)), -1.0, dtype=cp.float32)
+        s = cp.cuda.Stream(non_blocking=True)
+        Q8.launch_quantize([(d["w_down"].data.ptr, shape, 0, 0, qt.data.ptr, st.data.ptr)], stream=s.ptr,
+                           device_id=cp.cuda.Device().id)
+        s.synchronize()
+        only_t = {"down_t": qt.get(), "down_t_scale": st.get()}
     f = lambda a: a.astype(np.float32)  # noqa: E731
     want = (quantize_experts(f(h["w_gate"]), f(h["w_up"]), f(h["w_down"]), "fp8_block"),
             quantize_experts(*(f(s) for s in h["shared"]), "fp8_block"))
     for g, gf, wq in zip(got, got_f, want):
         _check_weights(g, wq)
         _check_weights(gf, wq, for_backward=False)
+    np.testing.assert_array_equal(only_t["down_t"], want[0].down_t.values.view(np.uint8))
+    np.testing.assert_array_equal(only_t["down_t_scale"].view(np.uint32),
+                                  want[0].down_t.scales.astype(np.float32).view(np.uint32))
 
 
 def test_report():

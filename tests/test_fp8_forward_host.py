@@ -128,6 +128,10 @@ def test_quantizer_params_with_and_without_transposed_copies():
     assert (j1.qt, j1.st, j1.first_block) == (0, 0, 12) and (j2.qt, j2.st, j2.first_block) == (0, 0, 18)
     with pytest.raises(mok.ArgumentError):
         Q8.fill_params([(0x1000, (1, 128, 128), 0x2000, 0x3000, 0x4000, 0)])   # values without scales
+    with pytest.raises(mok.ArgumentError):
+        Q8.fill_params([(0x1000, (1, 128, 128), 0, 0, 0, 0)])                  # writes nothing
+    p, _ = Q8.fill_params([(0x1000, (1, 128, 128), 0, 0, 0x4000, 0x5000)])    # transposed copy only
+    assert (p.jobs[0].q, p.jobs[0].s, p.jobs[0].qt, p.jobs[0].st) == (0, 0, 0x4000, 0x5000)
     assert Q8.transposed_shape((5, 192, 320)) == (5, 320, 192) and Q8.transposed_shape((64, 128)) == (128, 64)
     assert Q8.scale_shape(Q8.transposed_shape((5, 192, 320))) == (5, 3, 2)
 

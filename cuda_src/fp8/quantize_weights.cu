@@ -8,8 +8,10 @@
 // Every tensor is [G, R, C] bf16 with C (the forward GEMM's reduction dimension) contiguous:
 //   gate, up  [E, I, H]   (N = I, K = H)        down  [E, H, I]   (N = H, K = I)
 // Outputs, per job:
-//   q   e4m3 [G, R, C]   s   fp32 [G, RB, CB]   the forward copy (K-major already)
+//   q   e4m3 [G, R, C]   s   fp32 [G, RB, CB]   the forward copy (K-major already; nullptr: not made)
 //   qt  e4m3 [G, C, R]   st  fp32 [G, CB, RB]   the input-gradient copy (nullptr: not made)
+// (q == nullptr with qt: the backward on a forward that quantised bf16 master weights for itself
+// needs only the transposed copies.)
 // The backward's dgrad GEMMs reduce over R (dX = dG . W_gate reduces over I, dA = dY . W_down over
 // H) and FP8 wgmma reads only K-major operands, hence qt.  A 128 x 128 block of the transposed
 // tensor is a block of the original transposed (the grid starts at 0 on both axes, the remainder
@@ -28,8 +30,8 @@ constexpr int kThreads = 256;  // 8 warps; warp w holds rows 16w .. 16w + 15 of 
 
 struct Job {
   const uint16_t* w;  // bf16 [groups, r, c]
-  uint8_t* q;         // e4m3 [groups, r, c]
-  float* s;           // fp32 [groups, rb, cb]
+  uint8_t* q;         // e4m3 [groups, r, c], or nullptr (transposed copy only)
+  float* s;           // fp32 [groups, rb, cb] (with q)
   uint8_t* qt;        // e4m3 [groups, c, r], or nullptr (forward copy only)
   float* st;          // fp32 [groups, cb, rb] (with qt)
   int groups, r, c;
@@ -61,7 +63,7 @@ __device__ void quantize_block(const Job& jb, int blk) {
   const int g = blk / (rb_n * cb_n), rb = (blk / cb_n) % rb_n, cb = blk % cb_n;
   const int col = cb * 128 + 4 * lane;
   const bool col_ok = col < jb.c;  // c % 4 == 0: a lane's 4 elements are all in or all out
-  const bool transposed = jb.qt != nullptr;  // uniform: one job per block
+  const bool forward = jb.q != nullptr, transposed = jb.qt != nullptr;  // uniform: one job per block
   float v[16][4];
   uint32_t m = 0;
 #pragma unroll
@@ -86,7 +88,7 @@ __device__ void quantize_block(const Job& jb, int blk) {
   __syncthreads();  // warp_max is reused by this CTA's next block
   const fp8::BlockScale bs = fp8::BlockScale::of_amax_bits(m);
   if (threadIdx.x == 0) {
-    jb.s[((size_t)g * rb_n + rb) * cb_n + cb] = bs.scale;
+    if (forward) jb.s[((size_t)g * rb_n + rb) * cb_n + cb] = bs.scale;
     if (transposed) jb.st[((size_t)g * cb_n + cb) * rb_n + rb] = bs.scale;  // the same block's scale
   }
 #pragma unroll
@@ -95,7 +97,7 @@ __device__ void quantize_block(const Job& jb, int blk) {
     const uint32_t q = bs.encode4(v[i][0], v[i][1], v[i][2], v[i][3]);
     // Elements past the tensor land in the tile too (never written out below).
     if (transposed) *reinterpret_cast<uint32_t*>(tile + r_local * kTilePitch + 4 * lane) = q;
-    if (col_ok && row < jb.r) *reinterpret_cast<uint32_t*>(jb.q + ((size_t)g * jb.r + row) * jb.c + col) = q;
+    if (forward && col_ok && row < jb.r) *reinterpret_cast<uint32_t*>(jb.q + ((size_t)g * jb.r + row) * jb.c + col) = q;
   }
   if (!transposed) return;
   __syncthreads();

@@ -122,8 +122,10 @@ def fill_params(pairs) -> tuple[Params, int]:
     for i, (pr, (g, r, c, first)) in enumerate(zip(pairs, jobs)):
         src, _, q, s = pr[:4]
         qt, st = (pr[4], pr[5]) if len(pr) > 4 else (0, 0)
-        if bool(qt) != bool(st):
-            raise ArgumentError("weights", "a transposed copy needs both its values and its scales")
+        if bool(qt) != bool(st) or bool(q) != bool(s):
+            raise ArgumentError("weights", "a copy needs both its values and its scales")
+        if not q and not qt:
+            raise ArgumentError("weights", "a job must write the forward copy, the transposed copy or both")
         p.jobs[i] = QuantJob(int(src), int(q), int(s), int(qt or 0), int(st or 0), g, r, c, first)
     p.num_jobs = len(jobs)
     return p, total
@@ -132,7 +134,8 @@ def fill_params(pairs) -> tuple[Params, int]:
 def launch_quantize(pairs, *, stream, device_id: int) -> None:
     """Quantise every ``(src bf16 pointer, shape (G, R, C), dst e4m3 pointer, dst scale pointer
     [, transposed e4m3 pointer, transposed scale pointer])`` of ``pairs`` in one launch on
-    ``stream`` (transposed pointers 0 or left out: forward copy only)."""
+    ``stream`` (transposed pointers 0 or left out: forward copy only; forward pointers 0:
+    transposed copy only)."""
     from mok_rt.runtime.cubins import get_kernel
     from mok_rt.runtime.launch import launch
     p, total = fill_params(pairs)
