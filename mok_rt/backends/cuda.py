@@ -494,8 +494,8 @@ class CudaBackend:
             # Refused before anything is launched: running the bf16 backward on an FP8 context would
             # silently compute other gradients (docs/FP8_DESIGN.md, step 2 "Not built").
             raise ArgumentError("precision", "the CUDA backward of 'fp8_block' is not built yet (missing: the FP8 "
-                                             "dA / dX GEMMs, the dSwiGLU quantisation, the transposed weight "
-                                             "copies and the wgrad operands); the CUDA backend runs the FP8 "
+                                             "dA / dX GEMMs, the dSwiGLU quantisation and the wgrad operands; "
+                                             "the transposed weight copies exist); the CUDA backend runs the FP8 "
                                              "forward and recompute_context only. Use backend='reference' for "
                                              "FP8 gradients")
         capturing, handle = self._begin(stream)
