@@ -111,6 +111,7 @@ struct BScales {
   const float* lo;
   const float* hi;  // gate|up; == lo for down
   int step;         // down; 0 for gate|up
+  __device__ __forceinline__ void advance() { ++lo, ++hi; }  // to the next K block
 };
 
 // One K block's promotion of a sub-tile: register 4j + 2h + e belongs to row half h and chunk j;
@@ -133,10 +134,10 @@ __device__ __forceinline__ void promote(float (&total)[kRegs], const float (&par
 // `two` (otherwise t1 stays as it is).  `idle`: the rows are all padding; the stages are still
 // waited for and released, the tensor cores skipped.  Every thread of the warpgroup calls it; true
 // when no wait failed, for both warpgroups (one vote of the workers).
-template <bool kGateUp>
+template <bool kGateUp, class SB = BScales>
 __device__ __forceinline__ bool mainloop(const pipe::Shared& s, wg::PipeState& ps, float (&t0)[kRegs],
                                          float (&t1)[kRegs], int k_blocks, int consumer, const MbarWaitCtx& w,
-                                         bool idle, bool two, BScales sb) {
+                                         bool idle, bool two, SB sb) {
   const uint32_t row_off =
       4u * static_cast<uint32_t>(64 * consumer + WgmmaAccCoord::of_thread(threadIdx.x & 127).row0);
   bool failed = false;
@@ -173,7 +174,7 @@ __device__ __forceinline__ bool mainloop(const pipe::Shared& s, wg::PipeState& p
         wgmma_fence_operand(partial);
       }
     }
-    ++sb.lo, ++sb.hi;
+    sb.advance();
     // The slot is consumed: the MMAs that read it are complete, and the arrive (release) orders the
     // scale loads before it.  Released before sub-tile 1's promotion, so the refill overlaps it.
     __syncwarp();

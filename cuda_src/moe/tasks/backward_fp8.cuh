@@ -5,13 +5,15 @@
 //   B0 dispatch      row block:              dyq = Q(d_out[token]) (the bf16 dy_routed: not yet)
 //   B2 shared dA     token block x I_s/256:  dq * shared_down_t -> dSwiGLU(sgu) -> dsguq + dsgu
 //   B3 routed dA     row block x I/256:      dyq * down_t[e], * tw -> dSwiGLU(gu) -> dguq + dgu
+//   B4 shared dX     token block x H/256:    dsguq * [shared_gate_t | shared_up_t] -> dx_shared (fp32)
+//   B5 routed dX     row block x H/256:      dguq * [gate_t[e] | up_t[e]] -> dx_slot[route] (bf16)
 //   B9 combine       part of a token block:  the bf16 body
 // Not yet (a task of these phases stops the launch with kErrInternal, so a stray launch fails
-// loudly instead of leaving gradients unwritten): B1 d_weights, B4/B5 dX (needs the B map and
-// B-scale switch at K block ip_blocks), W widen, B6-B8 wgrads (the bf16 bodies on the widened
-// operands).  B1 is the bf16 body, but as tried: through the ring (the bf16 backward's one-GPU
-// path) its route-stage loads pushed the 40-register producer into spilling (44-48 bytes); as the
-// plain worker body (BackwardTasks::d_weights, the EP path) the workers spilled 136 bytes.
+// loudly instead of leaving gradients unwritten): B1 d_weights, W widen, B6-B8 wgrads (the bf16
+// bodies on the widened operands).  B1 is the bf16 body, but as tried (before dX was added):
+// through the ring (the bf16 backward's one-GPU path) its route-stage loads pushed the 40-register
+// producer into spilling (44-48 bytes); as the plain worker body (BackwardTasks::d_weights, the EP
+// path) the workers spilled 136 bytes.
 // The dA tile is 128 x 256 as two 128-wide sub-tiles = two I blocks, so each sub-tile's dG and dU
 // rows are whole quantisation blocks, quantised from registers in the epilogue (fp8b::da_subtile).
 #pragma once
@@ -26,6 +28,8 @@ enum Fp8BackwardJob : int {
   kB8Dispatch,   // a = row block, b = expert
   kB8SharedDA,   // a = token block, b = I tile (256), d = sub-tiles (1 or 2)
   kB8RoutedDA,   // a = row block, b = I tile, c = expert, d = sub-tiles, e = upper half idle
+  kB8SharedDX,   // a = token block, b = hidden tile (256), d = sub-tiles
+  kB8RoutedDX,   // a = row block, b = hidden tile, c = expert, d = sub-tiles, e = upper half idle
   kB8Combine,    // a = combine task
 };
 
@@ -53,6 +57,20 @@ __device__ __forceinline__ uint32_t load_stage(uint32_t dst, uint32_t bar, const
   if (subtiles > 1) tma_load_3d(dst + fp8g::kSubBBytes, b, bar, b_kb * fp8g::kBK, n0 + fp8g::kBN, group);
   return fp8g::kABytes + (subtiles > 1 ? 2 * fp8g::kSubBBytes : fp8g::kSubBBytes) + fp8g::kScaleBytes;
 }
+
+// dX's B scales (fp8g::mainloop's SB): K blocks [0, left) from the gate weights' scale rows (lo),
+// then the up weights' (hi; mainloop<false> never reads hi itself): dX's K is [dG | dU], 2 Ip, with
+// B = gate_t, then up_t.  Sub-tile 1's row is `step` further (the next hidden block) in both.
+struct BScalesKSwitch {
+  const float* lo;
+  const float* hi;
+  int step;
+  int left;
+  __device__ __forceinline__ void advance() {
+    ++lo;
+    if (--left == 0) lo = hi;
+  }
+};
 
 }  // namespace fp8b
 
@@ -123,6 +141,24 @@ struct TmaBackwardFp8 {
       prefetch_b_scales(job);
       return 1;
     }
+    if (f.shared_dx.has(task)) {
+      const int t = f.shared_dx.local(task), tb = t / f.h_tiles, h = t % f.h_tiles;
+      if (!wait_counter_thread(p.cnt.token_dsgu_ready + tb, f.wait_token_dsgu_ready, w, task)) return -1;
+      job = pipe::Job{kB8SharedDX, pipe::kLoadRows, 2 * plan.x.ips_blocks, tb, h, 0, da_subtiles(h, d.hidden)};
+      prefetch_dx_scales(job);
+      return 1;
+    }
+    if (f.routed_dx.has(task)) {
+      const int t = f.routed_dx.local(task), blk = t / f.h_tiles, h = t % f.h_tiles;
+      if (blk >= num_blocks) return 0;
+      const int e = p.sched.block_expert[blk];
+      if (!valid_expert(e, blk, d, p.err)) return -1;
+      const int idle = pipe::upper_half_idle(p.sched, blk, e);
+      if (!wait_counter_thread(p.cnt.block_dgu_ready + blk, f.wait_block_dgu_ready, w, task)) return -1;
+      job = pipe::Job{kB8RoutedDX, pipe::kLoadRows, 2 * plan.x.ip_blocks, blk, h, e, da_subtiles(h, d.hidden), idle};
+      prefetch_dx_scales(job);
+      return 1;
+    }
     if (f.combine.has(task)) {
       const int t = f.combine.local(task), tb = t / f.combine_parts;
       if (!wait_counter_thread(p.cnt.dx_done, num_blocks * f.wait_dx_done_per_block, w, task)) return -1;
@@ -131,8 +167,8 @@ struct TmaBackwardFp8 {
       job = pipe::Job{kB8Combine, pipe::kLoadNone, 0, t};
       return 1;
     }
-    if (f.d_weights.has(task) || f.shared_dx.has(task) || f.routed_dx.has(task) || plan.x.widen.has(task) ||
-        f.wgrad_down.has(task) || f.wgrad_gate_up.has(task) || f.shared_wgrad.has(task))
+    if (f.d_weights.has(task) || plan.x.widen.has(task) || f.wgrad_down.has(task) || f.wgrad_gate_up.has(task) ||
+        f.shared_wgrad.has(task))
       return not_built(task, __LINE__);
     return 0;  // push, notifies: empty without expert parallelism
   }
@@ -155,9 +191,38 @@ struct TmaBackwardFp8 {
     fp8g::prefetch_l1(sb.hi + sb.step);
   }
 
+  // The B scales of a dX Job's gate (up = false) or up half of K (gate_t_s / up_t_s [e, H block,
+  // I block]): sub-tile s reads hidden block 2b + s's row of I blocks (Ip / 128 = ceil(I / 128)).
+  __device__ fp8g::BScales dx_scales(const pipe::Job& job, bool up) const {
+    const bool shared = job.kind == kB8SharedDX;
+    const int hb = fp8b::k_blocks(q.p.dims.hidden), ib = shared ? q.plan8.ips_blocks : q.plan8.ip_blocks;
+    const size_t at = ((size_t)job.c * hb + (size_t)job.b * fp8g::kSubTiles) * ib;
+    const float* lo =
+        (shared ? (up ? q.wt.shared_up_t_s : q.wt.shared_gate_t_s) : (up ? q.wt.up_t_s : q.wt.gate_t_s)) + at;
+    return fp8g::BScales{lo, lo, job.d > 1 ? ib : 0};
+  }
+  __device__ void prefetch_dx_scales(const pipe::Job& job) const {
+    for (int up = 0; up < 2; ++up) {
+      const fp8g::BScales sb = dx_scales(job, up != 0);
+      fp8g::prefetch_l1(sb.lo);
+      fp8g::prefetch_l1(sb.lo + sb.step);
+    }
+  }
+
   __device__ uint32_t stage_rows(const pipe::Job& job, int stage, uint32_t dst, uint32_t bar) const {
     const MoEFp8BackwardMaps& m = pipe::late(maps);
     const int row0 = job.a * kBlockM, n0 = job.b * fp8g::kTileN;
+    if (job.kind == kB8SharedDX || job.kind == kB8RoutedDX) {
+      // K = [dG | dU] (2 Ip columns of dguq); its A scales follow dA's H/128 K blocks in rs / ts;
+      // B switches from gate_t to up_t at K block Ip / 128 (both maps have I columns: TMA
+      // zero-fills [I, Ip), where dguq is zero too).
+      const bool shared = job.kind == kB8SharedDX;
+      const int ipb = shared ? q.plan8.ips_blocks : q.plan8.ip_blocks, hb = fp8b::k_blocks(q.p.dims.hidden);
+      const bool up = stage >= ipb;
+      const TensorMap* b = shared ? (up ? &m.shared_up_t_k : &m.shared_gate_t_k) : (up ? &m.up_t_k : &m.gate_t_k);
+      return fp8b::load_stage(dst, bar, shared ? &m.dsguq_k : &m.dguq_k, row0, shared ? &m.ts_s : &m.rs_s, row0,
+                              hb + stage, stage, b, up ? stage - ipb : stage, n0, job.c, job.d);
+    }
     if (job.kind == kB8SharedDA)  // token-order rows of dq: rows 0 .. of the map, scales in ts
       return fp8b::load_stage(dst, bar, &m.dq_k, row0, &m.ts_s, row0, stage, stage, &m.shared_down_t_k, stage, n0, 0,
                               job.d);
@@ -216,6 +281,43 @@ struct TmaBackwardFp8 {
     return true;
   }
 
+  // A dX task: 128 rows x 256 hidden columns (two sub-tiles, or one at the end of H), K = 2 Ip;
+  // the epilogues of the forward's down tasks (dx_slot rows by route, fp32 dx_shared).  One
+  // mainloop over both halves of K, its B scales switching arrays at K block Ip / 128.
+  __device__ bool dx(const pipe::Job& job, const pipe::Shared& s, wg::PipeState& ps, int consumer,
+                     const MbarWaitCtx& w) const {
+    const MoEBackwardParams& p = q.p;
+    const MoEDims& d = p.dims;
+    const bool shared = job.kind == kB8SharedDX, two = job.d > 1;
+    const int ipb = shared ? q.plan8.ips_blocks : q.plan8.ip_blocks, h0 = job.b * fp8g::kTileN;
+    const bool idle = job.e != 0 && consumer == 1;
+    float t0[fp8g::kRegs], t1[fp8g::kRegs];
+#pragma unroll
+    for (int i = 0; i < fp8g::kRegs; ++i) t0[i] = 0.f, t1[i] = 0.f;
+    const fp8g::BScales g = dx_scales(job, false), u = dx_scales(job, true);
+    const fp8b::BScalesKSwitch sb{g.lo, u.lo, g.step, ipb};
+    if (!fp8g::mainloop<false>(s, ps, t0, t1, 2 * ipb, consumer, w, idle, two, sb)) return false;
+    const pipe::Frag f = pipe::Frag::of(consumer);
+    const int row0 = job.a * kBlockM, cols0 = min_int(fp8g::kBN, d.hidden - h0);
+    const int cols1 = two ? min_int(fp8g::kBN, d.hidden - h0 - fp8g::kBN) : 0;
+    if (shared) {
+      float* const y = p.dx_shared + (size_t)row0 * d.hidden + h0;
+      const int rows = min_int(kBlockM, d.tokens - row0);
+      fp8g::store_f32(t0, f, y, d.hidden, rows, cols0);
+      if (two) fp8g::store_f32(t1, f, y + fp8g::kBN, d.hidden, rows, cols1);
+      signal_counter(p.cnt.token_dxs_ready + job.a);
+    } else {
+      fp8g::store_rows_bf16(t0, f, kBlockM, cols0,
+                            [&](int r) { return route_row_ptr(p.sched, d, p.dx_slot, row0 + r, h0); });
+      if (two)
+        fp8g::store_rows_bf16(t1, f, kBlockM, cols1, [&](int r) {
+          return route_row_ptr(p.sched, d, p.dx_slot, row0 + r, h0 + fp8g::kBN);
+        });
+      signal_counter(p.cnt.dx_done);
+    }
+    return true;
+  }
+
   __device__ bool run(const pipe::Job& job, const pipe::Shared& s, wg::PipeState& ps, float (&)[pipe::kAccRegs],
                       int consumer, const MbarWaitCtx& w, const pipe::Turns&) const {
     switch (job.kind) {
@@ -229,6 +331,9 @@ struct TmaBackwardFp8 {
       case kB8SharedDA:
       case kB8RoutedDA:
         return da(job, s, ps, consumer, w);
+      case kB8SharedDX:
+      case kB8RoutedDX:
+        return dx(job, s, ps, consumer, w);
       default:
         return false;
     }

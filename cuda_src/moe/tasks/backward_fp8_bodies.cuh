@@ -45,7 +45,10 @@ __device__ __forceinline__ void quantize_dout(const MoEFp8BackwardParams& q, boo
     r.nrows = d.tokens > r.row0 ? min_int(fp8f::kRowsPerWarp, ceil_div(d.tokens - r.row0, fp8f::kQuantWarps)) : 0;
     r.lane_src = p.d_out + (size_t)row * d.hidden;  // rows past the tokens are never loaded (j >= nrows)
   }
-  fp8f::quantize_rows_warp(r);
+  // A ring of 6 units, not the forward's 8 (5 units = 10 KB in flight per warp, not 7 = 14 KB): with
+  // 8, ptxas spilled 20 bytes of the worker loop's state once the dX tasks joined the dA epilogue
+  // in this kernel (7 spills too).  Its cost on the dispatch is to be measured on the GPU.
+  fp8f::quantize_rows_warp<6>(r);
   if (routed)
     signal_counters(p.cnt.block_dy_ready + b, p.cnt.expert_dy_ready + e);
   else

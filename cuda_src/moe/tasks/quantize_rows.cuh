@@ -113,22 +113,24 @@ __device__ __forceinline__ void next_unit(int& j, int& c, int upr) {
 // The warp's rows, software-pipelined over units: the loads of the kRing - 1 units after unit i are
 // issued before unit i is quantised.  A row with a block that needs div.rn is redone at the end (the
 // same lanes store to the same addresses, so the later stores win).
+// R: the ring's units (kRing in the forward; the FP8 backward takes fewer registers, see there).
+template <int R = kRing>
 __device__ __forceinline__ void quantize_rows_warp(const QuantRows& q) {
   const int upr = (q.hidden + kUnitCols - 1) / kUnitCols;  // units per row
   int lj = 0, lc = 0;  // the next unit to load
   int sj = 0, sc = 0;  // the next unit to quantise
   uint32_t redo = 0;   // bit j: local row j
-  uint4 ring[kRing][kUnitSlots];
+  uint4 ring[R][kUnitSlots];
 #pragma unroll
-  for (int k = 0; k < kRing - 1; ++k) {
+  for (int k = 0; k < R - 1; ++k) {
     load_unit(ring[k], q, lj, lc);
     next_unit(lj, lc, upr);
   }
   while (sj < q.nrows) {
 #pragma unroll
-    for (int k = 0; k < kRing; ++k) {
+    for (int k = 0; k < R; ++k) {
       if (sj >= q.nrows) break;  // warp-uniform
-      load_unit(ring[(k + kRing - 1) % kRing], q, lj, lc);
+      load_unit(ring[(k + R - 1) % R], q, lj, lc);
       next_unit(lj, lc, upr);
       if (store_unit<false>(ring[k], q, sj, sc)) redo |= 1u << sj;
       next_unit(sj, sc, upr);
