@@ -65,12 +65,6 @@ __device__ __forceinline__ int slot_of_full_barrier(uint32_t bar) { return (bar 
 // Pulls the 128-byte line holding p into this SM's L1 (no register written, nothing waits).
 __device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" :: "l"(p)); }
 
-__device__ __forceinline__ float ld_global_nc_f32(const float* p) {
-  float v;
-  asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(v) : "l"(p));
-  return v;
-}
-
 __device__ __forceinline__ float ld_shared_f32(uint32_t addr) {
   float v;
   asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
@@ -150,26 +144,17 @@ __device__ __forceinline__ bool mainloop(const pipe::Shared& s, wg::PipeState& p
   float partial[kRegs];
 #pragma unroll
   for (int i = 0; i < kRegs; ++i) partial[i] = 0.f;
-  // The B scales travel one K block ahead in registers: loaded at the end of the iteration before
-  // their use (after the last promotion, so no more registers are live than with in-place loads).
-  // Why: ptxas schedules a read-only load freely and sank the second one below the first MMAs' wait
-  // (ncu of 89cfdd5), so the promotion between the two sub-tiles' MMA batches stalled on its L1/L2
-  // latency with the tensor cores idle.  A value carried across the back edge cannot be sunk, and
-  // its latency hides under the next K block's first MMAs (its first use waits for them anyway).
-  float n_lo = 0.f, n_hi = 0.f, n_2 = 0.f;  // gate|up: gate, up; down: sub-tile 0, sub-tile 1
-  auto load_b_scales = [&]() {
-    n_lo = ld_global_nc_f32(sb.lo);
-    n_hi = kGateUp ? ld_global_nc_f32(sb.hi) : n_lo;
-    n_2 = (!kGateUp && two) ? ld_global_nc_f32(sb.lo + sb.step) : n_hi;
-    sb.advance();
-  };
-  if (!idle && k_blocks > 0) load_b_scales();
   for (int kb = 0; kb < k_blocks; ++kb) {
     if (!failed) failed = !mbar_wait(s.ring.full(ps.slot), ps.phase, w);
     float sa0 = 0.f, sa1 = 0.f, s_lo1 = 0.f, s_hi1 = 0.f;
     if (!idle) {
-      const float s_lo0 = n_lo, s_hi0 = n_hi;
-      s_lo1 = kGateUp ? n_lo : n_2, s_hi1 = kGateUp ? n_hi : n_2;
+      // B scales: global loads, their latency hidden by the first MMAs; A scales: the side ring.
+      const float s_lo0 = __ldg(sb.lo), s_hi0 = kGateUp ? __ldg(sb.hi) : s_lo0;
+      if (kGateUp) {
+        s_lo1 = s_lo0, s_hi1 = s_hi0;
+      } else {
+        s_lo1 = s_hi1 = __ldg(sb.lo + sb.step);
+      }
       const uint32_t sa = a_scales(ps.slot) + row_off;
       sa0 = ld_shared_f32(sa), sa1 = ld_shared_f32(sa + 32u);
       const uint32_t base = a_tile(s, ps.slot);
@@ -189,13 +174,13 @@ __device__ __forceinline__ bool mainloop(const pipe::Shared& s, wg::PipeState& p
         wgmma_fence_operand(partial);
       }
     }
+    sb.advance();
     // The slot is consumed: the MMAs that read it are complete, and the arrive (release) orders the
     // scale loads before it.  Released before sub-tile 1's promotion, so the refill overlaps it.
     __syncwarp();
     if ((threadIdx.x & 31) == 0) mbar_arrive(s.ring.empty(ps.slot));
     ps.advance(pipe::kStages);
     if (!idle && two) promote(t1, partial, sa0, sa1, s_lo1, s_hi1);
-    if (!idle && kb + 1 < k_blocks) load_b_scales();
   }
   return !workers_any(failed);
 }
