@@ -3,6 +3,7 @@
     python bench/profile_layer.py --shape quick            # prints host/device split
     ncu --clock-control none --print-summary per-kernel python bench/profile_layer.py --iters 2
     python bench/profile_layer.py --shape deepseek-v3 --iters 3 --trace ds.json   # per-task timeline
+    python bench/profile_layer.py --shape qwen3-30b-a3b --precision fp8_block --trace fp8.json   # forward only
 
 Kernel durations come from ncu (or from the device-time column when the host is not the limit).
 """
@@ -31,6 +32,9 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=None, help="tokens (default: the shape's)")
     ap.add_argument("--grad-dtype", choices=("float32", "bfloat16"), default="float32",
                     help="dtype of the weight gradients (caller buffers)")
+    ap.add_argument("--precision", choices=("bf16", "fp8_block"), default="bf16",
+                    help="fp8_block: the forward only (its backward is not built), on weights quantised "
+                         "once by mok.quantize_weights")
     args = ap.parse_args()
     import cupy as cp
     import mok_rt as mok
@@ -58,20 +62,30 @@ def main() -> int:
     experts = mok.ExpertWeights(gate=wg, up=wu, down=wd)
     gdt = bf if args.grad_dtype == "bfloat16" else np.float32
     dw = mok.ExpertWeights(*(cp.zeros(w.shape, dtype=gdt) for w in (wg, wu, wd)))
-    cfg = mok.MoEConfig(hidden=H, intermediate=I, num_experts=E, top_k=k, shared_intermediate=Is)
+    fp8 = args.precision == "fp8_block"
+    cfg = mok.MoEConfig(hidden=H, intermediate=I, num_experts=E, top_k=k, shared_intermediate=Is,
+                        precision=args.precision)
     flops = cfg.forward_flops(T)
     last = []
     with mok.Workspace(cfg, mok.SingleProcessGroup(devices=[0]), max_tokens=T, trace=bool(args.trace)) as ws:
         stream = ws.stream
+        weights = mok.quantize_weights(ws, experts) if fp8 else experts
         for it in range(args.iters):
             cp.cuda.runtime.deviceSynchronize()
             t0 = time.perf_counter()
             sched = mok.schedule(ws, ids)
             t1 = time.perf_counter()
-            out, ctx = mok.forward(ws, sched, x, tw, experts)
+            out, ctx = mok.forward(ws, sched, x, tw, weights)
             t2 = time.perf_counter()
             stream.sync()
             t3 = time.perf_counter()
+            if fp8:
+                print(f"iter {it}: host schedule {1e3 * (t1 - t0):.3f} ms, forward {1e3 * (t2 - t1):.3f} ms, "
+                      f"sched+fwd done {1e3 * (t3 - t0):.3f} ms ({flops / (t3 - t0) / 1e12:.1f} TF/s)", flush=True)
+                del out, ctx
+                if args.trace:
+                    last = ws.take_traces()
+                continue
             g = mok.backward(ws, ctx, dout, dw=dw)
             t4 = time.perf_counter()
             ws.synchronize()

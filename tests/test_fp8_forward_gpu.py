@@ -8,17 +8,22 @@ oracle's FP8 emulation (mok_rt.reference.forward(..., precision="fp8_block"), do
 * the context's g, u (bf16), aq and y within tolerances; recompute_context rebuilds it bit for bit;
 * every run repeats bit for bit; the CUDA backward on an FP8 workspace raises ArgumentError.
 
-Every buffer the kernels write is poisoned with NaN first (poison_outputs=True).  Run:
-``python -m pytest -q tests/test_fp8_forward_gpu.py -s`` (prints the measured errors, FP8ERR).
+Every buffer the kernels write is poisoned with NaN first (poison_outputs=True); results are
+compared as bits wherever they are compared exactly.  Each test runs in a child process of its own
+(tests/_gpu.run_isolated: a kernel fault then fails that test only; MOK_RT_GPU_ISOLATE=0 runs them
+here).  Run: ``python -m pytest -q tests/test_fp8_forward_gpu.py -s`` (prints the measured errors,
+FP8ERR).
 """
 from __future__ import annotations
+
+import zlib
 
 import ml_dtypes
 import numpy as np
 import pytest
 
 pytestmark = pytest.mark.gpu
-from _gpu import cp  # noqa: E402  (CuPy is imported when a test first uses it)
+from _gpu import cp, run_isolated  # noqa: E402  (CuPy is imported when a test first uses it)
 
 import mok_rt as mok  # noqa: E402
 from mok_rt import reference  # noqa: E402
@@ -123,8 +128,11 @@ def run_gpu(cfg, h, *, max_tokens=None, repeat=2):
     return res
 
 
-def _check_weights(got, want):
-    for name in ("gate", "up", "down"):
+def _check_weights(got, want, *, for_backward=True):
+    """Bitwise: the forward copies, and (for_backward) the transposed input-gradient copies."""
+    names = ("gate", "up", "down") + (("gate_t", "up_t", "down_t") if for_backward else ())
+    assert ("gate_t" in got) == for_backward, sorted(got)
+    for name in names:
         q = getattr(want, name)
         np.testing.assert_array_equal(got[name].view(np.uint8), q.values.view(np.uint8), err_msg=f"{name} values")
         np.testing.assert_array_equal(got[f"{name}_scale"].view(np.uint32), q.scales.astype(np.float32).view(np.uint32),
@@ -207,15 +215,28 @@ CASES = {
 }
 
 
+def _isolated(request) -> bool:
+    """True when the test ran in a child process (its FP8ERR lines are kept for test_report)."""
+    lines = run_isolated(request)
+    if lines is None:
+        return False
+    REPORT.extend(lines)
+    return True
+
+
 @pytest.mark.parametrize("name", list(CASES))
-def test_matches_the_fp8_oracle(name):
+def test_matches_the_fp8_oracle(request, name):
+    if _isolated(request):
+        return
     p, c = CASES[name]
-    h = make_problem(abs(hash(name)) % 1000, **p)
+    h = make_problem(zlib.crc32(name.encode()) % 1000, **p)   # str hash() is salted per process
     check_case(name, _cfg(h, p["k"], **c), h)
 
 
 @pytest.mark.parametrize("k", range(1, 9))
-def test_every_top_k_skewed_and_empty_experts(k):
+def test_every_top_k_skewed_and_empty_experts(request, k):
+    if _isolated(request):
+        return
     rng = np.random.default_rng(300 + k)
     T, E = 389, 12
     probs = np.r_[np.full(3, 0.25), np.zeros(3), np.full(6, 0.25 / 6)]    # experts 3..5 stay empty
@@ -224,13 +245,17 @@ def test_every_top_k_skewed_and_empty_experts(k):
     check_case(f"k{k}_skewed", _cfg(h, k), h)
 
 
-def test_every_token_on_one_expert_and_duplicate_routes():
+def test_every_token_on_one_expert_and_duplicate_routes(request):
+    if _isolated(request):
+        return
     ids = np.zeros((300, 2), dtype=np.int32)      # both routes of every token on expert 0
     h = make_problem(7, T=300, H=256, I=128, E=4, k=2, ids=ids)
     check_case("all_on_expert0_dup", _cfg(h, 2), h)
 
 
-def test_zero_tokens():
+def test_zero_tokens(request):
+    if _isolated(request):
+        return
     h = make_problem(8, T=0, H=256, I=128, E=4, k=2, Is=128)
     cfg = _cfg(h, 2)
     d = {n: cp.asarray(v) for n, v in h.items() if n != "shared"}
@@ -243,12 +268,16 @@ def test_zero_tokens():
         assert out.to_numpy().shape == (0, 256)
 
 
-def test_fewer_tokens_than_the_workspace_holds():
+def test_fewer_tokens_than_the_workspace_holds(request):
+    if _isolated(request):
+        return
     h = make_problem(9, T=77, H=256, I=128, E=8, k=4, Is=128)
     check_case("T77_of_512", _cfg(h, 4), h, max_tokens=512)
 
 
-def test_special_weight_blocks_quantise_bitwise():
+def test_special_weight_blocks_quantise_bitwise(request):
+    if _isolated(request):
+        return
     # Zero, tiny (flushed), huge and inf blocks in the weights: quantize_weights as the oracle
     # (NaN scales for the inf block); the forward is not compared (inf weights give NaN outputs).
     h = make_problem(10, T=4, H=256, I=256, E=2, k=1)
@@ -267,6 +296,51 @@ def test_special_weight_blocks_quantise_bitwise():
         got = qw.experts.to_numpy()
     f = lambda a: a.astype(np.float32)  # noqa: E731
     _check_weights(got, quantize_experts(f(h["w_gate"]), f(h["w_up"]), f(h["w_down"]), "fp8_block"))
+
+
+def test_quantize_weights_transposed_copies_bitwise(request):
+    if _isolated(request):
+        return
+    # The input-gradient copies ([E, H, I], [E, H, I], [E, I, H] and the shared expert's) against the
+    # oracle's gate_t / up_t / down_t, with partial blocks on both axes (H = 320, I = 192) and special
+    # blocks; then for_backward=False: the forward copies alone, the same bytes.
+    h = make_problem(12, T=4, H=320, I=192, E=3, k=1, Is=192)
+    w = h["w_down"].astype(np.float32)                  # [E, H, I]: a partial block on both axes
+    w[0, 256:, 128:] = 0.0
+    w[1, :128, 128:] *= 1e-38
+    w[2, 256:, :128] *= 1e30
+    w[2, 300, 150] = np.nan
+    h["w_down"] = _bf16(w)
+    cfg = _cfg(h, 1)
+    d = {n: cp.asarray(v) for n, v in h.items() if n != "shared"}
+    sh = mok.ExpertWeights(*(cp.asarray(s) for s in h["shared"]))
+    ew = mok.ExpertWeights(d["w_gate"], d["w_up"], d["w_down"])
+    with mok.Workspace(cfg, mok.SingleProcessGroup(devices=[0]), max_tokens=4) as ws:
+        qw = mok.quantize_weights(ws, ew, sh)
+        qf = mok.quantize_weights(ws, ew, sh, for_backward=False)
+        ws.synchronize()
+        got = (qw.experts.to_numpy(), qw.shared.to_numpy())
+        got_f = (qf.experts.to_numpy(), qf.shared.to_numpy())
+        # The transposed copy alone (q == nullptr): what the backward will quantise after a forward
+        # that quantised bf16 master weights for itself.
+        from mok_rt.kernels import fp8_quantize as Q8
+        shape = tuple(d["w_down"].shape)
+        qt = cp.full(Q8.transposed_shape(shape), 0xAA, dtype=cp.uint8)
+        st = cp.full(Q8.scale_shape(Q8.transposed_shape(shape)), -1.0, dtype=cp.float32)
+        s = cp.cuda.Stream(non_blocking=True)
+        Q8.launch_quantize([(d["w_down"].data.ptr, shape, 0, 0, qt.data.ptr, st.data.ptr)], stream=s.ptr,
+                           device_id=cp.cuda.Device().id)
+        s.synchronize()
+        only_t = {"down_t": qt.get(), "down_t_scale": st.get()}
+    f = lambda a: a.astype(np.float32)  # noqa: E731
+    want = (quantize_experts(f(h["w_gate"]), f(h["w_up"]), f(h["w_down"]), "fp8_block"),
+            quantize_experts(*(f(s) for s in h["shared"]), "fp8_block"))
+    for g, gf, wq in zip(got, got_f, want):
+        _check_weights(g, wq)
+        _check_weights(gf, wq, for_backward=False)
+    np.testing.assert_array_equal(only_t["down_t"], want[0].down_t.values.view(np.uint8))
+    np.testing.assert_array_equal(only_t["down_t_scale"].view(np.uint32),
+                                  want[0].down_t.scales.astype(np.float32).view(np.uint32))
 
 
 def test_report():

@@ -55,7 +55,7 @@ def test_fp8_plan_phases_waits_and_counters(d, ctx):
     qx, disp, sgu = plan.phase("quant_x"), plan.phase("dispatch"), plan.phase("shared_gu")
     assert qx.end <= disp.begin and disp.end == sgu.begin
     assert qx.count == (d.token_blocks if d.shared_intermediate else 0)
-    assert plan.tiles["h_tiles"] == -(-d.hidden // 128)              # 128 x 128 FP8 tiles
+    assert plan.tiles["h_tiles"] == -(-d.hidden // 256)              # 128 x 256 FP8 tiles (two sub-tiles)
     assert plan.tiles["gu_tiles"] == -(-d.intermediate // 128)       # one 128-column I block per task
     assert plan.tiles["token_ld"] % 4 == 0 and plan.tiles["token_ld"] >= d.tokens
     names = [c.name for c in plan.counters]
@@ -106,8 +106,34 @@ def test_struct_layouts_match_the_header():
 def test_quantizer_params_match_the_kernel():
     text = (REPO / "cuda_src/fp8/quantize_weights.cu").read_text()
     assert f"kMaxJobs = {Q8.MAX_JOBS};" in text and f"kThreads = {Q8.THREADS};" in text
-    assert "sizeof(Job) == 40" in text and ctypes.sizeof(Q8.QuantJob) == 40
-    assert ctypes.sizeof(Q8.Params) == Q8.MAX_JOBS * 40 + 8
+    assert f"sizeof(Job) == {Q8.JOB_BYTES}" in text and ctypes.sizeof(Q8.QuantJob) == Q8.JOB_BYTES == 56
+    assert f"sizeof(Params) == kMaxJobs * {Q8.JOB_BYTES} + 8" in text
+    assert ctypes.sizeof(Q8.Params) == Q8.MAX_JOBS * Q8.JOB_BYTES + 8
+    # The kernel's Job fields, in order (the pointers first, then the ints).
+    fields = [n for n, _ in Q8.QuantJob._fields_]
+    assert fields == ["w", "q", "s", "qt", "st", "groups", "r", "c", "first_block"]
+    body = text[text.index("struct Job {"):text.index("};", text.index("struct Job {"))]
+    assert [body.index(f" {n}") for n in ("w;", "q;", "s;", "qt;", "st;")] == sorted(
+        body.index(f" {n}") for n in ("w;", "q;", "s;", "qt;", "st;"))
+
+
+def test_quantizer_params_with_and_without_transposed_copies():
+    p, total = Q8.fill_params([(0x1000, (2, 192, 320), 0x2000, 0x3000, 0x4000, 0x5000),
+                               (0x6000, (1, 320, 192), 0x7000, 0x8000),
+                               (0x9000, (1, 64, 64), 0xA000, 0xB000, 0, 0)])
+    assert p.num_jobs == 3 and total == 2 * 2 * 3 + 3 * 2 + 1
+    j0, j1, j2 = p.jobs[0], p.jobs[1], p.jobs[2]
+    assert (j0.w, j0.q, j0.s, j0.qt, j0.st) == (0x1000, 0x2000, 0x3000, 0x4000, 0x5000)
+    assert (j0.groups, j0.r, j0.c, j0.first_block) == (2, 192, 320, 0)
+    assert (j1.qt, j1.st, j1.first_block) == (0, 0, 12) and (j2.qt, j2.st, j2.first_block) == (0, 0, 18)
+    with pytest.raises(mok.ArgumentError):
+        Q8.fill_params([(0x1000, (1, 128, 128), 0x2000, 0x3000, 0x4000, 0)])   # values without scales
+    with pytest.raises(mok.ArgumentError):
+        Q8.fill_params([(0x1000, (1, 128, 128), 0, 0, 0, 0)])                  # writes nothing
+    p, _ = Q8.fill_params([(0x1000, (1, 128, 128), 0, 0, 0x4000, 0x5000)])    # transposed copy only
+    assert (p.jobs[0].q, p.jobs[0].s, p.jobs[0].qt, p.jobs[0].st) == (0, 0, 0x4000, 0x5000)
+    assert Q8.transposed_shape((5, 192, 320)) == (5, 320, 192) and Q8.transposed_shape((64, 128)) == (128, 64)
+    assert Q8.scale_shape(Q8.transposed_shape((5, 192, 320))) == (5, 3, 2)
 
 
 # ---- buffers and maps --------------------------------------------------------------------------------
@@ -150,9 +176,10 @@ def test_map_specs():
     assert s["gate_k"].dims == (320, 192, 5) and s["gate_k"].box == (128, 64, 1)
     assert s["down_k"].dims == (192, 320, 5) and s["down_k"].box == (128, 128, 1) and s["down_k"].strides == (192, 320 * 192)
     assert s["shared_down_k"].dims == (320, 320, 1)
-    # A stage credits A + B + scales: 16 KB + 16 KB (one box or two halves) + 512 B (gemm_fp8.cuh kStageTx).
-    assert s["xrq_k"].box_bytes + 2 * s["gate_k"].box_bytes + s["xrq_s"].box_bytes == 32768 + 512
-    assert s["aq_k"].box_bytes + s["down_k"].box_bytes + s["aq_s"].box_bytes == 32768 + 512
+    # A stage credits A + B of two sub-tiles + scales: 16 KB + 2 x 16 KB (per sub-tile one box or two
+    # halves) + 512 B (gemm_fp8.cuh load_stage): the 48 KB ring slot, the scales in a side ring.
+    assert s["xrq_k"].box_bytes + 4 * s["gate_k"].box_bytes + s["xrq_s"].box_bytes == 49152 + 512
+    assert s["aq_k"].box_bytes + 2 * s["down_k"].box_bytes + s["aq_s"].box_bytes == 49152 + 512
     n = M8.map_specs(_bufs(shared=False), _dims(Is=0))
     assert all(n[k] is None for k in ("xq_k", "saq_k", "xq_s", "saq_s", "shared_gate_k", "shared_up_k", "shared_down_k"))
 
@@ -170,7 +197,7 @@ def test_launch_params():
     ptrs = plan.counter_pointers(b.counters)
     assert q.token_xq_ready == ptrs["token_xq_ready"] and q.p.cnt.block_ready == ptrs["block_ready"]
     assert q.plan8.quant_x.count == d.token_blocks and q.plan8.token_ld == 384
-    assert q.p.plan.h_tiles == 3 and q.p.peers.num_ranks == 1 and q.p.err == 64
+    assert q.p.plan.h_tiles == 2 and q.p.peers.num_ranks == 1 and q.p.err == 64
     with pytest.raises(mok.ArgumentError):
         M8.launch_forward_fp8(L.ForwardBuffers(), sched, d, stream=0, err_ptr=64)
 

@@ -79,13 +79,29 @@ def test_quantize_weights_one_launch_of_six_jobs(launches):
         first = 0
         for j, (src, q, s) in enumerate(dsts):
             job = p.jobs[j]
+            g = qw.experts if j < 3 else qw.shared
+            part = ("gate", "up", "down")[j % 3]
+            qt, st = getattr(g, part + "_t"), getattr(g, part + "_t_scale")   # for_backward (the default)
             shape = src.shape if len(src.shape) == 3 else (1, *src.shape)
-            assert (job.w, job.q, job.s) == (src.ptr, q.ptr, s.ptr)
+            assert (job.w, job.q, job.s, job.qt, job.st) == (src.ptr, q.ptr, s.ptr, qt.ptr, st.ptr)
             assert (job.groups, job.r, job.c, job.first_block) == (*shape, first)
             assert tuple(q.shape) == tuple(src.shape) and q.dtype.name == "float8_e4m3fn"
             assert tuple(s.shape) == Q8.scale_shape(src.shape) and q.ptr % 256 == 0 and s.ptr % 256 == 0
+            assert tuple(qt.shape) == Q8.transposed_shape(src.shape) and qt.dtype.name == "float8_e4m3fn"
+            assert tuple(st.shape) == Q8.scale_shape(qt.shape) and qt.ptr % 256 == 0 and st.ptr % 256 == 0
             first += shape[0] * -(-shape[1] // 128) * -(-shape[2] // 128)
         assert qw.precision == "fp8_block" and qw.shapes[1] == ((Is, H), (Is, H), (H, Is))
+        assert qw.experts.for_backward and qw.shared.for_backward
+
+
+def test_quantize_weights_for_the_forward_only(launches):
+    with null_driver(), _ws() as ws:
+        a = _Inputs()
+        qw = mok.quantize_weights(ws, a.experts, a.shared, for_backward=False)
+        p = Q8.Params.from_buffer_copy(launches[-1][1])
+        assert p.num_jobs == 6 and all(p.jobs[j].qt == p.jobs[j].st == 0 for j in range(6))
+        assert not qw.experts.for_backward and qw.experts.down_t is None and qw.shared.gate_t_scale is None
+        assert all(p.jobs[j].q != 0 for j in range(6))
 
 
 def test_forward_recompute_and_the_refused_backward(launches, monkeypatch):
@@ -111,7 +127,7 @@ def test_forward_recompute_and_the_refused_backward(launches, monkeypatch):
                                                            qw.shared.up.ptr)
         ctx_ptrs = [getattr(q.qctx, n) for n, _ in q.qctx._fields_] + [p.ctx.gu, p.ctx.y_slot, p.ctx.sgu]
         assert all(ctx_ptrs) and len(set(ctx_ptrs)) == len(ctx_ptrs) and all(v % 256 == 0 for v in ctx_ptrs)
-        assert q.plan8.quant_x.count == -(-T // 128) and q.plan8.token_ld == 256 and p.plan.h_tiles == 3
+        assert q.plan8.quant_x.count == -(-T // 128) and q.plan8.token_ld == 256 and p.plan.h_tiles == 2
         assert q.token_xq_ready and q.token_xq_ready not in (p.cnt.block_ready, p.cnt.task_next)
         assert p.context_only == 0 and p.peers.num_ranks == 1
         def map_of(name):
@@ -124,6 +140,8 @@ def test_forward_recompute_and_the_refused_backward(launches, monkeypatch):
         n0 = len(launches)
         mok.forward(ws, sched, a.x, a.tw, a.experts, shared=a.shared)
         assert [n for n, _ in launches[n0:]] == ["fp8_quantize_weights", "moe_forward_fp8"]
+        qp = Q8.Params.from_buffer_copy(launches[n0][1])   # the forward's own: no transposed copies
+        assert qp.num_jobs == 6 and all(qp.jobs[j].qt == 0 for j in range(6))
         # recompute_context: context only, no out.
         n0 = len(launches)
         mok.recompute_context(ws, sched, a.x, a.tw, qw)

@@ -2,7 +2,9 @@
 
 * fp8_quantize_rows / fp8_quantize_weights against mok_rt.reference.quantize: every E4M3 byte and
   every fp32 scale bitwise (zero, tiny, huge, inf and NaN blocks, subnormal inputs, ties, a partial
-  last block), both scale layouts, and the weights' transposed (dgrad) copy.
+  last block), both scale layouts, and the weights' transposed (dgrad) copy; the same for the
+  megakernel's pipelined dispatch quantiser (fp8_quantize_rows_pipelined), and its per-block
+  quotient against div.rn over every bf16 input for all scales in [1, 2) and samples of the others.
 * fp8_gemm_probe (grouped, uneven groups with an empty one, M and N not tile multiples, K not a
   multiple of 128): bitwise against the float64 emulation on operands where no step rounds
   (tests/fp8_probe_host.exact_problem); within TOL_GEMM (relative Frobenius) on random operands
@@ -20,10 +22,16 @@ TOL_GEMM, which leaves a margin over 2^-14.
 
 The probe is compiled here with nvcc into a temporary directory (once per session; skipped
 when nvcc is absent).  Buffers are CuPy arrays; launches go through mok_rt.runtime (cuda-python).
+
+Every GEMM test (timings included) runs in a child process of its own (tests/_gpu.run_isolated;
+the child loads this process's cubin): a kernel fault kills its process's CUDA context, and the
+first GPU run lost 40 tests to one illegal instruction.  MOK_RT_GPU_ISOLATE=0 runs them here.
+Outputs are compared as bits: the rows past the groups are NaN by design (poison), and NaN != NaN.
 """
 from __future__ import annotations
 
 import ctypes
+import os
 import tempfile
 from pathlib import Path
 
@@ -31,7 +39,7 @@ import numpy as np
 import pytest
 
 pytestmark = pytest.mark.gpu
-from _gpu import cp  # noqa: E402
+from _gpu import cp, run_isolated  # noqa: E402
 import fp8_probe_host as H  # noqa: E402
 
 from mok_rt import build  # noqa: E402
@@ -44,8 +52,12 @@ from mok_rt.runtime.tensormap import TensorMapBytes  # noqa: E402
 TOL_GEMM = 2e-4
 TOL_BF16_OUT = 1e-2
 THREADS = 384
-SMEM_BYTES = 6 * (128 * 128 + 128 * 128) + 6 * 512 + 2 * 6 * 8 + 1024   # fp8probe::kGemmSmemBytes
-assert SMEM_BYTES == 200800
+# fp8probe::kGemmSmemBytes: ring, the A-scale slots (132 fp32 each, 640 bytes apart), barriers, slack
+SMEM_BYTES = 6 * (128 * 128 + 128 * 128) + 6 * 640 + 2 * 6 * 8 + 1024
+assert SMEM_BYTES == 201568
+# The A-scale box: 132 fp32 from row (row0 & ~3), so that its innermost coordinate is 16-byte
+# aligned (an unaligned one is an illegal instruction: the first GPU run's "uneven" case).
+SA_BOX = 132
 TIMEOUT_NS = 2_000_000_000
 # The two consumer schedules (same promotion order, so the same bits): one K block in flight per
 # warpgroup, or two (block kb + 1's MMAs overlap block kb's promotion).
@@ -76,12 +88,17 @@ class QuantWeightsParams(ctypes.Structure):
                 ("st", ctypes.c_uint64), ("groups", ctypes.c_int32), ("r", ctypes.c_int32), ("c", ctypes.c_int32)]
 
 
+class QuotientCheckParams(ctypes.Structure):
+    _fields_ = [("scales", ctypes.c_uint64), ("n_scales", ctypes.c_int64), ("result", ctypes.c_uint64)]
+
+
 assert ctypes.sizeof(Fp8GemmParams) == 512 and Fp8GemmParams.sb.offset == 384 and Fp8GemmParams.err.offset == 432
 assert Fp8GemmParams.groups.offset == 448 and Fp8GemmParams.cq_ld.offset == 468
 assert ctypes.sizeof(QuantRowsParams) == 48 and ctypes.sizeof(QuantWeightsParams) == 56
 
 _SOURCE = Path(__file__).resolve().parent / "cuda" / "fp8_gemm_probe.cu"
-_cubin = None
+_CUBIN_ENV = "MOK_FP8_PROBE_CUBIN"   # a child process (run_isolated) loads the parent's cubin
+_cubin = Path(os.environ[_CUBIN_ENV]) if os.environ.get(_CUBIN_ENV) else None
 
 
 def _probe_cubin() -> Path:
@@ -134,8 +151,9 @@ def _run(kernel, grid, block, params, stream, smem=0):
 
 # ---- quantisers ---------------------------------------------------------------------------------------
 
-def quantize_rows_dev(stream, x_bits, k: int, *, scale_ld: int | None = None):
-    """Device quantiser of bf16 rows; scales [rows, KB], or [KB, scale_ld] when scale_ld is given."""
+def quantize_rows_dev(stream, x_bits, k: int, *, scale_ld: int | None = None, kernel: str = "fp8_quantize_rows"):
+    """Device quantiser of bf16 rows; scales [rows, KB], or [KB, scale_ld] when scale_ld is given.
+    kernel "fp8_quantize_rows_pipelined" (the megakernel's dispatch quantiser) needs scale_ld."""
     rows = x_bits.shape[0]
     kb = H.cdiv(k, FP8_BLOCK)
     q = cp.full((rows, k), 0xAA, dtype=cp.uint8)
@@ -146,7 +164,12 @@ def quantize_rows_dev(stream, x_bits, k: int, *, scale_ld: int | None = None):
         s = cp.zeros((kb, scale_ld), dtype=cp.float32)
         s_row, s_kb = 1, scale_ld
     p = QuantRowsParams(_ptr(x_bits), _ptr(q), _ptr(s), rows, k, s_row, s_kb)
-    _run(_kernel("fp8_quantize_rows"), max(1, min(264, H.cdiv(rows * kb, 8))), 256, p, stream)
+    if kernel == "fp8_quantize_rows":
+        grid = max(1, min(264, H.cdiv(rows * kb, 8)))
+    else:  # a CTA per 128 rows, as the dispatch's tasks
+        assert scale_ld is not None
+        grid = max(1, H.cdiv(rows, 128))
+    _run(_kernel(kernel), grid, 256, p, stream)
     stream.synchronize()
     return q, s
 
@@ -196,6 +219,85 @@ def test_quantize_rows_bitwise(stream, k):
     assert np.array_equal(cp.asnumpy(s2).view(np.uint32), H.bits_u32(H.act_scales_kmajor(want.scales, ld)))
 
 
+@pytest.mark.parametrize("k,rows", [(464, 37), (128, 37), (2048, 37), (2112, 300), (1088, 129)])
+def test_quantize_rows_pipelined_bitwise(stream, k, rows):
+    """The megakernel's dispatch quantiser (moe/tasks/quantize_rows.cuh: quad layout, BlockQuotient,
+    the div.rn fallback for scales below 2^-64 -- special_rows' subnormal block takes it) against the
+    oracle, byte for byte and scale for scale; partial last units (1088, 2112) and several tasks."""
+    rng = np.random.default_rng(k + rows)
+    x = H.activation_rows(rng, rows, k)
+    if k > 3 * FP8_BLOCK:
+        x = np.concatenate([x[:9], H.special_rows(k), x[9:]])
+    want = H.quantize_rows_ref(x)
+    m = x.shape[0]
+    ld = H.cdiv(m, 4) * 4 + 4
+    q, s = quantize_rows_dev(stream, _dev_bf16(x), k, scale_ld=ld, kernel="fp8_quantize_rows_pipelined")
+    _assert_q_equal(q, s[:, :m].T, want, "pipelined rows, scales [KB, ld]")
+
+
+def test_block_quotient_is_div_rn(stream):
+    """BlockQuotient (common/fp8.cuh: div.rn's fast path with the reciprocal taken once per block, no
+    range check) against div.rn, for every bf16 v with |v| <= 449 s: every scale in [1, 2) (all 2^23
+    significands) and random and extreme significands at exponents -64 .. 119.  The E4M3 byte must be
+    div.rn's; the fp32 quotient too wherever |div.rn(v, s)| > 2^-13 (then |v / s| > 2^-13)."""
+    rng = np.random.default_rng(7)
+    parts = [np.arange(0x3F800000, 0x40000000, dtype=np.uint32)]
+    for e in (-64, -63, -40, -13, -1, 1, 12, 40, 90, 118, 119):
+        mant = np.concatenate([rng.integers(0, 1 << 23, size=4096, dtype=np.uint32),
+                               np.array([0, 1, (1 << 23) - 1], dtype=np.uint32)])
+        parts.append(np.uint32((e + 127) << 23) | mant)
+    bf16_max = np.array([0x7F7F0000], dtype=np.uint32).view(np.float32)
+    parts.append((bf16_max / np.float32(448.0)).view(np.uint32))  # the largest scale a block can have
+    scales = cp.asarray(np.concatenate(parts).view(np.float32))
+    result = cp.zeros(2, dtype=cp.uint64)
+    p = QuotientCheckParams(_ptr(scales), scales.size, _ptr(result))
+    _run(_kernel("fp8_block_quotient_check"), 8 * multiprocessor_count(cp.cuda.Device().id), 256, p, stream)
+    stream.synchronize()
+    bad, first = (int(v) for v in cp.asnumpy(result))
+    assert bad == 0, f"{bad} mismatches; first: scale bits {first >> 32:#010x}, bf16 bits {first & 0xFFFF:#06x}"
+
+
+def _fp32_special_rows(rng, k: int) -> np.ndarray:
+    """fp32 rows for the epilogue quantiser: random significands (not bf16 values) at magnitudes
+    10^-3 .. 10^4, and blocks that take every path: zero, flushed (amax < 448 * 2^-126), the
+    2^64 rescale (amax 2^-117 .. 2^-56, subnormal elements among them), signed zeros, huge, inf,
+    NaN, ties after scaling by s = 2^e, quotients just around E4M3's smallest subnormal."""
+    assert k % FP8_BLOCK == 0
+    x = H.activation_rows(rng, 24, k).astype(np.float32)
+    x *= np.float32(1.0) + rng.uniform(-2.0 ** -8, 2.0 ** -8, size=x.shape).astype(np.float32)
+    n = FP8_BLOCK
+    blocks = [np.zeros(n), rng.standard_normal(n) * 1e-37, rng.standard_normal(n) * 2.0 ** -60,
+              rng.standard_normal(n) * 2.0 ** -110, rng.standard_normal(n) * 2.0 ** -118,
+              np.where(rng.random(n) < 0.5, -0.0, 0.0) + np.r_[2.0 ** -57, np.zeros(n - 1)],
+              rng.standard_normal(n) * 1e37, np.r_[np.inf, rng.standard_normal(n - 1)],
+              np.r_[-np.inf, np.nan, rng.standard_normal(n - 2)],
+              np.resize([448.0, 1.0625, -1.1875, 17.0, -19.0, 0.0, -0.0, 2.0 ** -10, -(2.0 ** -10),
+                         3 * 2.0 ** -10, 2.0 ** -11], n) * 2.0 ** -20,
+              np.r_[448.0, rng.uniform(-1, 1, n - 1) * 2.0 ** -8], np.r_[448.0, rng.uniform(-1, 1, n - 1) * 2.0 ** -12]]
+    sp = np.zeros((len(blocks), k), dtype=np.float32)
+    for i, b in enumerate(blocks):
+        sp[i, (i % (k // n)) * n:(i % (k // n) + 1) * n] = np.asarray(b, dtype=np.float64).astype(np.float32)
+    sp[4, 1] = np.float32(2.0 ** -140)   # a subnormal input in a rescaled block
+    return np.concatenate([x[:7], sp, x[7:]])
+
+
+@pytest.mark.parametrize("k", [128, 512])
+def test_quantize_frag_rows_fp32_bitwise(stream, k):
+    """The gate|up epilogue's quantiser (common/fp8.cuh quantize_frag_row128: fragment layout,
+    BlockQuotient with a sign copy, the 2^64 rescale of blocks with s < 2^-64) on fp32 rows, byte for
+    byte and scale for scale against the oracle."""
+    x = _fp32_special_rows(np.random.default_rng(k), k)
+    want = H.quantize_rows_ref(x)
+    rows, kb = x.shape[0], k // FP8_BLOCK
+    xd = cp.asarray(x)
+    q = cp.full((rows, k), 0xAA, dtype=cp.uint8)
+    s = cp.full((rows, kb), -1.0, dtype=cp.float32)
+    p = QuantRowsParams(_ptr(xd), _ptr(q), _ptr(s), rows, k, kb, 1)
+    _run(_kernel("fp8_quantize_frag_rows"), (H.cdiv(rows, 64), kb), 128, p, stream)
+    stream.synchronize()
+    _assert_q_equal(q, s, want, "fragment rows (fp32), scales [M, KB]")
+
+
 @pytest.mark.parametrize("shape", [(2, 272, 400), (1, 128, 128), (3, 384, 768)])
 def test_quantize_weights_bitwise(stream, shape):
     g, r, c = shape
@@ -238,7 +340,8 @@ class Gemm:
         p = Fp8GemmParams()
         p.a = _tmap(_ptr(qa), "u8", (k, self.cap), (k,), (128, 128), True)
         p.b = _tmap(_ptr(qb), "u8", (k, n, self.groups), (k, n * k), (128, 128, 1), True)
-        p.sa = _tmap(_ptr(sa_kmajor), "f32", (self.cap, kb), (sa_kmajor.shape[1] * 4,), (128, 1), False)
+        assert sa_kmajor.shape[1] % 4 == 0, "scale rows must start 16-byte aligned (TMA)"
+        p.sa = _tmap(_ptr(sa_kmajor), "f32", (self.cap, kb), (sa_kmajor.shape[1] * 4,), (SA_BOX, 1), False)
         p.sb, p.group_offset, p.tile_offset = _ptr(sb), _ptr(self.d_off), _ptr(self.d_tiles)
         p.c, p.cq, p.cq_scale, p.err = _ptr(self.c), _ptr(self.cq), _ptr(self.cq_scale), _ptr(self.err)
         p.timeout_ns = TIMEOUT_NS
@@ -276,10 +379,18 @@ def _gemm_from_host(a: QTensor, b: QTensor, rows, **kw) -> Gemm:
                 qb=cp.asarray(H.bits_u8(b.values)), sb=cp.asarray(np.ascontiguousarray(b.scales)), **kw)
 
 
+def _bits(c):
+    """C's bits (fp32 -> uint32, bf16 is uint16 already): NaN rows compare equal as bits."""
+    return c.view(cp.uint32) if c.dtype == cp.float32 else c.view(cp.uint16)
+
+
+def _same_bits(a, b) -> bool:
+    return a.shape == b.shape and bool(cp.array_equal(_bits(a), _bits(b)))
+
+
 def _check_repeatable(stream, gm: Gemm, c):
-    assert cp.array_equal(gm.run(stream), c)
-    assert cp.array_equal(gm.run(stream, max_ctas=1), c)
-    assert cp.array_equal(gm.run(stream, max_ctas=3), c)
+    for ctas in (None, 1, 3):
+        assert _same_bits(gm.run(stream, max_ctas=ctas), c), f"a run on {ctas or 'all'} CTAs gave other bits"
 
 
 def _check_out_quantizer(gm: Gemm, c):
@@ -300,7 +411,9 @@ EXACT = {
 
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("case", sorted(EXACT))
-def test_gemm_exact_bitwise(stream, case, kernel):
+def test_gemm_exact_bitwise(request, stream, case, kernel):
+    if run_isolated(request, env={_CUBIN_ENV: str(_probe_cubin())}) is not None:
+        return
     cfg = EXACT[case]
     rng = np.random.default_rng(len(case))
     cap = sum(cfg["rows"]) + cfg["extra"]
@@ -327,9 +440,11 @@ RANDOM = {
 
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("case", sorted(RANDOM))
-def test_gemm_random(stream, case, kernel):
+def test_gemm_random(request, stream, case, kernel):
     """Operands made by the device quantisers (checked bitwise against the oracle on the way), then
     the GEMM against the float64 emulation of the same quantised operands."""
+    if run_isolated(request, env={_CUBIN_ENV: str(_probe_cubin())}) is not None:
+        return
     cfg = RANDOM[case]
     rows, n, k = cfg["rows"], cfg["n"], cfg["k"]
     rng = np.random.default_rng(7 + n)
@@ -356,12 +471,14 @@ def test_gemm_random(stream, case, kernel):
     _check_out_quantizer(gm, c)
     _check_repeatable(stream, gm, c)
     other = [kn for kn in KERNELS if kn != kernel][0]
-    assert cp.array_equal(Gemm(rows=rows, n=n, k=k, qa=qa, sa_kmajor=sa, qb=qb, sb=sb, kernel=other).run(stream), c), \
+    assert _same_bits(Gemm(rows=rows, n=n, k=k, qa=qa, sa_kmajor=sa, qb=qb, sb=sb, kernel=other).run(stream), c), \
         f"{kernel} and {other} disagree"
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_gemm_no_rows(stream, kernel):
+def test_gemm_no_rows(request, stream, kernel):
+    if run_isolated(request, env={_CUBIN_ENV: str(_probe_cubin())}) is not None:
+        return
     rng = np.random.default_rng(3)
     a, b = H.exact_problem(rng, [0, 0], 128, 128, 128)
     gm = _gemm_from_host(a, b, [0, 0], kernel=kernel)
@@ -382,7 +499,9 @@ TIMING = {
 
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("shape", list(TIMING))
-def test_fp8_timing(stream, capsys, shape, kernel):
+def test_fp8_timing(request, stream, capsys, shape, kernel):
+    if run_isolated(request, env={_CUBIN_ENV: str(_probe_cubin())}) is not None:
+        return
     t = TIMING[shape]
     g, rows, n, k = t["groups"], t["rows"], t["n"], t["k"]
     m = g * rows

@@ -158,6 +158,30 @@ def test_weight_copies():
     assert not np.array_equal(qm.gate_t.dequantize(), np.swapaxes(qm.gate.dequantize(), -1, -2))
 
 
+def test_fp8_block_transposed_copy_is_the_transposed_master_quantised():
+    # The semantics the CUDA quantiser relies on (cuda_src/fp8/quantize_weights.cu): quantising the
+    # transposed bf16 master weight in its own 128 x 128 blocks gives exactly the forward copy's
+    # E4M3 bytes and scales transposed -- remainder blocks, flushed, huge, inf and NaN blocks too.
+    import ml_dtypes
+    rng = np.random.default_rng(11)
+    w = (rng.standard_normal((2, 320, 196)) * 0.05).astype(np.float32)   # partial blocks on both axes
+    w[0, :128, :128] = 0.0
+    w[0, 128:256, :128] *= np.float32(1e-38)           # flushed (scale below 2^-126)
+    w[1, :128, 128:] *= np.float32(1e30)
+    w[1, 256:, 128:] = np.inf
+    w[1, 130, 5] = np.nan
+    w[0, 300, 190] = np.float32(448.0) * 3               # the block's amax alone
+    w = w.astype(ml_dtypes.bfloat16).astype(np.float32)  # the kernel's input is bf16
+    fwd = Q.quantize_fp8_block(w, (128, 128))
+    own = Q.quantize_fp8_block(np.ascontiguousarray(np.swapaxes(w, -1, -2)), (128, 128))
+    t = Q.quantize_experts(w, w, np.swapaxes(w, -1, -2), "fp8_block").gate_t
+    for got in (own, t):
+        np.testing.assert_array_equal(got.values.view(np.uint8), np.swapaxes(fwd.values, -1, -2).view(np.uint8))
+        np.testing.assert_array_equal(got.scales.view(np.uint32), np.swapaxes(fwd.scales, -1, -2).view(np.uint32))
+    assert t.values.shape == (2, 196, 320) and t.scales.shape == (2, 2, 3)
+    assert np.isnan(t.scales[1, 1, 2]) and np.isnan(t.scales[1, 0, 1]) and t.scales[0, 0, 1] == 0.0
+
+
 # ----------------------------------------------------------------------------------------------
 # The FP8 layer of the oracle
 # ----------------------------------------------------------------------------------------------

@@ -4,15 +4,16 @@
 // (moe_layer.cu) are built exactly as before.
 // Launch: 384 threads (pipe::kCtaThreads), pipe::kSmemBytes of dynamic shared memory, a grid of
 // about one CTA per SM; parameters: MoEFp8ForwardTmaParams (moe/params_fp8.cuh).
+#define MOK_ZERO_FILL_ROUTES 1  // moe/tasks/row_copy.cuh: keeps the combine's route registers from spilling here
 #include "moe/tasks/forward_fp8.cuh"
 
 using namespace mok;
 
 namespace {
 
-// Register split: the gate|up task holds 64 partial + 64 total accumulators + the first sub-tile's
-// 32 values of a; at the bf16 kernels' 56 / 224 split that left the workers one register short
-// (a loop counter spilled).  40 / 232 (the probe's split) uses the same pool (384 x 168).
+// Register split: the GEMM tasks hold 64 partial + 2 x 64 total accumulators (128 x 256 tiles as two
+// sub-tiles, pipeline/gemm_fp8.cuh), ~225 live registers at the peak; 40 / 232 (the probe's split)
+// uses the same pool (384 x 168) as the bf16 kernels' 56 / 224.
 constexpr int kFp8ProducerRegs = 40;
 constexpr int kFp8WorkerRegs = 232;
 static_assert(128 * kFp8ProducerRegs + kThreads * kFp8WorkerRegs <= 384 * 168, "the CTA's register pool");

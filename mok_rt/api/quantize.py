@@ -18,13 +18,16 @@ def _host_weights(rank, weights, name, shapes, stream):
             for part, obj, shape in zip(("gate", "up", "down"), w, shapes)]
 
 
-def quantize_weights(ws, experts, shared=None, *, stream=None) -> QuantizedWeights:
+def quantize_weights(ws, experts, shared=None, *, for_backward: bool = True, stream=None) -> QuantizedWeights:
     """Quantise bf16 master weights (``ExpertWeights``; the shared expert's too when the config
     has one) into every layout the workspace's FP8 kernels read; returns a
-    :class:`QuantizedWeights` for ``forward`` / ``recompute_context``.
+    :class:`QuantizedWeights` for ``forward`` / ``recompute_context`` (and the backward).
 
     On the CUDA backend ("fp8_block") one kernel launch on ``stream`` writes the forward copies
-    (E4M3, 128 x 128 fp32 scales) into device memory the result owns; nothing synchronises."""
+    (E4M3, 128 x 128 fp32 scales) into device memory the result owns; nothing synchronises.
+    ``for_backward`` (default) also writes the transposed copies the input-gradient GEMMs read
+    (K-major for FP8 wgmma): one more byte per weight.  ``for_backward=False`` (inference) saves
+    those bytes.  The reference backend always keeps every copy (host memory, the oracle)."""
     rank = as_rank(ws)
     impl = rank._backend()
     cfg = rank.config
@@ -45,7 +48,7 @@ def quantize_weights(ws, experts, shared=None, *, stream=None) -> QuantizedWeigh
         groups = [("experts", _device_weights(rank, experts, "experts", routed_shapes, s))]
         if cfg.has_shared:
             groups.append(("shared", _device_weights(rank, shared, "shared", shared_shapes, s)))
-        q = impl.quantize(groups, stream=s)
+        q = impl.quantize(groups, stream=s, for_backward=bool(for_backward))
         return QuantizedWeights(cfg.precision, (routed_shapes, shared_shapes), q["experts"], q.get("shared"))
     from mok_rt.reference.quantize import quantize_experts
     routed = quantize_experts(*_host_weights(rank, experts, "experts", routed_shapes, s), cfg.precision)

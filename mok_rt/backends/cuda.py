@@ -446,22 +446,35 @@ class CudaBackend:
         return out, _ForwardState(dims, ptrs, ptrs_key, (args, sched, owner))
 
     # -- fp8_block (moe_forward_fp8; docs/FP8_DESIGN.md) ---------------------------------------------
-    def quantize(self, groups, *, stream) -> dict:
+    def quantize(self, groups, *, stream, for_backward: bool = True) -> dict:
         """``mok.quantize_weights``: ``groups`` [(name, (gate, up, down) bf16 views)] ->
-        {name: DeviceQuantized}, the forward copies and scales in one block (one launch)."""
+        {name: DeviceQuantized}, the forward copies and scales (and with ``for_backward`` the
+        transposed input-gradient copies) in one block, one launch."""
         capturing, _ = self._begin(stream)
         parts = {}
         for name, views in groups:
             for part, v in zip(_QPARTS, views):
                 parts[f"{name}.{part}"] = (v.shape, dtypes.float8_e4m3fn)
                 parts[f"{name}.{part}_scale"] = (Q8.scale_shape(v.shape), dtypes.float32)
+                if for_backward:
+                    vt = Q8.transposed_shape(v.shape)
+                    parts[f"{name}.{part}_t"] = (vt, dtypes.float8_e4m3fn)
+                    parts[f"{name}.{part}_t_scale"] = (Q8.scale_shape(vt), dtypes.float32)
         block = self._block(parts, stream, capturing, poison=False)
-        pairs = [(v.ptr, Q8.as_shape3(v.shape), block[f"{name}.{part}"].ptr, block[f"{name}.{part}_scale"].ptr)
+
+        def dst(name, part):
+            t = (block[f"{name}.{part}"].ptr, block[f"{name}.{part}_scale"].ptr)
+            return t + ((block[f"{name}.{part}_t"].ptr, block[f"{name}.{part}_t_scale"].ptr) if for_backward else ())
+
+        pairs = [(v.ptr, Q8.as_shape3(v.shape), *dst(name, part))
                  for name, views in groups for part, v in zip(_QPARTS, views)]
         Q8.launch_quantize(pairs, stream=stream, device_id=self.device_id)
+        names = [*_QPARTS, *(f"{p}_scale" for p in _QPARTS)]
+        if for_backward:
+            names += [*(f"{p}_t" for p in _QPARTS), *(f"{p}_t_scale" for p in _QPARTS)]
         out = {}
         for name, views in groups:
-            t = {k: block[f"{name}.{k}"] for k in (*_QPARTS, *(f"{p}_scale" for p in _QPARTS))}
+            t = {k: block[f"{name}.{k}"] for k in names}
             t["gate"]._owner = (t["gate"]._owner, tuple(views))   # the sources outlive the launch
             out[name] = Q8.DeviceQuantized(**t, device_id=self.device_id)
         return out
@@ -484,7 +497,9 @@ class CudaBackend:
             groups = [("experts", (args.w_gate, args.w_up, args.w_down))]
             if args.shared_gate is not None:
                 groups.append(("shared", (args.shared_gate, args.shared_up, args.shared_down)))
-            q = self.quantize(groups, stream=stream)
+            # Forward copies only: a forward on master weights does not pay for the backward's copies
+            # (the FP8 backward will quantise them from ctx.inputs' weights when they are missing).
+            q = self.quantize(groups, stream=stream, for_backward=False)
             routed, shared = q["experts"], q.get("shared")
         parts = {n: ((nb,), dtypes.uint8) for n, nb in sizes.items() if _FP8_FORWARD[n].role == "context"}
         if not context_only:
@@ -528,8 +543,8 @@ class CudaBackend:
             # Refused before anything is launched: running the bf16 backward on an FP8 context would
             # silently compute other gradients (docs/FP8_DESIGN.md, step 2 "Not built").
             raise ArgumentError("precision", "the CUDA backward of 'fp8_block' is not built yet (missing: the FP8 "
-                                             "dA / dX GEMMs, the dSwiGLU quantisation, the transposed weight "
-                                             "copies and the wgrad operands); the CUDA backend runs the FP8 "
+                                             "dA / dX GEMMs, the dSwiGLU quantisation and the wgrad operands; "
+                                             "the transposed weight copies exist); the CUDA backend runs the FP8 "
                                              "forward and recompute_context only. Use backend='reference' for "
                                              "FP8 gradients")
         capturing, handle = self._begin(stream)

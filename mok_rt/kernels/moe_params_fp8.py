@@ -18,7 +18,7 @@ __all__ = ["KBLOCK", "FP8_TILE_N", "FP8_FORWARD_BUFFERS", "FP8_FORWARD_MAP_NAMES
            "MoEFp8Context", "MoEFp8Plan", "MoEFp8ForwardParams", "MoEFp8ForwardMaps", "MoEFp8ForwardTmaParams"]
 
 KBLOCK = 128       # fp8_block scale block (1 x 128 activations, 128 x 128 weights) = one K stage
-FP8_TILE_N = 128   # FP8 GEMM tile width (128 x 128 tiles): the down GEMMs' hidden tiles
+FP8_TILE_N = 256   # FP8 GEMM tile width (128 x 256, two 128-wide sub-tiles per A stage): the down GEMMs' hidden tiles
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -132,10 +132,23 @@ class Plan:
         return s
 
     def fp8_struct(self) -> ctypes.Structure:
-        """What the FP8 forward's plan adds (MoEFp8Plan in cuda_src/moe/params_fp8.cuh)."""
+        """What the FP8 plan adds: MoEFp8Plan (cuda_src/moe/params_fp8.cuh) of the forward,
+        MoEFp8BackwardPlan (params_fp8_bwd.cuh) of the backward."""
         from mok_rt.kernels.moe_params_fp8 import MoEFp8Plan
         if self.precision == "bf16":
             raise AssertionError("a bf16 plan has no FP8 part")
+        if self.kind == "backward":
+            from mok_rt.kernels.moe_params_fp8_bwd import MoEFp8BackwardPlan
+            s = MoEFp8BackwardPlan()
+            for name in ("token_prep", "widen"):
+                ph = self.phase(name)
+                getattr(s, name).begin, getattr(s, name).count = ph.begin, ph.count
+            for w in self.waits:
+                if w.field in _FP8_BWD_EXTRA:
+                    setattr(s, w.field, w.target)
+            for name in ("token_ld", "token_rows", "ip_blocks", "ips_blocks"):
+                setattr(s, name, self.tiles[name])
+            return s
         ph = self.phase("quant_x")
         s = MoEFp8Plan()
         s.quant_x.begin, s.quant_x.count = ph.begin, ph.count
@@ -144,8 +157,10 @@ class Plan:
         return s
 
 
-# The FP8 forward plan's names that live in MoEFp8Plan, not in MoEForwardPlan.
-_FP8_EXTRA = ("quant_x", "wait_token_xq_ready", "token_ld")
+# The FP8 plans' names that live in MoEFp8Plan / MoEFp8BackwardPlan, not in the bf16 plan structs.
+_FP8_BWD_EXTRA = ("token_prep", "widen", "wait_token_dq_ready", "wait_expert_widen_ready_per_block",
+                  "wait_prep_done", "token_ld", "token_rows", "ip_blocks", "ips_blocks")
+_FP8_EXTRA = ("quant_x", "wait_token_xq_ready", "token_ld") + _FP8_BWD_EXTRA
 
 
 def _layout(sizes) -> tuple[Counter, ...]:
@@ -170,7 +185,7 @@ def forward_plan(dims, *, context_only: bool = False, push_tasks: int = 0, preci
     gate|up runs while the rows travel, before the dispatch).
 
     ``precision="fp8_block"`` (one rank only): the FP8 forward's plan (cuda_src/moe/tasks/
-    forward_fp8.cuh).  Its down tiles are 128 columns wide (``h_tiles``), and a ``quant_x`` phase
+    forward_fp8.cuh).  Its down tiles are 256 columns wide (``h_tiles``, as bf16), and a ``quant_x`` phase
     (x quantised in token order, one task per token block, only with a shared expert) comes before
     the dispatch: the shared gate|up tiles of token block tb wait for it (``token_xq_ready``)."""
     d = dims
@@ -216,10 +231,20 @@ def forward_plan(dims, *, context_only: bool = False, push_tasks: int = 0, preci
 
 
 @functools.lru_cache(maxsize=256)
-def backward_plan(dims, *, push_tasks: int = 0) -> Plan:
+def backward_plan(dims, *, push_tasks: int = 0, precision: str = "bf16") -> Plan:
     """The backward's plan; ``push_tasks`` > 0 with expert parallelism (then the local work, d
-    weights and shared dA, runs while the rows travel)."""
+    weights and shared dA, runs while the rows travel).
+
+    ``precision="fp8_block"`` (one rank only; docs/FP8_DESIGN.md "Step 3", no kernel runs it yet):
+    the same phases and tile counts (FP8 dA and dX tiles are 128 x 256 too), plus ``token_prep`` (one
+    task per token block with a shared expert, before the dispatch: dq in token order and the
+    token-order bf16 wgrad operands; shared dA waits on ``token_dq_ready``, the shared wgrads on
+    ``prep_done``) and ``widen`` (one task per row block, after routed dX: bf16 x_routed and act for
+    the routed wgrads, which wait on ``expert_widen_ready``)."""
     d = dims
+    fp8 = precision != "bf16"
+    if fp8 and (precision != "fp8_block" or push_tasks):
+        raise AssertionError(f"no FP8 plan for precision={precision!r}, push_tasks={push_tasks}")
     tb, mb, E = d.token_blocks, d.max_blocks, d.local_experts
     i_t, si_t, h_t = (_ceil_div(v, P.TILE_N) for v in (d.intermediate, d.shared_intermediate, d.hidden))
     h_r, i_r, si_r = (_ceil_div(v, P.BLOCK_M) for v in (d.hidden, d.intermediate, d.shared_intermediate))
@@ -228,11 +253,14 @@ def backward_plan(dims, *, push_tasks: int = 0) -> Plan:
     local = [("d_weights", tb), ("shared_da", tb * si_t if shared else 0)]
     lead = ([("push", push_tasks), ("push_notify", 1), *local, ("dispatch", mb)] if ep
             else [("push", 0), ("push_notify", 0), ("dispatch", mb), *local])
+    if fp8:
+        lead.insert(2, ("token_prep", tb if shared else 0))
     phases = _phases(lead + [
         ("routed_da", mb * i_t),
         ("shared_dx", tb * h_t if shared else 0),
         ("routed_dx", mb * h_t),
         ("dx_notify", 1 if ep else 0),
+        *([("widen", mb)] if fp8 else []),
         ("wgrad_down", E * h_r * i_t),
         ("wgrad_gate_up", E * 2 * i_r * h_t),
         ("shared_wgrad", h_r * si_t + 2 * si_r * h_t if shared else 0),
@@ -256,4 +284,16 @@ def backward_plan(dims, *, push_tasks: int = 0) -> Plan:
                         ("token_dsgu_ready", tb), ("token_dxs_ready", tb), ("push_done", 1), ("ctas_done", 1)])
     tiles = {"token_blocks": tb, "i_tiles": i_t, "si_tiles": si_t, "h_tiles": h_t, "h_rows": h_r, "i_rows": i_r,
              "si_rows": si_r, "combine_parts": cparts}
-    return Plan("backward", phases, tiles, waits, counters)
+    if fp8:
+        from mok_rt.kernels.moe_params_fp8_bwd import token_rows
+        waits += (
+            Wait("wait_token_dq_ready", "token_dq_ready", 1 if shared else 0, "token_prep", tb, ("shared_da",)),
+            Wait("wait_expert_widen_ready_per_block", "expert_widen_ready", 1, "widen", mb,
+                 ("wgrad_down", "wgrad_gate_up"), per_block=True),
+            Wait("wait_prep_done", "prep_done", tb if shared else 0, "token_prep", 1, ("shared_wgrad",)),
+        )
+        counters = _layout([(c.name, c.length) for c in counters] +
+                           [("token_dq_ready", tb), ("expert_widen_ready", E), ("prep_done", 1)])
+        tiles.update(token_ld=token_ld(d), token_rows=token_rows(d), ip_blocks=_ceil_div(d.intermediate, 128),
+                     ips_blocks=_ceil_div(d.shared_intermediate, 128))
+    return Plan("backward", phases, tiles, waits, counters, precision)

@@ -8,7 +8,12 @@
 // fp8_gemm_probe_overlap  the same with two K blocks in flight per consumer warpgroup (three
 //                     accumulator sets: block kb + 1's MMAs run during block kb's promotion);
 //                     same promotion order, so the same bits.
-// fp8_quantize_rows   bf16 rows -> e4m3 + 1 x 128 scales (the dispatch's quantiser).
+// fp8_quantize_rows   bf16 rows -> e4m3 + 1 x 128 scales (the reference quantiser, warp layout).
+// fp8_quantize_rows_pipelined  the same through the megakernel's dispatch quantiser
+//                     (moe/tasks/quantize_rows.cuh: quad layout, BlockQuotient, div.rn fallback).
+// fp8_block_quotient_check  BlockQuotient against div.rn over every bf16 input, for a list of scales.
+// fp8_quantize_frag_rows  fp32 rows -> e4m3 + 1 x 128 scales through the epilogue quantiser
+//                     (common/fp8.cuh quantize_frag_row128: wgmma fragment layout, BlockQuotient).
 // fp8_quantize_weights  bf16 [G, R, C] -> e4m3 in 128 x 128 blocks, forward copy [G, R, C] and
 //                     transposed copy [G, C, R] (the dgrad operand) with their scales.
 //
@@ -18,19 +23,32 @@
 // fp32 total), N/2 registers each: 256 per thread at N = 256, more than a thread can hold.
 // At N = 128 it is 128 + ~60 for addresses, scales and the epilogue (see the ptxas report).
 //
-// Launch: fp8_gemm_probe(_overlap): 384 threads, kGemmSmemBytes (200800) dynamic smem, any
+// Launch: fp8_gemm_probe(_overlap): 384 threads, kGemmSmemBytes (201568) dynamic smem, any
 // grid; tiles (row block of a group, 128-column tile) are dealt round-robin over the CTAs.
 // fp8_quantize_rows: any grid x 256 threads.  fp8_quantize_weights: G * RB * CB CTAs x 256.
+// fp8_quantize_rows_pipelined: ceil(rows / 128) CTAs x 256 (scales [KB, s_kb] only: s_row == 1).
+// fp8_block_quotient_check: any grid x 256 threads.
+// fp8_quantize_frag_rows: (ceil(rows / 64), ceil(K / 128)) CTAs x 128; QuantRowsParams with x = fp32 rows.
 // Tensor maps (tests/test_fp8_gemm_probe_gpu.py):
 //   a:  UINT8   dims {K, max_rows},    box {128, 128},   SWIZZLE_128B
 //   b:  UINT8   dims {K, N, groups},   box {128, 128, 1}, SWIZZLE_128B
-//   sa: FLOAT32 dims {max_rows, KB},   box {128, 1},     no swizzle  (A scales [KB, sa_ld])
-// Requirements: K % 16 == 0 (TMA row pitch), N % 8 == 0; group row offsets are arbitrary
-// (tile_offset[g] = sum of ceil(rows / 128) over the groups before g, host-computed here).
+//   sa: FLOAT32 dims {max_rows, KB},   box {132, 1},     no swizzle  (A scales [KB, sa_ld])
+// Requirements: K % 16 == 0 (TMA row pitch), N % 8 == 0, sa_ld % 4 == 0; group row offsets are
+// arbitrary (tile_offset[g] = sum of ceil(rows / 128) over the groups before g, host-computed here).
+//
+// TMA alignment (the first GPU run's illegal instruction): a tiled TMA load faults with
+// cudaErrorIllegalInstruction when its innermost coordinate times the element size is not a
+// multiple of 16 bytes (the global address of the box must be 16-byte aligned; the encoder only
+// checks the base and the strides).  The A and B boxes start at K = kb * 128 bytes, always
+// aligned; the A-scale box's innermost coordinate is a ROW (fp32), and a group may start at any
+// row (the "uneven" case: rows 277, 577).  So the scale box starts at row0 & ~3 (16 bytes) and is
+// 132 wide; the consumers read it from (row0 & 3) on.  The megakernel's tiles start at multiples
+// of 128 rows, so its 128-wide box is aligned as it is (moe/pipeline/gemm_fp8.cuh).
 #include "common/fp8.cuh"
 #include "common/mma.cuh"
 #include "common/wgmma_fp8.cuh"
 #include "moe/pipeline/gemm_wgmma.cuh"
+#include "moe/tasks/quantize_rows.cuh"
 
 namespace mok {
 
@@ -74,6 +92,11 @@ struct QuantWeightsParams {
   float* st;                 // fp32 [G, CB, RB]
   int groups, r, c;
 };
+struct QuotientCheckParams {
+  const float* scales;       // fp32 scales (normal, >= 2^-64)
+  long long n_scales;
+  unsigned long long* result;  // [0]: mismatches; [1]: the first one, scale bits << 32 | 0x10000 | bf16 bits
+};
 static_assert(sizeof(QuantRowsParams) == 48 && sizeof(QuantWeightsParams) == 56,
               "parameter layouts: update tests/test_fp8_gemm_probe_gpu.py");
 
@@ -84,25 +107,30 @@ constexpr int kStages = 6;
 constexpr int kConsumers = 2;
 constexpr int kThreads = 128 * (1 + kConsumers);
 constexpr int kAccRegs = kBN / 2;
-constexpr int kABytes = kBM * kBK, kBBytes = kBN * kBK, kSaBytes = kBM * 4;
+constexpr int kSaAlign = 4;                    // fp32 per 16 bytes: the scale box starts at row0 & ~3
+constexpr int kSaBox = kBM + kSaAlign;         // 132 scales: rows row0 & ~3 .. (row0 & ~3) + 131 cover the tile
+constexpr int kABytes = kBM * kBK, kBBytes = kBN * kBK, kSaBytes = kSaBox * 4;
+constexpr int kSaPitch = 640;                  // sa slots 128-byte aligned (TMA's shared-memory alignment)
 constexpr int kSlotBytes = kABytes + kBBytes;
 constexpr uint32_t kStageTx = kABytes + kBBytes + kSaBytes;   // bytes one stage's TMA loads credit
 constexpr int kRingBytes = kStages * kSlotBytes;
-constexpr int kSaRingBytes = kStages * kSaBytes;
+constexpr int kSaRingBytes = kStages * kSaPitch;
 constexpr int kBarrierBytes = 2 * kStages * 8;
 constexpr int kGemmSmemBytes = kRingBytes + kSaRingBytes + kBarrierBytes + 1024;
-static_assert(kGemmSmemBytes == 200800, "tests/test_fp8_gemm_probe_gpu.py mirrors this");
+static_assert(kSaBytes % 16 == 0 && kSaBytes <= kSaPitch && kSaPitch % 128 == 0, "A-scale box and slot");
+static_assert(kGemmSmemBytes == 201568, "tests/test_fp8_gemm_probe_gpu.py mirrors this");
 static_assert(kGemmSmemBytes <= 227 * 1024, "fits the opt-in shared memory of sm_90");
 static_assert(kABytes % 1024 == 0 && kSlotBytes % 1024 == 0, "tiles stay 1024-byte aligned (128B swizzle)");
 static_assert(128 * wg::kProducerRegs + 128 * kConsumers * wg::kConsumerRegs <= 65536, "register file");
 
 // The ring: slot s holds A (128 lines of 128 B) then B (128 lines), 1024-byte aligned; the A
-// scales of slot s (128 fp32) sit after the ring, then full[s] / empty[s].
+// scales of slot s (132 fp32 from row row0 & ~3, kSaPitch apart) sit after the ring, then
+// full[s] / empty[s].
 struct Ring {
   uint32_t data;
   __device__ __forceinline__ uint32_t a_tile(int s) const { return data + (uint32_t)s * kSlotBytes; }
   __device__ __forceinline__ uint32_t b_tile(int s) const { return a_tile(s) + kABytes; }
-  __device__ __forceinline__ uint32_t sa(int s) const { return data + kRingBytes + (uint32_t)s * kSaBytes; }
+  __device__ __forceinline__ uint32_t sa(int s) const { return data + kRingBytes + (uint32_t)s * kSaPitch; }
   __device__ __forceinline__ uint32_t full(int s) const { return data + kRingBytes + kSaRingBytes + 8u * s; }
   __device__ __forceinline__ uint32_t empty(int s) const { return full(kStages + s); }
 };
@@ -140,15 +168,22 @@ struct KStep {
   const Ring& ring;
   const float* sb;   // this tile's B scales, one per K block
   int consumer, local_row;
+  int sa_row;        // the thread's row g in the stage's scale box: (row0 & 3) + local_row
   const MbarWaitCtx& w;
 
   // Waits for block kb's stage, reads its scales and issues its four k32 MMAs into acc (one
   // commit group).  A failed wait marks `failed` and goes on (the warpgroup decides at tile end).
   __device__ __forceinline__ KBlock issue(wg::PipeState& ps, float (&acc)[kAccRegs], int kb, bool& failed) const {
     const float s_b = __ldg(sb + kb);  // issued before the wait: its latency hides behind it
-    if (!failed) failed = !mbar_wait(ring.full(ps.slot), ps.phase, w);
-    const KBlock b{ps.slot, ld_shared_f32(ring.sa(ps.slot) + 4u * local_row) * s_b,
-                   ld_shared_f32(ring.sa(ps.slot) + 4u * (local_row + 8)) * s_b};
+    // The verdict is a warp vote, so the code around the MMAs is warp-uniform.  With the plain
+    // per-thread spin (`if (!failed) failed = !mbar_wait(...)`) ptxas serialised every wgmma of the
+    // overlap schedule (C7520 "wgmma.mma_async instructions are serialized due to program
+    // dependence on compiler-inserted WG.AR in divergent path": a wait_group 0 after each k32
+    // MMA, so nothing overlapped); with the vote the SASS keeps 4-MMA batches and wait_group 1.
+    if (!failed && !__all_sync(~0u, mbar_try_wait(ring.full(ps.slot), ps.phase)))
+      failed = !__all_sync(~0u, mbar_wait(ring.full(ps.slot), ps.phase, w));
+    const KBlock b{ps.slot, ld_shared_f32(ring.sa(ps.slot) + 4u * sa_row) * s_b,
+                   ld_shared_f32(ring.sa(ps.slot) + 4u * (sa_row + 8)) * s_b};
     wgmma_fence();  // acc was read by the last promotion
     wgmma_e4m3_kblock<kBN>(acc, smem_desc_kmajor_sw128(ring.a_tile(ps.slot) + consumer * 64 * kBK),
                            smem_desc_kmajor_sw128(ring.b_tile(ps.slot)));
@@ -204,7 +239,7 @@ __device__ void gemm(const Fp8GemmParams& p, unsigned char* smem) {
         mbar_arrive_expect_tx(full, kStageTx);  // out-of-range box elements load as zeros and count
         tma_load_2d(ring.a_tile(ps.slot), &p.a, full, kb * kBK, t.row0);
         tma_load_3d(ring.b_tile(ps.slot), &p.b, full, kb * kBK, t.n0, t.g);
-        tma_load_2d(ring.sa(ps.slot), &p.sa, full, t.row0, kb);
+        tma_load_2d(ring.sa(ps.slot), &p.sa, full, t.row0 & ~(kSaAlign - 1), kb);  // 16-byte aligned start
         ps.advance(kStages);
       }
     }
@@ -230,7 +265,7 @@ __device__ void gemm(const Fp8GemmParams& p, unsigned char* smem) {
 #pragma unroll
     for (int i = 0; i < (kOverlap ? kAccRegs : 1); ++i) acc2[i] = 0.f;
     bool failed = false;
-    const KStep st{ring, sb, consumer, local_row, w};
+    const KStep st{ring, sb, consumer, local_row, (t.row0 & (kSaAlign - 1)) + local_row, w};
     if constexpr (!kOverlap) {
       for (int kb = 0; kb < k_blocks; ++kb) {
         const KBlock b = st.issue(ps, acc, kb, failed);
@@ -306,6 +341,67 @@ __device__ void quantize_rows(const QuantRowsParams& p) {
     const fp8::QuantizedRow128 r = fp8::quantize_row128_warp_bf16(raw);
     if (ok) *reinterpret_cast<uint32_t*>(p.q + at) = r.q;
     if (lane == 0) p.scale[row * p.s_row + kb * p.s_kb] = r.scale;
+  }
+}
+
+// The dispatch's quantiser as the megakernel runs it: CTA b is a task of rows 128 b .. 128 b + 127,
+// warp w its rows 128 b + w + 8 j, in token order.
+__device__ void quantize_rows_pipelined(const QuantRowsParams& p) {
+  const int lane = threadIdx.x & 31, row0 = blockIdx.x * kBlockM + (threadIdx.x >> 5);
+  const int nrows = p.rows > row0 ? min(fp8f::kRowsPerWarp, (p.rows - row0 + fp8f::kQuantWarps - 1) / fp8f::kQuantWarps) : 0;
+  const fp8f::QuantRows r{p.q, p.scale, (size_t)p.s_kb, p.k, row0, nrows,
+                          reinterpret_cast<const bf16*>(p.x) + (size_t)(row0 + fp8f::kQuantWarps * (lane & 15)) * p.k};
+  fp8f::quantize_rows_warp(r);
+}
+
+// For each scale s (one per CTA at a time) and every bf16 v with |v| <= 449 s (a block's elements
+// are at most amax ~ 448 s): the byte BlockQuotient gives (sign from v, as encode_signed) must be
+// cvt(div.rn(v, s)), and where |div.rn(v, s)| > 2^-13 the fp32 quotient must be div.rn's, bit for bit.
+__device__ void block_quotient_check(const QuotientCheckParams& p) {
+  for (long long i = blockIdx.x; i < p.n_scales; i += gridDim.x) {
+    const float s = p.scales[i];
+    const fp8::BlockQuotient d = fp8::BlockQuotient::of(s);
+    const float limit = 449.0f * s;
+    for (uint32_t m = threadIdx.x; m < 0x7f80u; m += blockDim.x) {  // finite magnitudes
+      if (fp8::bf16_bits_to_f32(m) > limit) break;                     // increasing in m
+#pragma unroll
+      for (uint32_t sign = 0; sign <= 0x8000u; sign += 0x8000u) {
+        const uint32_t bits = m | sign;
+        const float v = fp8::bf16_bits_to_f32(bits);
+        const float ref = fp8::div_rn(v, s), got = d(v);
+        const float f[8] = {v, v, v, v, v, v, v, v};
+        const uint32_t got_byte = d.encode_signed(f, 0, bits * 0x10001u, bits * 0x10001u) & 0xffu;
+        const uint32_t want_byte = fp8::cvt_e4m3x2(ref, 0.0f) & 0xffu;
+        const bool bad = got_byte != want_byte ||
+                         (fabsf(ref) > 0x1p-13f && __float_as_uint(got) != __float_as_uint(ref));
+        if (bad && atomicAdd(p.result, 1ull) == 0)
+          p.result[1] = (static_cast<unsigned long long>(__float_as_uint(s)) << 32) | 0x10000u | bits;
+      }
+    }
+  }
+}
+
+// The gate|up epilogue's quantiser on fp32 rows: CTA (x, y) holds rows 64x .. 64x + 63, block y, in
+// the accumulator fragment of one m64n128 warpgroup (zeros past the rows and columns).  K % 8 == 0.
+__device__ void quantize_frag_rows(const QuantRowsParams& p) {
+  const float* x = reinterpret_cast<const float*>(p.x);
+  const WgmmaAccCoord c = WgmmaAccCoord::of_thread(threadIdx.x & 127);
+  const int row0 = 64 * blockIdx.x, col0 = fp8::kBlock * blockIdx.y + c.col0;
+  float acc[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) {
+    const int row = row0 + c.row(i), col = col0 + 8 * (i >> 2) + (i & 1);
+    acc[i] = row < p.rows && col < p.k ? x[(size_t)row * p.k + col] : 0.0f;
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const fp8::QuantizedFragRow r = fp8::quantize_frag_row128(acc, h);
+    const int row = row0 + c.row0 + 8 * h;
+    if (row >= p.rows) continue;
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+      if (col0 + 8 * j < p.k) *reinterpret_cast<uint16_t*>(p.q + (size_t)row * p.k + col0 + 8 * j) = r.q[j];
+    if ((threadIdx.x & 3) == 0) p.scale[row * p.s_row + blockIdx.y * p.s_kb] = r.scale;
   }
 }
 
@@ -405,4 +501,16 @@ extern "C" __global__ void __launch_bounds__(256) fp8_quantize_rows(const __grid
 
 extern "C" __global__ void __launch_bounds__(256) fp8_quantize_weights(const __grid_constant__ QuantWeightsParams p) {
   fp8probe::quantize_weights(p);
+}
+
+extern "C" __global__ void __launch_bounds__(256) fp8_quantize_rows_pipelined(const __grid_constant__ QuantRowsParams p) {
+  fp8probe::quantize_rows_pipelined(p);
+}
+
+extern "C" __global__ void __launch_bounds__(256) fp8_block_quotient_check(const __grid_constant__ QuotientCheckParams p) {
+  fp8probe::block_quotient_check(p);
+}
+
+extern "C" __global__ void __launch_bounds__(128) fp8_quantize_frag_rows(const __grid_constant__ QuantRowsParams p) {
+  fp8probe::quantize_frag_rows(p);
 }

@@ -1,21 +1,29 @@
 // The "fp8_block" tile GEMM of the FP8 forward megakernel (docs/FP8_DESIGN.md), on the bf16
 // pipeline's ring, queue and roles unchanged (pipeline/pipeline.cuh).
 //
-// Tile: 128 x 128 of C = A * B^T over K in 128-deep K blocks (one block = one 128-byte swizzled
-// line of e4m3 = one ring stage).  The Jobs use the ring's "rows" mode (kLoadRows): the producer
-// calls the task set's stage_rows() per stage, which issues the stage's three TMA loads into the
-// 48 KB slot laid out as
+// Tile: 128 x 256 of C = A * B^T over K in 128-deep K blocks (one block = one 128-byte swizzled
+// line of e4m3 = one ring stage), computed as two 128-wide sub-tiles that share the A stage.  The
+// Jobs use the ring's "rows" mode (kLoadRows): the producer calls the task set's stage_rows() per
+// stage, which issues the stage's TMA loads into the 48 KB slot, used whole:
 //   [0, 16 KB)      A: 128 rows x 128 B (K-major SWIZZLE_128B, 1024-aligned like every slot)
-//   [16 KB, 32 KB)  B: 128 rows x 128 B (a gate|up sub-tile: 64 gate rows, then 64 up rows)
-//   [32 KB, +512)   the A tile's 128 row scales of this K block (fp32)
-// so a slot is used to 32.5 of its 48 KB (4 stages of K = 128 instead of the probe's 6: the bf16
-// geometry is kept so the pipeline code is shared as it is).
+//   [16 KB, 32 KB)  B of sub-tile 0: 128 rows x 128 B (gate|up: 64 gate rows, then 64 up rows)
+//   [32 KB, 48 KB)  B of sub-tile 1 (not loaded when the sub-tile lies past N)
+// and the A tile's 128 row scales of this K block (fp32, 512 B) into the side ring below (static
+// shared memory, one 512-byte slot per ring slot, completed on the same full barrier).  Why: a
+// 128 x 128 tile per stage used 32.5 KB of each slot, so only ~130 KB were in flight per SM (the
+// bf16 kernels: 192 KB), and a gate|up task loaded its A tile twice (once per sub-tile).  The GPU
+// trace of 2c18ca5 put every FP8 K block at ~0.9 us, gate|up and down alike (MMA ~0.28 us, the
+// promotion ~0.05 us): consistent with the ring's bytes in flight, not the tensor cores, setting
+// the pace (docs/FP8_DESIGN.md, "128 x 256 tiles").
 //
-// Consumers: per K block a warpgroup waits for the stage, issues its four m64n128k32 MMAs into a
-// partial set (the first with scale-d = 0), waits for them (wait_group 0: the other warpgroup's
-// MMAs keep the tensor cores busy meanwhile) and promotes: total += partial * fp32(s_a[row] * s_b)
-// with one fma.  The B scale of a gate|up sub-tile differs between its gate columns (registers of
-// chunks j < 8) and its up columns (j >= 8): two B scales per K block, four products per thread.
+// Consumers: per K block a warpgroup waits for the stage, then per sub-tile issues its four
+// m64n128k32 MMAs into one partial set (the first with scale-d = 0), waits for them (wait_group 0:
+// the other warpgroup's MMAs keep the tensor cores busy meanwhile) and promotes into that
+// sub-tile's totals: total += partial * fp32(s_a[row] * s_b) with one fma.  64 partial + 2 x 64
+// totals = 192 accumulators per thread; a second partial set (to overlap a promotion with the next
+// MMAs inside one warpgroup) would need 256.  The stage is released after the second sub-tile's
+// MMAs (its scales are in registers by then).  The B scale of a gate|up sub-tile differs between its
+// gate columns (registers of chunks j < 8) and its up columns (j >= 8): two B scales per sub-tile.
 // Same promotion order every run: deterministic.
 #pragma once
 #include "common/fp8.cuh"
@@ -25,23 +33,37 @@
 namespace mok {
 namespace fp8g {
 
-constexpr int kBN = 128;                       // tile columns
+constexpr int kBN = 128;                       // sub-tile columns (an m64n128 MMA per warpgroup)
+constexpr int kSubTiles = 2;                   // tile = 128 x 256
+constexpr int kTileN = kSubTiles * kBN;
 constexpr int kBK = 128;                       // K per stage (e4m3 elements = bytes)
 constexpr int kRegs = kBN / 2;                 // accumulators per consumer thread and set
 constexpr uint32_t kABytes = 128 * kBK;        // 16 KB
-constexpr uint32_t kBBytes = kBN * kBK;        // 16 KB
-constexpr uint32_t kHalfBBytes = kBBytes / 2;  // a gate or up half of a gate|up sub-tile
-constexpr uint32_t kScaleOffset = kABytes + kBBytes;
+constexpr uint32_t kSubBBytes = kBN * kBK;     // 16 KB: B of one sub-tile
+constexpr uint32_t kHalfBBytes = kSubBBytes / 2;  // a gate or up half of a gate|up sub-tile
 constexpr uint32_t kScaleBytes = 128 * 4;
-constexpr uint32_t kStageTx = kABytes + kBBytes + kScaleBytes;  // every box credits its full size
-static_assert(kScaleOffset + kScaleBytes <= static_cast<uint32_t>(pipe::Geometry::kStageBytes),
-              "an FP8 stage fits in a bf16 ring slot");
+static_assert(kABytes + kSubTiles * kSubBBytes == static_cast<uint32_t>(pipe::Geometry::kStageBytes),
+              "an FP8 stage fills a bf16 ring slot");
 static_assert(pipe::Geometry::kABytes == static_cast<int>(kABytes), "B starts where the bf16 ring's B does");
 static_assert(kABytes % 1024 == 0 && kHalfBBytes % 1024 == 0, "swizzle atoms stay 1024-byte aligned");
 
 __device__ __forceinline__ uint32_t a_tile(const pipe::Shared& s, int slot) { return s.ring.a_tile(slot); }
-__device__ __forceinline__ uint32_t b_tile(const pipe::Shared& s, int slot) { return s.ring.a_tile(slot) + kABytes; }
-__device__ __forceinline__ uint32_t scales(uint32_t slot_base) { return slot_base + kScaleOffset; }
+__device__ __forceinline__ uint32_t b_tile(uint32_t slot_base, int sub) { return slot_base + kABytes + sub * kSubBBytes; }
+
+// The A-scale side ring: slot i holds the scales of the stage in ring slot i.  Static shared memory
+// (2 KB on top of the dynamic pipe::kSmemBytes, which the host mirrors and which stays as it is).
+__device__ __forceinline__ uint32_t a_scales(int slot) {
+  __shared__ __align__(128) float ring[pipe::kStages][128];
+  return smem_u32(&ring[0][0]) + static_cast<uint32_t>(slot) * kScaleBytes;
+}
+// The ring slot of a full barrier (the producer's stage_rows gets the slot's address and barrier):
+// full[i] = bars + 8 i, and bars = ring base (1024-aligned) + kRingBytes is 1024-aligned.
+static_assert(pipe::Geometry::kRingBytes % 1024 == 0 && (pipe::kStages & (pipe::kStages - 1)) == 0 &&
+              8 * pipe::kStages <= 1024, "full barrier address -> slot");
+__device__ __forceinline__ int slot_of_full_barrier(uint32_t bar) { return (bar >> 3) & (pipe::kStages - 1); }
+
+// Pulls the 128-byte line holding p into this SM's L1 (no register written, nothing waits).
+__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" :: "l"(p)); }
 
 __device__ __forceinline__ float ld_shared_f32(uint32_t addr) {
   float v;
@@ -50,72 +72,115 @@ __device__ __forceinline__ float ld_shared_f32(uint32_t addr) {
 }
 
 // ---- producer: one stage's loads (into the slot at dst; returns the bytes for expect_tx) ---------
-// a: 2D {K, rows}; sa: 2D {rows, K/128}; b: 3D {K, N, group}; b2 (gate|up): the up half, both
-// halves from row n0 of their map.
+// a: 2D {K, rows}; sa: 2D {rows, K/128}; b: 3D {K, N, group}.  Sub-tile s (s < subtiles) of B:
+// gate|up (b2 != nullptr): gate rows n0 + 64 s .. + 63 from b, then the same up rows from b2;
+// otherwise rows n0 + 128 s .. + 127 from b.  Rows past N are zero-filled by TMA.
+// TMA alignment: a tiled load whose innermost coordinate times the element size is not a multiple
+// of 16 bytes faults with an illegal instruction (the probe's first GPU run: a group starting at
+// row 277).  The A and B boxes start at K = kb * 128 bytes; the A-scale box's innermost coordinate
+// is row0 (fp32), so row0 must be a multiple of 4: here it is always a multiple of kBlockM (tiles
+// of row blocks / token blocks), and the scale arrays' ld (token_ld, R) is a multiple of 4.
+static_assert(kBlockM % 4 == 0, "the A-scale box's innermost coordinate (row0, fp32) stays 16-byte aligned");
 __device__ __forceinline__ uint32_t load_stage(uint32_t dst, uint32_t bar, const TensorMap* a, const TensorMap* sa,
                                                int row0, int kb, const TensorMap* b, const TensorMap* b2, int n0,
-                                               int group) {
+                                               int group, int subtiles) {
   const int k = kb * kBK;
   tma_load_2d(dst, a, bar, k, row0);
+  tma_load_2d(a_scales(slot_of_full_barrier(bar)), sa, bar, row0, kb);
+  dst += kABytes;
   if (b2 == nullptr) {
-    tma_load_3d(dst + kABytes, b, bar, k, n0, group);
+    tma_load_3d(dst, b, bar, k, n0, group);
+    if (subtiles > 1) tma_load_3d(dst + kSubBBytes, b, bar, k, n0 + kBN, group);
   } else {
-    tma_load_3d(dst + kABytes, b, bar, k, n0, group);
-    tma_load_3d(dst + kABytes + kHalfBBytes, b2, bar, k, n0, group);
+    tma_load_3d(dst, b, bar, k, n0, group);
+    tma_load_3d(dst + kHalfBBytes, b2, bar, k, n0, group);
+    if (subtiles > 1) {
+      tma_load_3d(dst + kSubBBytes, b, bar, k, n0 + kBN / 2, group);
+      tma_load_3d(dst + kSubBBytes + kHalfBBytes, b2, bar, k, n0 + kBN / 2, group);
+    }
   }
-  tma_load_2d(scales(dst), sa, bar, row0, kb);
-  return kStageTx;
+  return kABytes + (subtiles > 1 ? 2 * kSubBBytes : kSubBBytes) + kScaleBytes;  // every box credits its full size
 }
 
 // ---- consumers ---------------------------------------------------------------------------------
-// The B scales of a tile for K block kb: `split` = 1 for a gate|up sub-tile (gate for chunks
-// j < 8, up for j >= 8), 0 for one scale (down).
+// The B scales of a tile, per K block kb.  gate|up (kGateUp): one I block, so both sub-tiles take
+// lo[kb] for their gate columns (chunks j < 8) and hi[kb] for their up columns (j >= 8).  down: one
+// scale per sub-tile, lo[kb] for sub-tile 0 and lo[kb + step] for sub-tile 1 (the next weight row
+// block: step = K blocks per row block, or 0 when there is no sub-tile 1).
 struct BScales {
-  const float* lo;  // [K blocks] gate (or the only one)
-  const float* hi;  // [K blocks] up (== lo when not split)
+  const float* lo;
+  const float* hi;  // gate|up; == lo for down
+  int step;         // down; 0 for gate|up
+  __device__ __forceinline__ void advance() { ++lo, ++hi; }  // to the next K block
 };
 
-// total (+)= this warpgroup's 64 rows of the tile over `k_blocks` stages.  `idle`: the rows are
-// all padding; the stages are still waited for and released, the tensor cores skipped (total
-// stays as it is).  Every thread of the warpgroup calls it; true when no wait failed, for both
-// warpgroups (one vote of the workers).
-__device__ __forceinline__ bool mainloop(const pipe::Shared& s, wg::PipeState& ps, float (&total)[kRegs], int k_blocks,
-                                         int consumer, const MbarWaitCtx& w, bool idle, const BScales& sb) {
-  const WgmmaAccCoord coord = WgmmaAccCoord::of_thread(threadIdx.x & 127);
-  const uint32_t row_off = 4u * static_cast<uint32_t>(64 * consumer + coord.row0);
-  const bool arriver = (threadIdx.x & 31) == 0;
+// One K block's promotion of a sub-tile: register 4j + 2h + e belongs to row half h and chunk j;
+// chunks j < 8 take s_lo, the others s_hi (fp32 products, one rounding each; two live at a time).
+__device__ __forceinline__ void promote(float (&total)[kRegs], const float (&partial)[kRegs], float sa0, float sa1,
+                                        float s_lo, float s_hi) {
+  {
+    const float p0 = sa0 * s_lo, p1 = sa1 * s_lo;
+#pragma unroll
+    for (int i = 0; i < kRegs / 2; ++i) total[i] = __fmaf_rn(partial[i], (i & 2) ? p1 : p0, total[i]);
+  }
+  {
+    const float p0 = sa0 * s_hi, p1 = sa1 * s_hi;
+#pragma unroll
+    for (int i = kRegs / 2; i < kRegs; ++i) total[i] = __fmaf_rn(partial[i], (i & 2) ? p1 : p0, total[i]);
+  }
+}
+
+// t0 (+)= this warpgroup's 64 rows of sub-tile 0 over `k_blocks` stages, t1 of sub-tile 1 when
+// `two` (otherwise t1 stays as it is).  `idle`: the rows are all padding; the stages are still
+// waited for and released, the tensor cores skipped.  Every thread of the warpgroup calls it; true
+// when no wait failed, for both warpgroups (one vote of the workers).
+template <bool kGateUp, class SB = BScales>
+__device__ __forceinline__ bool mainloop(const pipe::Shared& s, wg::PipeState& ps, float (&t0)[kRegs],
+                                         float (&t1)[kRegs], int k_blocks, int consumer, const MbarWaitCtx& w,
+                                         bool idle, bool two, SB sb) {
+  const uint32_t row_off =
+      4u * static_cast<uint32_t>(64 * consumer + WgmmaAccCoord::of_thread(threadIdx.x & 127).row0);
   bool failed = false;
   float partial[kRegs];
 #pragma unroll
   for (int i = 0; i < kRegs; ++i) partial[i] = 0.f;
   for (int kb = 0; kb < k_blocks; ++kb) {
     if (!failed) failed = !mbar_wait(s.ring.full(ps.slot), ps.phase, w);
-    const uint32_t base = a_tile(s, ps.slot);
+    float sa0 = 0.f, sa1 = 0.f, s_lo1 = 0.f, s_hi1 = 0.f;
     if (!idle) {
-      const float s_lo = __ldg(sb.lo + kb), s_hi = __ldg(sb.hi + kb);  // latency hidden by the MMAs
-      const float sa0 = ld_shared_f32(scales(base) + row_off), sa1 = ld_shared_f32(scales(base) + row_off + 32u);
+      // B scales: global loads, their latency hidden by the first MMAs; A scales: the side ring.
+      const float s_lo0 = __ldg(sb.lo), s_hi0 = kGateUp ? __ldg(sb.hi) : s_lo0;
+      if (kGateUp) {
+        s_lo1 = s_lo0, s_hi1 = s_hi0;
+      } else {
+        s_lo1 = s_hi1 = __ldg(sb.lo + sb.step);
+      }
+      const uint32_t sa = a_scales(ps.slot) + row_off;
+      sa0 = ld_shared_f32(sa), sa1 = ld_shared_f32(sa + 32u);
+      const uint32_t base = a_tile(s, ps.slot);
       wgmma_fence();  // partial was read by the last promotion
       wgmma_e4m3_kblock<kBN>(partial, smem_desc_kmajor_sw128(base + consumer * 64 * kBK),
-                             smem_desc_kmajor_sw128(b_tile(s, ps.slot)));
+                             smem_desc_kmajor_sw128(b_tile(base, 0)));
       wgmma_commit();
       wgmma_wait<0>();
       wgmma_fence_operand(partial);
-      // fp32 products, one rounding each; register 4j + 2h + e: row half h, chunk j (chunks j < 8
-      // take s_lo, the others s_hi: two products live at a time).
-      {
-        const float p0 = sa0 * s_lo, p1 = sa1 * s_lo;
-#pragma unroll
-        for (int i = 0; i < kRegs / 2; ++i) total[i] = __fmaf_rn(partial[i], (i & 2) ? p1 : p0, total[i]);
-      }
-      {
-        const float p0 = sa0 * s_hi, p1 = sa1 * s_hi;
-#pragma unroll
-        for (int i = kRegs / 2; i < kRegs; ++i) total[i] = __fmaf_rn(partial[i], (i & 2) ? p1 : p0, total[i]);
+      promote(t0, partial, sa0, sa1, s_lo0, s_hi0);
+      if (two) {
+        wgmma_fence();
+        wgmma_e4m3_kblock<kBN>(partial, smem_desc_kmajor_sw128(base + consumer * 64 * kBK),
+                               smem_desc_kmajor_sw128(b_tile(base, 1)));
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_operand(partial);
       }
     }
+    sb.advance();
+    // The slot is consumed: the MMAs that read it are complete, and the arrive (release) orders the
+    // scale loads before it.  Released before sub-tile 1's promotion, so the refill overlaps it.
     __syncwarp();
-    if (arriver) mbar_arrive(s.ring.empty(ps.slot));  // operands and scales of the slot consumed
+    if ((threadIdx.x & 31) == 0) mbar_arrive(s.ring.empty(ps.slot));
     ps.advance(pipe::kStages);
+    if (!idle && two) promote(t1, partial, sa0, sa1, s_lo1, s_hi1);
   }
   return !workers_any(failed);
 }

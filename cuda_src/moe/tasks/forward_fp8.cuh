@@ -4,15 +4,16 @@
 //   F0 dispatch      row block b:              xrq[b] = Q(x[route's token]) (zeros for padding)
 //   F1 shared g|u    token block x I_s/128:    [xq | Wq_shared_gate; Wq_shared_up] -> sgu, saq = Q(swiglu)
 //   F2 routed g|u    row block x I/128:        [xrq | Wq_gate[e]; Wq_up[e]] -> gu, aq = Q(swiglu)
-//   F3 shared down   token block x H/128:      saq * Wq_shared_down^T -> shared_y (fp32)
-//   F4 routed down   row block x H/128:        aq * Wq_down[e]^T -> y_slot[route] (bf16, unweighted)
+//   F3 shared down   token block x H/256:      saq * Wq_shared_down^T -> shared_y (fp32)
+//   F4 routed down   row block x H/256:        aq * Wq_down[e]^T -> y_slot[route] (bf16, unweighted)
 //   F5 combine       part of a token block:    out = shared_y + sum_j w[t,j] y_slot[t*k+j] (the bf16 body)
-// Every GEMM is 128 x 128 tiles of 128-deep K blocks (pipeline/gemm_fp8.cuh).  A gate|up task
-// covers one 128-column I block in two sub-tiles (I columns i0 .. i0+63, then i0+64 .. i0+127;
-// B = 64 gate rows | 64 up rows each): the first sub-tile's a stays in fp32 registers until the
-// second is done, so the row's amax over the whole I block is taken from registers and aq is
-// quantised in the epilogue (the design note's plan).  A sub-tile wholly past I (I an odd
-// multiple of 64) is skipped and its a is zero, which the quantiser never takes as the max.
+// Every GEMM is 128 x 256 tiles of 128-deep K blocks, two 128-wide sub-tiles on one A stage
+// (pipeline/gemm_fp8.cuh).  A gate|up task covers one 128-column I block: sub-tile 0 = I columns
+// i0 .. i0+63, sub-tile 1 = i0+64 .. i0+127, each B = 64 gate rows | 64 up rows; both sub-tiles'
+// totals are in registers at the end, so the row's amax over the whole I block is taken from
+// registers and aq is quantised in the epilogue.  A sub-tile wholly past N (I an odd multiple of
+// 64; H not a multiple of 256) is neither loaded nor computed (Job d = 1); its a is zero, which the
+// quantiser never takes as the max.
 // Waits are the bf16 forward's, plus: F1 tile of token block tb waits for Fq of tb.
 #pragma once
 #include "moe/pipeline/task_order.cuh"
@@ -26,8 +27,8 @@ enum Fp8ForwardJob : int {
   kF8Dispatch,    // a = row block
   kF8SharedGU,    // a = token block, b = I block, d = sub-tiles (1 or 2)
   kF8RoutedGU,    // a = row block, b = I block, c = expert, d = sub-tiles, e = upper half idle
-  kF8SharedDown,  // a = token block, b = hidden tile (128 columns)
-  kF8RoutedDown,  // a = row block, b = hidden tile, c = expert, e = upper half idle
+  kF8SharedDown,  // a = token block, b = hidden tile (256 columns), d = sub-tiles
+  kF8RoutedDown,  // a = row block, b = hidden tile, c = expert, d = sub-tiles, e = upper half idle
   kF8Combine,     // a = combine task
 };
 
@@ -80,7 +81,8 @@ struct TmaForwardFp8 {
       const int t = f.shared_gu.local(task), tb = t / f.sgu_tiles, n = t % f.sgu_tiles;
       if (!wait_counter_thread(q.token_xq_ready + tb, plan.x.wait_token_xq_ready, w, task)) return -1;
       const int subtiles = n * 128 + 64 < d.shared_inter ? 2 : 1;
-      job = pipe::Job{kF8SharedGU, pipe::kLoadRows, subtiles * k_blocks(d.hidden), tb, n, 0, subtiles, 0};
+      job = pipe::Job{kF8SharedGU, pipe::kLoadRows, k_blocks(d.hidden), tb, n, 0, subtiles, 0};
+      prefetch_b_scales(job);
       return 1;
     }
     if (f.routed_gu.has(task)) {
@@ -91,13 +93,15 @@ struct TmaForwardFp8 {
       const int idle = pipe::upper_half_idle(p.sched, blk, e);
       if (!wait_counter_thread(p.cnt.block_ready + blk, f.wait_block_ready, w, task)) return -1;
       const int subtiles = n * 128 + 64 < d.inter ? 2 : 1;
-      job = pipe::Job{kF8RoutedGU, pipe::kLoadRows, subtiles * k_blocks(d.hidden), blk, n, e, subtiles, idle};
+      job = pipe::Job{kF8RoutedGU, pipe::kLoadRows, k_blocks(d.hidden), blk, n, e, subtiles, idle};
+      prefetch_b_scales(job);
       return 1;
     }
     if (f.shared_down.has(task)) {
       const int t = f.shared_down.local(task), tb = t / f.h_tiles, h = t % f.h_tiles;
       if (!wait_counter_thread(p.cnt.token_sact_ready + tb, f.wait_token_sact_ready, w, task)) return -1;
-      job = pipe::Job{kF8SharedDown, pipe::kLoadRows, k_blocks(d.shared_inter), tb, h};
+      job = pipe::Job{kF8SharedDown, pipe::kLoadRows, k_blocks(d.shared_inter), tb, h, 0, down_subtiles(h, d)};
+      prefetch_b_scales(job);
       return 1;
     }
     if (f.routed_down.has(task)) {
@@ -107,7 +111,8 @@ struct TmaForwardFp8 {
       if (!valid_expert(e, blk, d, p.err)) return -1;
       const int idle = pipe::upper_half_idle(p.sched, blk, e);
       if (!wait_counter_thread(p.cnt.block_act_ready + blk, f.wait_block_act_ready, w, task)) return -1;
-      job = pipe::Job{kF8RoutedDown, pipe::kLoadRows, k_blocks(d.inter), blk, h, e, 0, idle};
+      job = pipe::Job{kF8RoutedDown, pipe::kLoadRows, k_blocks(d.inter), blk, h, e, down_subtiles(h, d), idle};
+      prefetch_b_scales(job);
       return 1;
     }
     if (f.combine.has(task)) {
@@ -122,30 +127,67 @@ struct TmaForwardFp8 {
     return 0;  // push, notify: empty without expert parallelism
   }
 
-  // One stage of a GEMM Job: its A, B (one or two boxes) and A-scale loads (pipeline/gemm_fp8.cuh).
+  // Sub-tiles of down tile h: the second one only where it starts inside H.
+  __device__ static int down_subtiles(int h, const MoEDims& d) {
+    return h * fp8g::kTileN + fp8g::kBN < d.hidden ? 2 : 1;
+  }
+
+  // The B scales of a GEMM Job (weights' [e, N block, K block] arrays): gate|up, the gate and up
+  // rows of (expert, I block); down, the rows of (expert, hidden blocks 2b and 2b + 1).
+  __device__ fp8g::BScales b_scales(const pipe::Job& job) const {
+    const MoEDims& d = q.p.dims;
+    switch (job.kind) {
+      case kF8SharedGU:
+      case kF8RoutedGU: {
+        const bool shared = job.kind == kF8SharedGU;
+        const int kbs = k_blocks(d.hidden);
+        const size_t at = ((size_t)job.c * k_blocks(shared ? d.shared_inter : d.inter) + job.b) * kbs;
+        return fp8g::BScales{(shared ? q.wq.shared_gate_s : q.wq.gate_s) + at, (shared ? q.wq.shared_up_s : q.wq.up_s) + at,
+                             0};
+      }
+      default: {
+        const bool shared = job.kind == kF8SharedDown;
+        const int kbs = k_blocks(shared ? d.shared_inter : d.inter);
+        const float* lo = (shared ? q.wq.shared_down_s : q.wq.down_s) +
+                          ((size_t)job.c * k_blocks(d.hidden) + (size_t)job.b * fp8g::kSubTiles) * kbs;
+        return fp8g::BScales{lo, lo, job.d > 1 ? kbs : 0};
+      }
+    }
+  }
+
+  // Producer: pulls the first 128-byte line of each B-scale row of a GEMM Job into this SM's L1,
+  // where the workers read them with __ldg (else each task's first K block waits for an L2 round
+  // trip after its MMAs; the line covers 32 K blocks).
+  __device__ void prefetch_b_scales(const pipe::Job& job) const {
+    const fp8g::BScales sb = b_scales(job);
+    fp8g::prefetch_l1(sb.lo);
+    fp8g::prefetch_l1(sb.hi + sb.step);
+  }
+
+  // One stage (K block) of a GEMM Job: its A, B (per sub-tile one box or two halves) and A-scale
+  // loads (pipeline/gemm_fp8.cuh).
   __device__ uint32_t stage_rows(const pipe::Job& job, int stage, uint32_t dst, uint32_t bar) const {
     const MoEFp8ForwardMaps& m = pipe::late(maps);
     const int row0 = job.a * kBlockM;
     switch (job.kind) {
       case kF8SharedGU:
-      case kF8RoutedGU: {
-        const int kbs = k_blocks(q.p.dims.hidden), s = stage / kbs, kb = stage - s * kbs;
-        const int n0 = job.b * 128 + 64 * s;
-        return job.kind == kF8SharedGU
-                   ? fp8g::load_stage(dst, bar, &m.xq_k, &m.xq_s, row0, kb, &m.shared_gate_k, &m.shared_up_k, n0, 0)
-                   : fp8g::load_stage(dst, bar, &m.xrq_k, &m.xrq_s, row0, kb, &m.gate_k, &m.up_k, n0, job.c);
-      }
+        return fp8g::load_stage(dst, bar, &m.xq_k, &m.xq_s, row0, stage, &m.shared_gate_k, &m.shared_up_k,
+                                job.b * 128, 0, job.d);
+      case kF8RoutedGU:
+        return fp8g::load_stage(dst, bar, &m.xrq_k, &m.xrq_s, row0, stage, &m.gate_k, &m.up_k, job.b * 128, job.c,
+                                job.d);
       case kF8SharedDown:
-        return fp8g::load_stage(dst, bar, &m.saq_k, &m.saq_s, row0, stage, &m.shared_down_k, nullptr, job.b * 128, 0);
+        return fp8g::load_stage(dst, bar, &m.saq_k, &m.saq_s, row0, stage, &m.shared_down_k, nullptr,
+                                job.b * fp8g::kTileN, 0, job.d);
       default:  // kF8RoutedDown
-        return fp8g::load_stage(dst, bar, &m.aq_k, &m.aq_s, row0, stage, &m.down_k, nullptr, job.b * 128, job.c);
+        return fp8g::load_stage(dst, bar, &m.aq_k, &m.aq_s, row0, stage, &m.down_k, nullptr, job.b * fp8g::kTileN,
+                                job.c, job.d);
     }
   }
 
   // ---- workers -------------------------------------------------------------------------------------
-  // A gate|up task: two sub-tiles (or one), a in registers, then aq and its scales.
-  // The gate|up task's output pointers, rebuilt after each sub-tile's mainloop (kept live across
-  // the second mainloop they made the workers spill: 64 + 64 + 32 accumulators are already there).
+  // The gate|up task's output pointers, rebuilt after the mainloop (kept live across it they would
+  // compete with the 192 accumulators).
   struct GateUpOut {
     bf16* gu;      // the tile's row 0 of gu / sgu
     int rows, inter;
@@ -158,71 +200,68 @@ struct TmaForwardFp8 {
                      shared ? min_int(kBlockM, d.tokens - row0) : kBlockM, inter};
   }
 
-  // A gate|up task: two sub-tiles (or one), a in registers, then aq and its scales.
+  // A gate|up task: both sub-tiles over one pass of K (t0, t1), then g, u, a and aq with its scales.
   __device__ bool gate_up(const pipe::Job& job, const pipe::Shared& s, wg::PipeState& ps, int consumer,
                           const MbarWaitCtx& w) const {
     const MoEDims& d = q.p.dims;
     const bool shared = job.kind == kF8SharedGU;
     const int kbs = k_blocks(d.hidden);
-    const size_t scale0 = ((size_t)job.c * k_blocks(shared ? d.shared_inter : d.inter) + job.b) * kbs;  // [e, i block, 0]
-    const fp8g::BScales sb{(shared ? q.wq.shared_gate_s : q.wq.gate_s) + scale0,
-                           (shared ? q.wq.shared_up_s : q.wq.up_s) + scale0};
-    const bool idle = job.e != 0 && consumer == 1;
+    const fp8g::BScales sb = b_scales(job);
+    const bool idle = job.e != 0 && consumer == 1, two = job.d > 1;
     float act[fp8g::kRegs];
     {
-      float t[fp8g::kRegs];
+      float t0[fp8g::kRegs], t1[fp8g::kRegs];
 #pragma unroll
-      for (int i = 0; i < fp8g::kRegs; ++i) t[i] = 0.f;
-      if (!fp8g::mainloop(s, ps, t, kbs, consumer, w, idle, sb)) return false;
+      for (int i = 0; i < fp8g::kRegs; ++i) t0[i] = 0.f, t1[i] = 0.f;
+      if (!fp8g::mainloop<true>(s, ps, t0, t1, kbs, consumer, w, idle, two, sb)) return false;
       const GateUpOut o = gate_up_out(job);
-      fp8f::gate_up_subtile<0>(t, pipe::Frag::of(consumer), o.rows, o.gu, o.inter, job.b * 128, make_swiglu(d), act);
-    }
-    if (job.d > 1) {
-      float t[fp8g::kRegs];
+      const pipe::Frag f = pipe::Frag::of(consumer);
+      fp8f::gate_up_subtile<0>(t0, f, o.rows, o.gu, o.inter, job.b * 128, make_swiglu(d), act);
+      if (two) {
+        fp8f::gate_up_subtile<1>(t1, f, o.rows, o.gu, o.inter, job.b * 128 + 64, make_swiglu(d), act);
+      } else {
 #pragma unroll
-      for (int i = 0; i < fp8g::kRegs; ++i) t[i] = 0.f;
-      if (!fp8g::mainloop(s, ps, t, kbs, consumer, w, idle, sb)) return false;
-      const GateUpOut o = gate_up_out(job);
-      fp8f::gate_up_subtile<1>(t, pipe::Frag::of(consumer), o.rows, o.gu, o.inter, job.b * 128 + 64, make_swiglu(d),
-                               act);
-    } else {
-#pragma unroll
-      for (int i = fp8g::kRegs / 2; i < fp8g::kRegs; ++i) act[i] = 0.f;
+        for (int i = fp8g::kRegs / 2; i < fp8g::kRegs; ++i) act[i] = 0.f;
+      }
     }
     const GateUpOut o = gate_up_out(job);
     const int row0 = job.a * kBlockM, i0 = job.b * 128;
     const pipe::Frag f = pipe::Frag::of(consumer);
-    if (shared) {
-      fp8f::store_act_quantized(act, f, o.rows, q.qctx.saq + (size_t)row0 * o.inter, q.qctx.saq_s, q.plan8.token_ld,
-                                row0, o.inter, i0);
-      signal_counter(q.p.cnt.token_sact_ready + job.a);
-    } else {
-      fp8f::store_act_quantized(act, f, o.rows, q.qctx.aq + (size_t)row0 * o.inter, q.qctx.aq_s, d.max_rows, row0,
-                                o.inter, i0);
-      signal_counter(q.p.cnt.block_act_ready + job.a);
-    }
+    uint8_t* const aq = (shared ? q.qctx.saq : q.qctx.aq) + (size_t)row0 * o.inter;
+    fp8f::store_act_quantized(act, f, o.rows, aq, shared ? q.qctx.saq_s : q.qctx.aq_s,
+                              shared ? (size_t)q.plan8.token_ld : (size_t)d.max_rows, row0, o.inter, i0);
+    signal_counter((shared ? q.p.cnt.token_sact_ready : q.p.cnt.block_act_ready) + job.a);
     return true;
   }
 
+  // A down task: 128 rows x 256 hidden columns (two sub-tiles, or one at the end of H).
   __device__ bool down(const pipe::Job& job, const pipe::Shared& s, wg::PipeState& ps, int consumer,
                        const MbarWaitCtx& w) const {
     const MoEForwardParams& p = q.p;
     const MoEDims& d = p.dims;
-    const bool shared = job.kind == kF8SharedDown;
-    const int kbs = k_blocks(shared ? d.shared_inter : d.inter), h0 = job.b * 128;
-    const float* sb = (shared ? q.wq.shared_down_s : q.wq.down_s) + ((size_t)job.c * k_blocks(d.hidden) + job.b) * kbs;
-    const pipe::Frag f = pipe::Frag::of(consumer);
-    float t[fp8g::kRegs];
+    const bool shared = job.kind == kF8SharedDown, two = job.d > 1;
+    const int kbs = k_blocks(shared ? d.shared_inter : d.inter), h0 = job.b * fp8g::kTileN;
+    float t0[fp8g::kRegs], t1[fp8g::kRegs];
 #pragma unroll
-    for (int i = 0; i < fp8g::kRegs; ++i) t[i] = 0.f;
-    if (!fp8g::mainloop(s, ps, t, kbs, consumer, w, job.e != 0 && consumer == 1, fp8g::BScales{sb, sb})) return false;
-    const int row0 = job.a * kBlockM, cols = min_int(fp8g::kBN, d.hidden - h0);
+    for (int i = 0; i < fp8g::kRegs; ++i) t0[i] = 0.f, t1[i] = 0.f;
+    if (!fp8g::mainloop<false>(s, ps, t0, t1, kbs, consumer, w, job.e != 0 && consumer == 1, two, b_scales(job)))
+      return false;
+    const pipe::Frag f = pipe::Frag::of(consumer);
+    const int row0 = job.a * kBlockM, cols0 = min_int(fp8g::kBN, d.hidden - h0);
+    const int cols1 = two ? min_int(fp8g::kBN, d.hidden - h0 - fp8g::kBN) : 0;
     if (shared) {
-      fp8g::store_f32(t, f, p.shared_y + (size_t)row0 * d.hidden + h0, d.hidden, min_int(kBlockM, d.tokens - row0), cols);
+      float* const y = p.shared_y + (size_t)row0 * d.hidden + h0;
+      const int rows = min_int(kBlockM, d.tokens - row0);
+      fp8g::store_f32(t0, f, y, d.hidden, rows, cols0);
+      if (two) fp8g::store_f32(t1, f, y + fp8g::kBN, d.hidden, rows, cols1);
       signal_counter(p.cnt.token_shared_done + job.a);
     } else {
-      fp8g::store_rows_bf16(t, f, kBlockM, cols,
+      fp8g::store_rows_bf16(t0, f, kBlockM, cols0,
                             [&](int r) { return route_row_ptr(p.sched, d, p.ctx.y_slot, row0 + r, h0); });
+      if (two)
+        fp8g::store_rows_bf16(t1, f, kBlockM, cols1, [&](int r) {
+          return route_row_ptr(p.sched, d, p.ctx.y_slot, row0 + r, h0 + fp8g::kBN);
+        });
       signal_counter(p.cnt.down_done);
     }
     return true;
@@ -232,10 +271,8 @@ struct TmaForwardFp8 {
                       int consumer, const MbarWaitCtx& w, const pipe::Turns&) const {
     switch (job.kind) {
       case kF8QuantX:
-        fp8f::quantize_tokens(q, job.a);
-        return true;
       case kF8Dispatch:
-        fp8f::dispatch_quantize(q, job.a);
+        fp8f::quantize_x(q, job.kind == kF8Dispatch, job.a);
         return true;
       case kF8Combine:
         tasks.combine_body(job.a);

@@ -9,64 +9,35 @@
 #include "moe/pipeline/epilogue.cuh"
 #include "moe/pipeline/gemm_fp8.cuh"
 #include "moe/tasks/forward_bodies.cuh"
+#include "moe/tasks/quantize_rows.cuh"
 
 namespace mok {
 namespace fp8f {
 
-constexpr int kRowBatch = 8;  // K blocks of a row loaded together per lane (8-byte loads in flight)
-
-// One row of `hidden` bf16 (src; nullptr: a padding row) -> e4m3 dst[0, hidden) and its
-// ceil(hidden/128) scales at scale[kb * ld].  Called by a whole warp (lane l: elements 4l .. 4l+3
-// of each 1 x 128 block, the warp layout of fp8.cuh).  A padding row quantises zeros: q = 0, s = 0.
-__device__ __forceinline__ void quantize_row_warp(const bf16* src, uint8_t* dst, float* scale, size_t ld, int hidden) {
+// F0 (FP8, routed): row block b <- Q(x[slot / k]) (padding rows zero; then block_ready[b]), or
+// Fq (token order): token block b of x <- Q(x) (the shared expert's A; then token_xq_ready[b]).
+// One function for both, so the pipelined quantiser (quantize_rows.cuh) is inlined once.
+__device__ __forceinline__ void quantize_x(const MoEFp8ForwardParams& q, bool routed, int b) {
+  const MoEForwardParams& p = q.p;
+  const MoEDims& d = p.dims;
   const int lane = threadIdx.x & 31;
-  const int kbs = (hidden + fp8::kBlock - 1) / fp8::kBlock;
-  for (int kb0 = 0; kb0 < kbs; kb0 += kRowBatch) {
-    uint2 raw[kRowBatch];
-#pragma unroll
-    for (int u = 0; u < kRowBatch; ++u) {
-      const int col = (kb0 + u) * fp8::kBlock + 4 * lane;
-      raw[u] = src != nullptr && kb0 + u < kbs && col < hidden ? __ldg(reinterpret_cast<const uint2*>(src + col))
-                                                               : make_uint2(0u, 0u);
-    }
-#pragma unroll
-    for (int u = 0; u < kRowBatch; ++u) {
-      if (kb0 + u >= kbs) break;  // warp-uniform
-      const int col = (kb0 + u) * fp8::kBlock + 4 * lane;
-      const fp8::QuantizedRow128 r = fp8::quantize_row128_warp_bf16(raw[u]);  // hidden % 4 == 0
-      if (col < hidden) *reinterpret_cast<uint32_t*>(dst + col) = r.q;
-      if (lane == 0) scale[(size_t)(kb0 + u) * ld] = r.scale;
-    }
+  QuantRows r{q.qctx.xrq, q.qctx.xrq_s, (size_t)d.max_rows, d.hidden, b * kBlockM + (worker_tid() >> 5), kRowsPerWarp,
+              nullptr};
+  const int row = r.row(lane & 15);
+  if (routed) {
+    const int slots = d.tokens * d.top_k;
+    const int slot = lane < kRowsPerWarp ? p.sched.row_slot[row] : -1;
+    if (slot >= slots) set_error(p.err, kErrInternal, __LINE__, row, slot);  // corrupt schedule: never read past x
+    if (slot >= 0 && slot < slots) r.lane_src = p.x + (size_t)(slot / d.top_k) * d.hidden;
+  } else {
+    r.dst = q.qctx.xq;
+    r.scale = q.qctx.xq_s;
+    r.ld = q.plan8.token_ld;
+    r.nrows = d.tokens > r.row0 ? min_int(kRowsPerWarp, ceil_div(d.tokens - r.row0, kQuantWarps)) : 0;
+    r.lane_src = p.x + (size_t)row * d.hidden;  // rows past the tokens are never loaded (j >= nrows)
   }
-}
-
-// F0 (FP8): routed row block b <- Q(x[slot / k]) row by row (warp w of the workers: rows w, w + 8, ...),
-// padding rows zero; then block_ready[b].
-__device__ __forceinline__ void dispatch_quantize(const MoEFp8ForwardParams& q, int b) {
-  const MoEForwardParams& p = q.p;
-  const MoEDims& d = p.dims;
-  const int slots = d.tokens * d.top_k;
-  for (int r = worker_tid() >> 5; r < kBlockM; r += kThreads / 32) {
-    const int row = b * kBlockM + r;
-    const int slot = p.sched.row_slot[row];
-    if (slot >= slots && (threadIdx.x & 31) == 0) set_error(p.err, kErrInternal, __LINE__, row, slot);  // corrupt schedule
-    const bf16* src = slot >= 0 && slot < slots ? p.x + (size_t)(slot / d.top_k) * d.hidden : nullptr;
-    quantize_row_warp(src, q.qctx.xrq + (size_t)row * d.hidden, q.qctx.xrq_s + row, d.max_rows, d.hidden);
-  }
-  signal_counter(p.cnt.block_ready + b);
-}
-
-// Fq: token block tb of x in token order (the shared expert's A); then token_xq_ready[tb].
-__device__ __forceinline__ void quantize_tokens(const MoEFp8ForwardParams& q, int tb) {
-  const MoEForwardParams& p = q.p;
-  const MoEDims& d = p.dims;
-  for (int r = worker_tid() >> 5; r < kBlockM; r += kThreads / 32) {
-    const int t = tb * kBlockM + r;
-    if (t >= d.tokens) break;  // warp-uniform
-    quantize_row_warp(p.x + (size_t)t * d.hidden, q.qctx.xq + (size_t)t * d.hidden, q.qctx.xq_s + t,
-                      q.plan8.token_ld, d.hidden);
-  }
-  signal_counter(q.token_xq_ready + tb);
+  quantize_rows_warp(r);
+  signal_counter(routed ? p.cnt.block_ready + b : q.token_xq_ready + b);
 }
 
 // Sub-tile S of a gate|up task (registers: chunks j < 8 = gate columns, j >= 8 = up columns, both

@@ -35,12 +35,24 @@ __device__ __forceinline__ void batched_chunks(long long n, Load load, Store sto
 
 // Up to kCopyBatch routes' 16-byte chunks of one token, loaded together: v[u] = chunk of route
 // j0 + u for u < min(kCopyBatch, top_k - j0).  `row(j)` is the element offset of route j's chunk.
+// The FP8 kernels define MOK_ZERO_FILL_ROUTES before including this: then the other chunks are
+// zeros.  Why: a register only written under a predicate keeps its old value otherwise, so ptxas
+// kept all 32 of them live around the callers' whole task loop (through every other task's body:
+// the FP8 gate|up mainloop spilled for them).  The bf16 kernels keep the predicated form (their
+// cubin stays the one measured; they do not spill).
+#ifndef MOK_ZERO_FILL_ROUTES
+#define MOK_ZERO_FILL_ROUTES 0
+#endif
 template <class RowPtr>
 __device__ __forceinline__ int load_routes(uint4 (&v)[kCopyBatch], int j0, int top_k, RowPtr ptr) {
   const int n = min_int(kCopyBatch, top_k - j0);
 #pragma unroll
-  for (int u = 0; u < kCopyBatch; ++u)
-    if (u < n) v[u] = ld_cg_v4(ptr(j0 + u));
+  for (int u = 0; u < kCopyBatch; ++u) {
+    if (MOK_ZERO_FILL_ROUTES)
+      v[u] = u < n ? ld_cg_v4(ptr(j0 + u)) : make_uint4(0u, 0u, 0u, 0u);
+    else if (u < n)
+      v[u] = ld_cg_v4(ptr(j0 + u));
+  }
   return n;
 }
 

@@ -1,0 +1,67 @@
+// The "fp8_block" backward megakernel (docs/FP8_DESIGN.md "Step 3"): one persistent launch per
+// backward on one GPU, on the bf16 kernels' pipeline (roles, ring, Job queue, task order) with the
+// FP8 task set of tasks/backward_fp8.cuh.  A cubin of its own, so the bf16 kernels (moe_layer.cu)
+// and the FP8 forward (moe_forward_fp8.cu) are built exactly as before.
+// INCOMPLETE, compile-only, never launched: the task set lacks dX, widen and the wgrads (a task of
+// those phases stops the launch with kErrInternal); CudaBackend.backward refuses FP8 contexts.
+// Launch (when complete): 384 threads (pipe::kCtaThreads), pipe::kSmemBytes of dynamic shared
+// memory, about one CTA per SM; parameters: MoEFp8BackwardTmaParams (moe/params_fp8_bwd.cuh).
+#define MOK_ZERO_FILL_ROUTES 1  // moe/tasks/row_copy.cuh: keeps the combine's route registers from spilling here
+#include "moe/tasks/backward_fp8.cuh"
+
+using namespace mok;
+
+namespace {
+
+// The FP8 forward's register split (moe_forward_fp8.cu): the dA tasks hold 64 partial + 2 x 64
+// total accumulators, and the epilogue 64 more for dG while the other sub-tile's totals wait.
+constexpr int kFp8ProducerRegs = 40;
+constexpr int kFp8WorkerRegs = 232;
+static_assert(128 * kFp8ProducerRegs + kThreads * kFp8WorkerRegs <= 384 * 168, "the CTA's register pool");
+
+// The start and role split of moe_forward_fp8.cu's run_fp8_forward (kept in step by hand).
+// Expert parallelism is refused: FP8 rows do not travel yet.
+__device__ __forceinline__ void run_fp8_backward(const MoEFp8BackwardTmaParams& tp, unsigned char* smem) {
+  const MoEFp8BackwardParams& q = tp.p;
+  const MoEBackwardParams& p = q.p;
+  const int num_blocks = p.sched.num_blocks[0];
+  const pipe::Shared s = pipe::layout(smem);
+  __shared__ Fp8BwdPlans plan;
+  __shared__ pipe::AheadOrder order;
+  if (threadIdx.x == 0) {
+    plan.b = p.plan;
+    plan.x = q.plan8;
+    order = TmaBackwardFp8::make_order(plan.b, p, num_blocks);
+  }
+  if (__syncthreads_or(threadIdx.x == 0 && error_set(p.err))) return;
+  if (p.peers.num_ranks > 1) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) set_error(p.err, kErrInternal, __LINE__, p.peers.num_ranks, 0);
+    return;
+  }
+  if (!check_capacity(num_blocks, p.dims, p.err)) return;
+  pipe::init(s);
+  __syncthreads();
+  const BackwardTasks tasks{p, plan.b, num_blocks};
+  const TmaBackwardFp8 k{tp.maps, q, plan, tasks, order, num_blocks};
+  const WaitCtx wc{p.err, p.dims.timeout_ns, p.dims.rank};
+  if (threadIdx.x < 128) {
+    setmaxnreg_dec<kFp8ProducerRegs>();
+    if (threadIdx.x == 0) {
+      const TensorMap* first = reinterpret_cast<const TensorMap*>(&tp.maps);
+      for (int i = 0; i < static_cast<int>(sizeof(MoEFp8BackwardMaps) / sizeof(TensorMap)); ++i)
+        if ((first[i].opaque[0] | first[i].opaque[1]) != 0) tma_prefetch_map(first + i);  // unused views: zeros
+      pipe::producer_loop(k, s, p.cnt.task_next, plan.b.total, wc);
+    }
+    return;
+  }
+  setmaxnreg_inc<kFp8WorkerRegs>();
+  pipe::worker_loop(k, s, wc);
+}
+
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(pipe::kCtaThreads, 1)
+    moe_backward_fp8(const __grid_constant__ MoEFp8BackwardTmaParams tp) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  run_fp8_backward(tp, smem);
+}

@@ -1,0 +1,343 @@
+// The "fp8_block" backward's task set (TmaBackwardFp8; docs/FP8_DESIGN.md "Step 3"), one GPU: the
+// bf16 backward's phases and waits (tasks/backward.cuh) with FP8 operands.  INCOMPLETE, compile-only:
+// the host never launches it (CudaBackend.backward refuses FP8 contexts).  Built so far:
+//   P  token_prep    token block:            dq = Q(d_out) in token order (the widening half: not yet)
+//   B0 dispatch      row block:              dyq = Q(d_out[token]) (the bf16 dy_routed: not yet)
+//   B2 shared dA     token block x I_s/256:  dq * shared_down_t -> dSwiGLU(sgu) -> dsguq + dsgu
+//   B3 routed dA     row block x I/256:      dyq * down_t[e], * tw -> dSwiGLU(gu) -> dguq + dgu
+//   B4 shared dX     token block x H/256:    dsguq * [shared_gate_t | shared_up_t] -> dx_shared (fp32)
+//   B5 routed dX     row block x H/256:      dguq * [gate_t[e] | up_t[e]] -> dx_slot[route] (bf16)
+//   B9 combine       part of a token block:  the bf16 body
+// Not yet (a task of these phases stops the launch with kErrInternal, so a stray launch fails
+// loudly instead of leaving gradients unwritten): B1 d_weights, W widen, B6-B8 wgrads (the bf16
+// bodies on the widened operands).  B1 is the bf16 body, but as tried (before dX was added):
+// through the ring (the bf16 backward's one-GPU path) its route-stage loads pushed the 40-register
+// producer into spilling (44-48 bytes); as the plain worker body (BackwardTasks::d_weights, the EP
+// path) the workers spilled 136 bytes.
+// The dA tile is 128 x 256 as two 128-wide sub-tiles = two I blocks, so each sub-tile's dG and dU
+// rows are whole quantisation blocks, quantised from registers in the epilogue (fp8b::da_subtile).
+#pragma once
+#include "moe/pipeline/task_order.cuh"
+#include "moe/tasks/backward_fp8_bodies.cuh"
+
+namespace mok {
+
+enum Fp8BackwardJob : int {
+  kB8Stop = 0,
+  kB8TokenPrep,  // a = token block
+  kB8Dispatch,   // a = row block, b = expert
+  kB8SharedDA,   // a = token block, b = I tile (256), d = sub-tiles (1 or 2)
+  kB8RoutedDA,   // a = row block, b = I tile, c = expert, d = sub-tiles, e = upper half idle
+  kB8SharedDX,   // a = token block, b = hidden tile (256), d = sub-tiles
+  kB8RoutedDX,   // a = row block, b = hidden tile, c = expert, d = sub-tiles, e = upper half idle
+  kB8Combine,    // a = combine task
+};
+
+// The kernel's plan in shared memory: the bf16 backward's struct (FP8 tile counts) + the FP8 extras.
+struct Fp8BwdPlans {
+  MoEBackwardPlan b;
+  MoEFp8BackwardPlan x;
+};
+
+namespace fp8b {
+
+__device__ __forceinline__ int k_blocks(int k) { return (k + fp8g::kBK - 1) / fp8g::kBK; }
+
+// One stage of a backward FP8 GEMM (the forward's fp8g::load_stage, down form, with the row and
+// K-block coordinates of A, its scales and B given apart): the routed rows of dq sit token_rows
+// below their scales' columns (one A map for both row sets: the 4 KB parameter budget), and dX's
+// A scales start H/128 K blocks into rs / ts.  Same slot layout and byte count as the forward's.
+__device__ __forceinline__ uint32_t load_stage(uint32_t dst, uint32_t bar, const TensorMap* a, int a_row,
+                                               const TensorMap* sa, int sa_row, int sa_kb, int kb, const TensorMap* b,
+                                               int b_kb, int n0, int group, int subtiles) {
+  tma_load_2d(dst, a, bar, kb * fp8g::kBK, a_row);
+  tma_load_2d(fp8g::a_scales(fp8g::slot_of_full_barrier(bar)), sa, bar, sa_row, sa_kb);  // sa_row % 128 == 0
+  dst += fp8g::kABytes;
+  tma_load_3d(dst, b, bar, b_kb * fp8g::kBK, n0, group);
+  if (subtiles > 1) tma_load_3d(dst + fp8g::kSubBBytes, b, bar, b_kb * fp8g::kBK, n0 + fp8g::kBN, group);
+  return fp8g::kABytes + (subtiles > 1 ? 2 * fp8g::kSubBBytes : fp8g::kSubBBytes) + fp8g::kScaleBytes;
+}
+
+// dX's B scales (fp8g::mainloop's SB): K blocks [0, left) from the gate weights' scale rows (lo),
+// then the up weights' (hi; mainloop<false> never reads hi itself): dX's K is [dG | dU], 2 Ip, with
+// B = gate_t, then up_t.  Sub-tile 1's row is `step` further (the next hidden block) in both.
+struct BScalesKSwitch {
+  const float* lo;
+  const float* hi;
+  int step;
+  int left;
+  __device__ __forceinline__ void advance() {
+    ++lo;
+    if (--left == 0) lo = hi;
+  }
+};
+
+}  // namespace fp8b
+
+struct TmaBackwardFp8 {
+  const MoEFp8BackwardMaps& maps;
+  const MoEFp8BackwardParams& q;
+  const Fp8BwdPlans& plan;
+  const BackwardTasks& tasks;  // the bf16 bodies (combine; d_weights and the wgrads later)
+  const pipe::AheadOrder& order;
+  int num_blocks;
+
+  // The bf16 backward's one-GPU order (token_prep and widen lie outside the permuted ranges, as the
+  // forward's quant_x; to be checked against make_order with the full task set on the GPU).
+  __device__ static pipe::AheadOrder make_order(const MoEBackwardPlan& f, const MoEBackwardParams& p, int num_blocks) {
+    return pipe::AheadOrder::make(f.shared_da, f.dispatch, f.routed_da, f.d_weights, f.i_tiles, f.routed_dx, f.h_tiles,
+                                  p.sched, p.dims.local_experts, num_blocks);
+  }
+
+  __device__ int plan_task(int grabbed) const { return order.map(grabbed); }
+  __device__ unsigned long long* trace() const { return q.p.trace; }
+  __device__ static bool in_turns(const pipe::Job&) { return false; }
+
+  // Sub-tiles of dA tile n: the second I block only where it starts inside I.
+  __device__ static int da_subtiles(int n, int inter) { return n * fp8g::kTileN + fp8g::kBN < inter ? 2 : 1; }
+
+  // A phase the kernel does not run yet: stop the launch (the producer's -1), with the task.
+  __device__ int not_built(int task, int line) const {
+    set_error(q.p.err, kErrInternal, line, task, 0);
+    return -1;
+  }
+
+  // ---- producer -----------------------------------------------------------------------------------
+  __device__ int prepare(int grabbed, pipe::Job& job, pipe::LoadSrc&, pipe::LoadSrc&) const {
+    const int task = order.map(grabbed);
+    const MoEBackwardParams& p = q.p;
+    const MoEBackwardPlan& f = plan.b;
+    const MoEDims& d = p.dims;
+    const WaitCtx w{p.err, d.timeout_ns, d.rank};
+    job = pipe::Job{};
+    if (plan.x.token_prep.has(task)) {
+      job.kind = kB8TokenPrep;
+      job.a = plan.x.token_prep.local(task);
+      return 1;
+    }
+    if (f.dispatch.has(task)) {
+      const int blk = f.dispatch.local(task);
+      if (blk >= num_blocks) return 0;
+      const int e = p.sched.block_expert[blk];
+      if (!valid_expert(e, blk, d, p.err)) return -1;
+      job = pipe::Job{kB8Dispatch, pipe::kLoadNone, 0, blk, e};
+      return 1;
+    }
+    if (f.shared_da.has(task)) {
+      const int t = f.shared_da.local(task), tb = t / f.si_tiles, n = t % f.si_tiles;
+      if (!wait_counter_thread(q.token_dq_ready + tb, plan.x.wait_token_dq_ready, w, task)) return -1;
+      job = pipe::Job{kB8SharedDA, pipe::kLoadRows, fp8b::k_blocks(d.hidden), tb, n, 0, da_subtiles(n, d.shared_inter)};
+      prefetch_b_scales(job);
+      return 1;
+    }
+    if (f.routed_da.has(task)) {
+      const int t = f.routed_da.local(task), blk = t / f.i_tiles, n = t % f.i_tiles;
+      if (blk >= num_blocks) return 0;
+      const int e = p.sched.block_expert[blk];
+      if (!valid_expert(e, blk, d, p.err)) return -1;
+      const int idle = pipe::upper_half_idle(p.sched, blk, e);
+      if (!wait_counter_thread(p.cnt.block_dy_ready + blk, f.wait_block_dy_ready, w, task)) return -1;
+      job = pipe::Job{kB8RoutedDA, pipe::kLoadRows, fp8b::k_blocks(d.hidden), blk, n, e, da_subtiles(n, d.inter), idle};
+      prefetch_b_scales(job);
+      return 1;
+    }
+    if (f.shared_dx.has(task)) {
+      const int t = f.shared_dx.local(task), tb = t / f.h_tiles, h = t % f.h_tiles;
+      if (!wait_counter_thread(p.cnt.token_dsgu_ready + tb, f.wait_token_dsgu_ready, w, task)) return -1;
+      job = pipe::Job{kB8SharedDX, pipe::kLoadRows, 2 * plan.x.ips_blocks, tb, h, 0, da_subtiles(h, d.hidden)};
+      prefetch_dx_scales(job);
+      return 1;
+    }
+    if (f.routed_dx.has(task)) {
+      const int t = f.routed_dx.local(task), blk = t / f.h_tiles, h = t % f.h_tiles;
+      if (blk >= num_blocks) return 0;
+      const int e = p.sched.block_expert[blk];
+      if (!valid_expert(e, blk, d, p.err)) return -1;
+      const int idle = pipe::upper_half_idle(p.sched, blk, e);
+      if (!wait_counter_thread(p.cnt.block_dgu_ready + blk, f.wait_block_dgu_ready, w, task)) return -1;
+      job = pipe::Job{kB8RoutedDX, pipe::kLoadRows, 2 * plan.x.ip_blocks, blk, h, e, da_subtiles(h, d.hidden), idle};
+      prefetch_dx_scales(job);
+      return 1;
+    }
+    if (f.combine.has(task)) {
+      const int t = f.combine.local(task), tb = t / f.combine_parts;
+      if (!wait_counter_thread(p.cnt.dx_done, num_blocks * f.wait_dx_done_per_block, w, task)) return -1;
+      if (d.shared_inter > 0 && !wait_counter_thread(p.cnt.token_dxs_ready + tb, f.wait_token_dxs_ready, w, task))
+        return -1;
+      job = pipe::Job{kB8Combine, pipe::kLoadNone, 0, t};
+      return 1;
+    }
+    if (f.d_weights.has(task) || plan.x.widen.has(task) || f.wgrad_down.has(task) || f.wgrad_gate_up.has(task) ||
+        f.shared_wgrad.has(task))
+      return not_built(task, __LINE__);
+    return 0;  // push, notifies: empty without expert parallelism
+  }
+
+  // The B scales of a dA Job (down_t_s [e, I block, H block]): sub-tile s reads I block 2b + s's row
+  // of H blocks (step = H/128 apart; 0 without sub-tile 1).
+  __device__ fp8g::BScales b_scales(const pipe::Job& job) const {
+    const MoEDims& d = q.p.dims;
+    const bool shared = job.kind == kB8SharedDA;
+    const int hb = fp8b::k_blocks(d.hidden), ib = fp8b::k_blocks(shared ? d.shared_inter : d.inter);
+    const float* lo = (shared ? q.wt.shared_down_t_s : q.wt.down_t_s) +
+                      ((size_t)job.c * ib + (size_t)job.b * fp8g::kSubTiles) * hb;
+    return fp8g::BScales{lo, lo, job.d > 1 ? hb : 0};
+  }
+
+  // As the forward's: the first line of each B-scale row into this SM's L1 before the workers need it.
+  __device__ void prefetch_b_scales(const pipe::Job& job) const {
+    const fp8g::BScales sb = b_scales(job);
+    fp8g::prefetch_l1(sb.lo);
+    fp8g::prefetch_l1(sb.hi + sb.step);
+  }
+
+  // The B scales of a dX Job's gate (up = false) or up half of K (gate_t_s / up_t_s [e, H block,
+  // I block]): sub-tile s reads hidden block 2b + s's row of I blocks (Ip / 128 = ceil(I / 128)).
+  __device__ fp8g::BScales dx_scales(const pipe::Job& job, bool up) const {
+    const bool shared = job.kind == kB8SharedDX;
+    const int hb = fp8b::k_blocks(q.p.dims.hidden), ib = shared ? q.plan8.ips_blocks : q.plan8.ip_blocks;
+    const size_t at = ((size_t)job.c * hb + (size_t)job.b * fp8g::kSubTiles) * ib;
+    const float* lo =
+        (shared ? (up ? q.wt.shared_up_t_s : q.wt.shared_gate_t_s) : (up ? q.wt.up_t_s : q.wt.gate_t_s)) + at;
+    return fp8g::BScales{lo, lo, job.d > 1 ? ib : 0};
+  }
+  __device__ void prefetch_dx_scales(const pipe::Job& job) const {
+    for (int up = 0; up < 2; ++up) {
+      const fp8g::BScales sb = dx_scales(job, up != 0);
+      fp8g::prefetch_l1(sb.lo);
+      fp8g::prefetch_l1(sb.lo + sb.step);
+    }
+  }
+
+  __device__ uint32_t stage_rows(const pipe::Job& job, int stage, uint32_t dst, uint32_t bar) const {
+    const MoEFp8BackwardMaps& m = pipe::late(maps);
+    const int row0 = job.a * kBlockM, n0 = job.b * fp8g::kTileN;
+    if (job.kind == kB8SharedDX || job.kind == kB8RoutedDX) {
+      // K = [dG | dU] (2 Ip columns of dguq); its A scales follow dA's H/128 K blocks in rs / ts;
+      // B switches from gate_t to up_t at K block Ip / 128 (both maps have I columns: TMA
+      // zero-fills [I, Ip), where dguq is zero too).
+      const bool shared = job.kind == kB8SharedDX;
+      const int ipb = shared ? q.plan8.ips_blocks : q.plan8.ip_blocks, hb = fp8b::k_blocks(q.p.dims.hidden);
+      const bool up = stage >= ipb;
+      const TensorMap* b = shared ? (up ? &m.shared_up_t_k : &m.shared_gate_t_k) : (up ? &m.up_t_k : &m.gate_t_k);
+      return fp8b::load_stage(dst, bar, shared ? &m.dsguq_k : &m.dguq_k, row0, shared ? &m.ts_s : &m.rs_s, row0,
+                              hb + stage, stage, b, up ? stage - ipb : stage, n0, job.c, job.d);
+    }
+    if (job.kind == kB8SharedDA)  // token-order rows of dq: rows 0 .. of the map, scales in ts
+      return fp8b::load_stage(dst, bar, &m.dq_k, row0, &m.ts_s, row0, stage, stage, &m.shared_down_t_k, stage, n0, 0,
+                              job.d);
+    // kB8RoutedDA: the routed rows follow the token_rows token-order rows in dq; their scales in rs
+    return fp8b::load_stage(dst, bar, &m.dq_k, q.plan8.token_rows + row0, &m.rs_s, row0, stage, stage, &m.down_t_k, stage,
+                            n0, job.c, job.d);
+  }
+
+  // ---- workers -------------------------------------------------------------------------------------
+  // The dA epilogue's destinations, rebuilt after the mainloop (kept live across it they would
+  // compete with the 192 accumulators).
+  __device__ __forceinline__ fp8b::DaOut da_out(const pipe::Job& job) const {
+    const MoEBackwardParams& p = q.p;
+    const MoEDims& d = p.dims;
+    const int row0 = job.a * kBlockM, hb = fp8b::k_blocks(d.hidden);
+    if (job.kind == kB8SharedDA) {
+      const int ips = q.plan8.ips_blocks * fp8::kBlock;
+      const size_t off = (size_t)row0 * 2 * d.shared_inter;
+      return fp8b::DaOut{p.ctx.sgu + off, p.dsgu + off, q.q.dsguq + (size_t)row0 * 2 * ips, q.q.ts,
+                         (size_t)q.plan8.token_ld, row0, min_int(kBlockM, d.tokens - row0), d.shared_inter, ips, hb};
+    }
+    const int ip = q.plan8.ip_blocks * fp8::kBlock;
+    const size_t off = (size_t)row0 * 2 * d.inter;
+    return fp8b::DaOut{p.ctx.gu + off, p.dgu + off, q.q.dguq + (size_t)row0 * 2 * ip, q.q.rs, (size_t)d.max_rows, row0,
+                       kBlockM, d.inter, ip, hb};
+  }
+
+  // The routing weight of tile row r (0 for padding rows): dA = tw * (dyq . W_down).
+  __device__ __forceinline__ float route_weight(const pipe::Job& job, int r) const {
+    if (job.kind == kB8SharedDA) return 1.f;
+    const int slot = q.p.sched.row_slot[job.a * kBlockM + r];
+    return slot >= 0 ? __ldg(q.p.topk_weights + slot) : 0.f;
+  }
+
+  // A dA task: both I blocks over one pass of K = H, then per sub-tile the dSwiGLU + quantising epilogue.
+  __device__ bool da(const pipe::Job& job, const pipe::Shared& s, wg::PipeState& ps, int consumer,
+                     const MbarWaitCtx& w) const {
+    const MoEBackwardParams& p = q.p;
+    const MoEDims& d = p.dims;
+    const bool shared = job.kind == kB8SharedDA, two = job.d > 1;
+    float t0[fp8g::kRegs], t1[fp8g::kRegs];
+#pragma unroll
+    for (int i = 0; i < fp8g::kRegs; ++i) t0[i] = 0.f, t1[i] = 0.f;
+    if (!fp8g::mainloop<false>(s, ps, t0, t1, fp8b::k_blocks(d.hidden), consumer, w, job.e != 0 && consumer == 1, two,
+                               b_scales(job)))
+      return false;
+    const pipe::Frag f = pipe::Frag::of(consumer);
+    const float tw0 = route_weight(job, f.row0), tw1 = route_weight(job, f.row0 + 8);
+    const int i0 = job.b * fp8g::kTileN;
+    fp8b::da_subtile(t0, f, da_out(job), i0, tw0, tw1, make_swiglu(d));
+    if (two) fp8b::da_subtile(t1, f, da_out(job), i0 + fp8g::kBN, tw0, tw1, make_swiglu(d));
+    if (shared)
+      signal_counters(p.cnt.token_dsgu_ready + job.a, p.cnt.dsgu_done);
+    else
+      signal_counters(p.cnt.block_dgu_ready + job.a, p.cnt.expert_dgu_ready + job.c);
+    return true;
+  }
+
+  // A dX task: 128 rows x 256 hidden columns (two sub-tiles, or one at the end of H), K = 2 Ip;
+  // the epilogues of the forward's down tasks (dx_slot rows by route, fp32 dx_shared).  One
+  // mainloop over both halves of K, its B scales switching arrays at K block Ip / 128.
+  __device__ bool dx(const pipe::Job& job, const pipe::Shared& s, wg::PipeState& ps, int consumer,
+                     const MbarWaitCtx& w) const {
+    const MoEBackwardParams& p = q.p;
+    const MoEDims& d = p.dims;
+    const bool shared = job.kind == kB8SharedDX, two = job.d > 1;
+    const int ipb = shared ? q.plan8.ips_blocks : q.plan8.ip_blocks, h0 = job.b * fp8g::kTileN;
+    const bool idle = job.e != 0 && consumer == 1;
+    float t0[fp8g::kRegs], t1[fp8g::kRegs];
+#pragma unroll
+    for (int i = 0; i < fp8g::kRegs; ++i) t0[i] = 0.f, t1[i] = 0.f;
+    const fp8g::BScales g = dx_scales(job, false), u = dx_scales(job, true);
+    const fp8b::BScalesKSwitch sb{g.lo, u.lo, g.step, ipb};
+    if (!fp8g::mainloop<false>(s, ps, t0, t1, 2 * ipb, consumer, w, idle, two, sb)) return false;
+    const pipe::Frag f = pipe::Frag::of(consumer);
+    const int row0 = job.a * kBlockM, cols0 = min_int(fp8g::kBN, d.hidden - h0);
+    const int cols1 = two ? min_int(fp8g::kBN, d.hidden - h0 - fp8g::kBN) : 0;
+    if (shared) {
+      float* const y = p.dx_shared + (size_t)row0 * d.hidden + h0;
+      const int rows = min_int(kBlockM, d.tokens - row0);
+      fp8g::store_f32(t0, f, y, d.hidden, rows, cols0);
+      if (two) fp8g::store_f32(t1, f, y + fp8g::kBN, d.hidden, rows, cols1);
+      signal_counter(p.cnt.token_dxs_ready + job.a);
+    } else {
+      fp8g::store_rows_bf16(t0, f, kBlockM, cols0,
+                            [&](int r) { return route_row_ptr(p.sched, d, p.dx_slot, row0 + r, h0); });
+      if (two)
+        fp8g::store_rows_bf16(t1, f, kBlockM, cols1, [&](int r) {
+          return route_row_ptr(p.sched, d, p.dx_slot, row0 + r, h0 + fp8g::kBN);
+        });
+      signal_counter(p.cnt.dx_done);
+    }
+    return true;
+  }
+
+  __device__ bool run(const pipe::Job& job, const pipe::Shared& s, wg::PipeState& ps, float (&)[pipe::kAccRegs],
+                      int consumer, const MbarWaitCtx& w, const pipe::Turns&) const {
+    switch (job.kind) {
+      case kB8TokenPrep:
+      case kB8Dispatch:
+        fp8b::quantize_dout(q, job.kind == kB8Dispatch, job.a, job.b);
+        return true;
+      case kB8Combine:
+        tasks.combine_body(job.a);
+        return true;
+      case kB8SharedDA:
+      case kB8RoutedDA:
+        return da(job, s, ps, consumer, w);
+      case kB8SharedDX:
+      case kB8RoutedDX:
+        return dx(job, s, ps, consumer, w);
+      default:
+        return false;
+    }
+  }
+};
+
+}  // namespace mok

@@ -1,0 +1,136 @@
+// The non-GEMM bodies and the dA epilogue of the "fp8_block" backward (tasks/backward_fp8.cuh;
+// docs/FP8_DESIGN.md, "Step 3"; oracle: mok_rt/reference/fp8.py backward_fp8).
+//   quantize_dout   the dispatch (B0: dyq = Q(d_out[token]) per routed row) and the token-order
+//                   copy (P: dq = Q(d_out), the shared dA's A), the forward's pipelined quantiser
+//                   (quantize_rows.cuh) with d_out as the source.  Unweighted: tw is applied to the
+//                   fp32 dA instead (FP8_DESIGN "Semantics notes" (1)), so dq / dyq are bitwise the
+//                   oracle's.
+//   da_subtile      one 128-column I block of dA: da = tw * acc, dSwiGLU against the bf16 gu of
+//                   the forward's context, dG and dU quantised per row (one 1 x 128 block each) into
+//                   dguq (the dX GEMM's A) and their dequantised values rounded to bf16 into dgu (the
+//                   wgrads' operand: never quantised twice).
+// NOT YET: the bf16 dy_routed / dq_bf second outputs of quantize_dout and the widening of xq, xrq,
+// aq, saq (phases P, W) -- see FP8_DESIGN Step 3 "Status".
+#pragma once
+#include "common/fp8.cuh"
+#include "moe/params_fp8_bwd.cuh"
+#include "moe/pipeline/epilogue.cuh"
+#include "moe/pipeline/gemm_fp8.cuh"
+#include "moe/tasks/backward_bodies.cuh"
+#include "moe/tasks/quantize_rows.cuh"
+
+namespace mok {
+namespace fp8b {
+
+// B0 (routed): row block b of dyq <- Q(d_out[slot / k]) (padding rows zero, scale 0; then
+// block_dy_ready[b], expert_dy_ready[e]), or P (token order): token block b of dq <- Q(d_out)
+// (then token_dq_ready[b]).  One function for both, so the quantiser is inlined once (as the
+// forward's fp8f::quantize_x, whose structure this is).
+__device__ __forceinline__ void quantize_dout(const MoEFp8BackwardParams& q, bool routed, int b, int e) {
+  const MoEBackwardParams& p = q.p;
+  const MoEDims& d = p.dims;
+  const int lane = threadIdx.x & 31;
+  fp8f::QuantRows r{q.q.dyq, q.q.rs, (size_t)d.max_rows, d.hidden, b * kBlockM + (worker_tid() >> 5),
+                    fp8f::kRowsPerWarp, nullptr};
+  const int row = r.row(lane & 15);
+  if (routed) {
+    const int slots = d.tokens * d.top_k;
+    const int slot = lane < fp8f::kRowsPerWarp ? p.sched.row_slot[row] : -1;
+    if (slot >= slots) set_error(p.err, kErrInternal, __LINE__, row, slot);  // corrupt schedule: never read past d_out
+    if (slot >= 0 && slot < slots) r.lane_src = p.d_out + (size_t)(slot / d.top_k) * d.hidden;
+  } else {
+    r.dst = q.q.dq;
+    r.scale = q.q.ts;
+    r.ld = q.plan8.token_ld;
+    r.nrows = d.tokens > r.row0 ? min_int(fp8f::kRowsPerWarp, ceil_div(d.tokens - r.row0, fp8f::kQuantWarps)) : 0;
+    r.lane_src = p.d_out + (size_t)row * d.hidden;  // rows past the tokens are never loaded (j >= nrows)
+  }
+  // A ring of 6 units, not the forward's 8 (5 units = 10 KB in flight per warp, not 7 = 14 KB): with
+  // 8, ptxas spilled 20 bytes of the worker loop's state once the dX tasks joined the dA epilogue
+  // in this kernel (7 spills too).  Its cost on the dispatch is to be measured on the GPU.
+  fp8f::quantize_rows_warp<6>(r);
+  if (routed)
+    signal_counters(p.cnt.block_dy_ready + b, p.cnt.expert_dy_ready + e);
+  else
+    signal_counter(q.token_dq_ready + b);
+}
+
+// Where one dA sub-tile's outputs go.  Rows are tile rows (0 .. 127) of the task's row block.
+struct DaOut {
+  const bf16* gu;   // the tile's row 0 of gu / sgu (bf16 [rows, 2 inter]: gate | up)
+  bf16* dgu;        // the tile's row 0 of dgu / dsgu (same layout)
+  uint8_t* dguq;    // the tile's row 0 of dguq / dsguq (e4m3 [rows, 2 ip]: gate at 0, up at ip)
+  float* scale;     // rs / ts: row (H/128 + block) holds the scales of dguq's K block `block`
+  size_t ld;        // of scale
+  int row_base;     // scale column of tile row 0
+  int rows;         // valid tile rows (the rest: stores dropped)
+  int inter, ip;    // I and Ip = ceil(I / 128) * 128
+  int hb;           // H / 128 (dA's K blocks, in front of dguq's in the scale array)
+};
+
+// Row half h's e4m3 + scale of a 1 x 128 I block held in a 64-register fragment (v; only the
+// row half's 32 registers are read), stored at I columns i0 + (this lane's columns) of dguq
+// (col_off: 0 for dG, ip for dU), and the dequantised values as bf16 into dgu at column offset
+// bf_off (0 or inter), columns < inter only.  The columns in [inter, ip) of dguq are written too: v
+// is zero there (B zero-filled past I), so q is zero, as the dX GEMM's A needs (NaN * 0 would
+// poison the sum; FP8_DESIGN "Ip").  Every lane calls it (the row's amax is a quad reduction).
+__device__ __forceinline__ void store_quantized_half(const float (&v)[fp8g::kRegs], int h, const pipe::Frag& f,
+                                                     const DaOut& o, int i0, int col_off, int bf_off) {
+  const fp8::QuantizedFragRow qr = fp8::quantize_frag_row128(v, h);
+  const int r = f.row0 + 8 * h;
+  if (r >= o.rows) return;
+  uint8_t* const qrow = o.dguq + (size_t)r * 2 * o.ip + col_off + i0 + f.col0;
+  bf16* const brow = o.dgu + (size_t)r * 2 * o.inter + bf_off + i0 + f.col0;
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    *reinterpret_cast<uint16_t*>(qrow + 8 * j) = qr.q[j];
+    if (i0 + f.col0 + 8 * j < o.inter) {
+      const float2 w = fp8::e4m3x2_to_f32(qr.q[j]);  // exact; times the scale: one rounding to fp32
+      *reinterpret_cast<uint32_t*>(brow + 8 * j) = pack_bf16x2(w.x * qr.scale, w.y * qr.scale);
+    }
+  }
+  if (f.quad == 0) o.scale[(size_t)(o.hb + (col_off + i0) / fp8::kBlock) * o.ld + o.row_base + r] = qr.scale;
+}
+
+// The dA epilogue of one sub-tile (t: dA of I columns i0 .. i0 + 127, fragment layout: register
+// 4j + 2h + e is row f.row0 + 8h, column f.col0 + 8j + e).  tw: the row halves' routing weights
+// (1 for the shared expert, 0 for padding rows).  One row half at a time: its dG into dg (32 of
+// the 64 registers used), its dU over t (da is dead once dG and dU of a register are computed),
+// both quantised and stored before the next half.  Why by halves: with the whole sub-tile's dG
+// live (64) next to dU (64), the other sub-tile's totals (64) and the quantiser's copy, ptxas
+// spilled 288 bytes at 232 registers; by halves the peak is ~32 lower.
+// gu is read 4 bytes per register pair (the bf16 backward quad-transposes to 16-byte loads; here
+// the quantiser needs the fragment layout, so the loads follow it; ~8 KB per task, L2 resident).
+__device__ __forceinline__ void da_subtile(float (&t)[fp8g::kRegs], const pipe::Frag& f, const DaOut& o, int i0,
+                                          float tw0, float tw1, const SwiGLU& sw) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float dg[fp8g::kRegs];
+    const int r = f.row0 + 8 * h;
+    const bf16* const g_row = o.gu + (size_t)r * 2 * o.inter;
+    const float tw = h ? tw1 : tw0;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const int c = i0 + f.col0 + 8 * j;
+      uint32_t gw = 0u, uw = 0u;  // past I or past the rows: g = u = 0 (and da = 0: dG = dU = 0)
+      if (r < o.rows && c < o.inter) {
+        gw = *reinterpret_cast<const uint32_t*>(g_row + c);
+        uw = *reinterpret_cast<const uint32_t*>(g_row + o.inter + c);
+      }
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int i = 4 * j + 2 * h + e;
+        const float g = fp8::bf16_bits_to_f32(e ? gw >> 16 : gw & 0xffffu);
+        const float u = fp8::bf16_bits_to_f32(e ? uw >> 16 : uw & 0xffffu);
+        float du;
+        sw.grad(g, u, tw * t[i], dg[i], du);
+        t[i] = du;
+      }
+    }
+    store_quantized_half(dg, h, f, o, i0, 0, 0);
+    store_quantized_half(t, h, f, o, i0, o.ip, o.inter);
+  }
+}
+
+}  // namespace fp8b
+}  // namespace mok

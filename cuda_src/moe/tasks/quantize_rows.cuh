@@ -1,0 +1,148 @@
+// Quantising rows of x (bf16 [*, hidden]) to E4M3 + one fp32 scale per 1 x 128 block, a warp per
+// row: the FP8 forward's dispatch (routed rows gathered from x) and its token-order copy for the
+// shared expert.  Bitwise the quantiser of common/fp8.cuh (docs/SEMANTICS.md §10).
+//
+// Why the structure: a row of H = 2048 is 4 KB, and a warp quantises 16 rows of a 128-row task.
+// Loading a few blocks, quantising them, then loading the next few left one L2 / HBM round trip
+// exposed per batch (~2 KB in flight per warp), and each element's div.rn ran one at a time behind
+// its own branch: ~94 us per task, measured.  Here the row stream is cut into units of 8 K blocks
+// (1024 columns: kUnitSlots 16-byte loads per lane, a block per lane quad), and the warp keeps
+// kRing units in registers: while it quantises unit i, units i+1 .. i+kRing-1 are in flight (14 KB
+// per warp, 112 KB per SM; under the GEMMs' HBM traffic a load takes several us, bench/NOTES.md).
+// The quantiser is branch-free per element (BlockQuotient): ~300 warp instructions per unit.
+// kRing is what the registers allow (232 per worker thread; 10 spills) and sets the code size:
+// the ring loop is unrolled kRing times (~330 SASS instructions per unit).
+#pragma once
+#include "common/fp8.cuh"
+#include "moe/tasks/task_graph.cuh"
+
+namespace mok {
+namespace fp8f {
+
+constexpr int kUnitSlots = 4;                          // 16-byte loads per lane per unit
+constexpr int kUnitCols = 8 * fp8::kBlock;             // a unit: 8 K blocks, one per lane quad
+constexpr int kRing = 8;                               // units in registers per warp (128 registers)
+constexpr int kQuantWarps = kThreads / 32;             // worker warps: warp w has rows w, w + 8, ...
+constexpr int kRowsPerWarp = kBlockM / kQuantWarps;    // 16
+static_assert(kRowsPerWarp <= 16, "local rows are held by lanes 0-15 and flagged in a 32-bit mask");
+static_assert(kUnitSlots * 32 == fp8::kBlock, "a lane holds 32 elements of its quad's block");
+
+// This lane's first column in a unit (common/fp8.cuh, quad layout): its v[k] starts 32 k further.
+__device__ __forceinline__ int unit_lane_col() {
+  const int lane = threadIdx.x & 31;
+  return fp8::kBlock * (lane >> 2) + 8 * (lane & 3);
+}
+
+// The rows of one warp: local row j is dst row row0 + kQuantWarps j; lane j < 16 holds the address
+// of its source row (nullptr: a padding row, quantised as zeros: q = 0, s = 0), so the per-row
+// lookups of a task are one load per warp, not a round trip per row, and a shuffle per unit.
+struct QuantRows {
+  uint8_t* dst;     // e4m3 [rows, hidden]
+  float* scale;     // fp32 [ceil(hidden / 128), ld]
+  size_t ld;
+  int hidden;
+  int row0;         // this warp's first dst row
+  int nrows;        // its rows: j < nrows (warp-uniform)
+  const bf16* lane_src;  // lane j < 16: the source row of local row j
+
+  __device__ __forceinline__ const bf16* src(int j) const {
+    const unsigned long long a = reinterpret_cast<unsigned long long>(lane_src);
+    const unsigned long long lo = __shfl_sync(0xffffffffu, static_cast<unsigned>(a), j);
+    const unsigned long long hi = __shfl_sync(0xffffffffu, static_cast<unsigned>(a >> 32), j);
+    return reinterpret_cast<const bf16*>(hi << 32 | lo);
+  }
+  __device__ __forceinline__ int row(int j) const { return row0 + kQuantWarps * j; }
+};
+
+// 16 bytes of x, or zeros where !pred: zeros, then the predicated load into the same registers (as
+// a C++ select, ptxas loaded into temporaries and added four predicated moves per load).
+__device__ __forceinline__ uint4 ldg_or_zero(const bf16* p, bool pred) {
+  uint4 v;
+  asm("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %5, 0;\n\t"
+      "mov.b32 %0, 0;\n\tmov.b32 %1, 0;\n\tmov.b32 %2, 0;\n\tmov.b32 %3, 0;\n\t"
+      "@p ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p), "r"(static_cast<int>(pred)));
+  return v;
+}
+
+// Load unit c of local row j into v; zeros past the row's end, for padding rows and for j >= nrows.
+// All lanes call it (the source lookup is a shuffle).
+__device__ __forceinline__ void load_unit(uint4 (&v)[kUnitSlots], const QuantRows& q, int j, int c) {
+  const bf16* src = q.src(j);
+  const bool row_ok = j < q.nrows && src != nullptr;
+  const int col0 = c * kUnitCols + unit_lane_col();
+  if (row_ok && (c + 1) * kUnitCols <= q.hidden) {  // warp-uniform: the usual case, no predicates
+#pragma unroll
+    for (int k = 0; k < kUnitSlots; ++k) v[k] = __ldg(reinterpret_cast<const uint4*>(src + col0 + 32 * k));
+  } else {
+#pragma unroll
+    for (int k = 0; k < kUnitSlots; ++k) v[k] = ldg_or_zero(src + col0 + 32 * k, row_ok && col0 + 32 * k < q.hidden);
+  }
+}
+
+// Quantise and store unit c of local row j (held in v).  Returns whether one of its blocks needs the
+// div.rn fallback (warp-uniform).  kDiv: that fallback (it loads the unit again itself).
+template <bool kDiv>
+__device__ __forceinline__ bool store_unit(const uint4 (&v)[kUnitSlots], const QuantRows& q, int j, int c) {
+  const int row = q.row(j), col0 = c * kUnitCols + unit_lane_col();
+  uint4 w[kUnitSlots];
+  if (kDiv) {
+    load_unit(w, q, j, c);
+  } else {
+#pragma unroll
+    for (int k = 0; k < kUnitSlots; ++k) w[k] = v[k];
+  }
+  const fp8::QuantizedQuadBlock b = fp8::quantize_block_quad_bf16<kDiv>(w);
+  uint8_t* const dst = q.dst + (size_t)row * q.hidden + col0;
+#pragma unroll
+  for (int k = 0; k < kUnitSlots; ++k)
+    if (col0 + 32 * k < q.hidden) *reinterpret_cast<uint2*>(dst + 32 * k) = b.q[k];
+  if ((threadIdx.x & 3) == 0 && col0 < q.hidden)
+    q.scale[(size_t)(static_cast<unsigned>(col0) / fp8::kBlock) * q.ld + row] = b.scale;
+  return __any_sync(0xffffffffu, b.needs_div);
+}
+
+// Next unit: c along the row, then the next local row.
+__device__ __forceinline__ void next_unit(int& j, int& c, int upr) {
+  const bool wrap = ++c == upr;
+  c = wrap ? 0 : c;
+  j += wrap ? 1 : 0;
+}
+
+// The warp's rows, software-pipelined over units: the loads of the kRing - 1 units after unit i are
+// issued before unit i is quantised.  A row with a block that needs div.rn is redone at the end (the
+// same lanes store to the same addresses, so the later stores win).
+// R: the ring's units (kRing in the forward; the FP8 backward takes fewer registers, see there).
+template <int R = kRing>
+__device__ __forceinline__ void quantize_rows_warp(const QuantRows& q) {
+  const int upr = (q.hidden + kUnitCols - 1) / kUnitCols;  // units per row
+  int lj = 0, lc = 0;  // the next unit to load
+  int sj = 0, sc = 0;  // the next unit to quantise
+  uint32_t redo = 0;   // bit j: local row j
+  uint4 ring[R][kUnitSlots];
+#pragma unroll
+  for (int k = 0; k < R - 1; ++k) {
+    load_unit(ring[k], q, lj, lc);
+    next_unit(lj, lc, upr);
+  }
+  while (sj < q.nrows) {
+#pragma unroll
+    for (int k = 0; k < R; ++k) {
+      if (sj >= q.nrows) break;  // warp-uniform
+      load_unit(ring[(k + R - 1) % R], q, lj, lc);
+      next_unit(lj, lc, upr);
+      if (store_unit<false>(ring[k], q, sj, sc)) redo |= 1u << sj;
+      next_unit(sj, sc, upr);
+    }
+  }
+#pragma unroll 1
+  for (; redo != 0; redo &= redo - 1) {
+    const int j = __ffs(redo) - 1;
+#pragma unroll 1
+    for (int c = 0; c < upr; ++c) store_unit<true>(ring[0], q, j, c);
+  }
+}
+
+}  // namespace fp8f
+}  // namespace mok
