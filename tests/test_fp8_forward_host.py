@@ -253,5 +253,6 @@ def test_quantized_weights_must_come_from_the_backend_that_runs_them():
 def test_cuda_backward_on_an_fp8_workspace_is_refused_not_run_in_bf16():
     from mok_rt.backends.cuda import CudaBackend
     with pytest.raises(mok.ArgumentError) as ei:
-        CudaBackend.backward(SimpleNamespace(_fp8=True), None, None, None, None, out={}, accumulate=False, stream=None)
+        CudaBackend.backward(SimpleNamespace(_fp8=True), None, None, None, None, out={}, grad_dtype=None,
+                             accumulate=False, stream=None)
     assert ei.value.argument == "precision" and "backward of 'fp8_block' is not built yet" in str(ei.value)

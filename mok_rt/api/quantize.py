@@ -61,5 +61,6 @@ def quantize_weights(ws, experts, shared=None, *, for_backward: bool = True, str
 def _device_weights(rank, weights, name, shapes, stream):
     """The three bf16 device views of one group (checked: device, dtype, shape, alignment)."""
     w = _triple(weights, name)
-    return [_view(rank, obj, f"{name}.{part}", shape=shape, dtype=_floats(rank), stream=stream)
+    a = _accepts(rank)
+    return [_view(a, obj, f"{name}.{part}", shape=shape, dtype=a.floats, stream=stream)
             for part, obj, shape in zip(("gate", "up", "down"), w, shapes)]

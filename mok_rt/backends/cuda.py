@@ -506,7 +506,7 @@ class CudaBackend:
             parts["out"] = ((T, dims.hidden), dtypes.bfloat16)
         block = self._block(parts, stream, capturing, poison=True)
         out = block.pop("out", None)
-        scratch = self._scratch_ptrs("forward_fp8", {n: nb for n, nb in sizes.items()
+        scratch, _ = self._scratch_ptrs("forward_fp8", {n: nb for n, nb in sizes.items()
                                                      if _FP8_FORWARD[n].role in ("scratch", "counters")},
                                      stream, capturing)
         wq = {}
@@ -521,7 +521,7 @@ class CudaBackend:
         M8.launch_forward_fp8(fb, sched._launch_bufs, dims, stream=stream, err_ptr=self.error.device_ptr,
                               device_id=self.device_id, knobs=self.knobs, context_only=context_only,
                               trace_ptr=trace, plan=plan)
-        return out, _ForwardState(dims=dims, bufs=block, keep=(args, sched, routed, shared))
+        return out, _ForwardState(dims, block, (), (args, sched, routed, shared))   # bufs: Tensors (the FP8 context)
 
     @staticmethod
     def _forward_parts(sh: _Shapes, context_only: bool) -> dict:
