@@ -6,15 +6,14 @@
 # kills its process's CUDA context, and the first GPU run lost 40 tests to one illegal instruction.
 #   probe    tests/test_fp8_gemm_probe_gpu.py (quantisers, both GEMM schedules, FP8PROBE timings)
 #   forward  tests/test_fp8_forward_gpu.py (the megakernel against the FP8 oracle)
-#   bf16     tests/test_layer_gpu.py tests/test_moe_tma_gpu.py (the bf16 path, unchanged)
-#   bench    bench/bench_fp8_forward.py, qwen3-30b-a3b (T = 16384) only
+#   bf16     the bf16 GPU tests of the host paths FP8 shares (layer, TMA, prepared calls, graphs, DLPack)
+#   bench    bench/bench_fp8_forward.py, qwen3-30b-a3b (T = 16384) and the deepseek-v3 EP = 8 slice
 #   profile  a per-task trace of the FP8 forward (bench/profile_layer.py --precision fp8_block)
 # Logs under $OUT; a short summary per part.
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-cd "$(dirname "$0")/.."; out="${OUT:-gpu_logs}"; mkdir -p "$out"
-PIP_NO_INDEX=1 PIP_FIND_LINKS="$PWD/.whl" python3 -m pip install -q -e '.[test]' > "$out/install.txt" 2>&1
-echo "install rc=$?" >> "$out/install.txt"; echo "== install"; tail -1 "$out/install.txt"
+source "$(dirname "$0")/gpu_env.sh"
+offline_install
+echo "== install"; tail -1 "$out/install.txt"
 
 run_pytest() {  # name budget_s files...
   local name=$1 budget=$2; shift 2
@@ -31,10 +30,11 @@ for part in "${parts[@]}"; do
   case "$part" in
     probe) run_pytest probe 200 tests/test_fp8_gemm_probe_gpu.py ;;
     forward) run_pytest forward 240 tests/test_fp8_forward_gpu.py ;;
-    bf16) run_pytest bf16 300 tests/test_layer_gpu.py tests/test_moe_tma_gpu.py ;;
+    bf16) run_pytest bf16 300 tests/test_layer_gpu.py tests/test_moe_tma_gpu.py tests/test_prepared_calls_gpu.py \
+            tests/test_graphs_gpu.py tests/test_dlpack_gpu.py ;;
     bench)
-      timeout 120 python3 bench/bench_fp8_forward.py --shapes qwen3-30b-a3b --iters 10 > "$out/bench_fp8.txt" 2>&1
-      echo "bench rc=$?" >> "$out/bench_fp8.txt"; echo "== bench"; tail -4 "$out/bench_fp8.txt" ;;
+      timeout 120 python3 bench/bench_fp8_forward.py --shapes qwen3-30b-a3b,deepseek-v3-ep8-slice --iters 10 > "$out/bench_fp8.txt" 2>&1
+      echo "bench rc=$?" >> "$out/bench_fp8.txt"; echo "== bench"; tail -5 "$out/bench_fp8.txt" ;;
     profile)
       timeout 120 python3 bench/profile_layer.py --shape qwen3-30b-a3b --precision fp8_block --iters 3 \
           --trace "$out/fp8_trace.json" > "$out/profile_fp8.txt" 2>&1
