@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The fp8_block engine and forward on the GPU (one device call of at most 10 minutes per part).
 #     bash scripts/gpu_fp8.sh [all|probe|forward|bf16|bench|profile]...      (default: all)
-# all = probe, forward, bench (qwen3 only).  Each test file runs in a pytest process of its own, and
+# all = probe, forward, bench.  Each test file runs in a pytest process of its own, and
 # inside it every GEMM / forward test in a child process (tests/_gpu.run_isolated): a kernel fault
 # kills its process's CUDA context, and the first GPU run lost 40 tests to one illegal instruction.
 #   probe    tests/test_fp8_gemm_probe_gpu.py (quantisers, both GEMM schedules, FP8PROBE timings)
