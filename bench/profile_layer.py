@@ -33,7 +33,7 @@ def main() -> int:
     ap.add_argument("--grad-dtype", choices=("float32", "bfloat16"), default="float32",
                     help="dtype of the weight gradients (caller buffers)")
     ap.add_argument("--precision", choices=("bf16", "fp8_block"), default="bf16",
-                    help="fp8_block: the forward only (its backward is not built), on weights quantised "
+                    help="fp8_block: the forward only (its backward kernel is incomplete), on weights quantised "
                          "once by mok.quantize_weights")
     args = ap.parse_args()
     import cupy as cp

@@ -15,17 +15,19 @@ on the host: the layout of a call's result block, recycled result blocks, and pr
   enqueues the cached launch; anything that changes (a new pointer, shape, stream, a grown
   scratch buffer) is a different key.  Captured, traced and expert-parallel calls are not cached
   (their pointers are fresh per capture, their trace buffers and EP epochs per launch).
+* :class:`ForwardState`: what a forward hands to its backward (the context's buffers).
 """
 from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from dataclasses import dataclass, field
 
 from mok_rt.interop import dtypes
 from mok_rt.interop.dlpack import _c_strides
 from mok_rt.interop.tensor import Tensor
 
-__all__ = ["ALIGN", "Layout", "Recycler", "PreparedCalls"]
+__all__ = ["ALIGN", "Layout", "Recycler", "PreparedCalls", "ForwardState", "device_ptr"]
 
 ALIGN = 256                 # byte alignment of every buffer carved from a call's block
 _MAX_SPARES = 8             # recycled result blocks kept per rank (the oldest are freed)
@@ -160,3 +162,20 @@ class PreparedCalls:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+@dataclass
+class ForwardState:
+    """The forward's context buffers (bf16: their addresses in the call's block, 0 for a buffer of
+    0 bytes; fp8_block: Tensors), and what must outlive the launch: the block's owner and the
+    inputs.  ``weights``: the FP8 forward's (routed, shared) DeviceQuantized, () for bf16."""
+
+    dims: object
+    bufs: dict
+    keep: tuple = field(default=(), repr=False)
+    weights: tuple = field(default=(), repr=False)
+
+
+def device_ptr(v) -> int:
+    """A view's or tensor's device address; 0 for None."""
+    return 0 if v is None else v.ptr
