@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The fp8_block engine, forward and backward on the GPU (one device call of at most 10 minutes per part).
 #     bash scripts/gpu_fp8.sh [all|probe|forward|backward|bf16|bench|profile]...      (default: all)
-# all = probe, forward, bench (qwen3 only; backward is asked for by name while its kernel is incomplete).  Each test file runs in a pytest process of its own, and
-# inside it every GEMM / forward test in a child process (tests/_gpu.run_isolated): a kernel fault
+# all = probe, forward, bench (qwen3 only; backward by name while its kernel is incomplete).
+# Each test file runs in a pytest process of its own, and inside it every GEMM / forward /
+# backward test in a child process (tests/_gpu.run_isolated): a kernel fault
 # kills its process's CUDA context, and the first GPU run lost 40 tests to one illegal instruction.
 #   probe    tests/test_fp8_gemm_probe_gpu.py (quantisers, both GEMM schedules, FP8PROBE timings)
 #   forward  tests/test_fp8_forward_gpu.py (the megakernel against the FP8 oracle)
