@@ -276,6 +276,29 @@ def test_caller_buffers_accumulate_bf16_and_zero_tokens(launches):
         assert q0.plan8.token_rows == 0 and q0.p.dims.tokens == 0 and q0.q.ts == q0.q.dsguq == 0
 
 
+def test_repeats_hit_the_prepared_call_and_captures_take_the_arena(launches):
+    with null_driver() as drv, _ws() as ws:
+        a = _Inputs()
+        qw = mok.quantize_weights(ws, a.experts, a.shared)
+        _, ctx = mok.forward(ws, mok.schedule(ws, a.ids), a.x, a.tw, qw)
+        impl = ws._single()._impl
+        g = mok.backward(ws, ctx, a.d_out)
+        first, dx = launches[-1], g.dx.ptr
+        del g                                   # its block comes back to the next backward
+        hits, misses = impl._calls.hits, impl._calls.misses
+        g = mok.backward(ws, ctx, a.d_out)
+        assert (impl._calls.hits, impl._calls.misses) == (hits + 1, misses) and g.dx.ptr == dx
+        assert launches[-1] == first            # the same launch, bit for bit
+        # Captured: the results and the scratch from the graph arena, nothing cached.
+        drv.capturing = True
+        n, arena = len(impl._calls), ws.memory_bytes()["graph_arena"]
+        gc = mok.backward(ws, ctx, a.d_out)
+        drv.capturing = False
+        q = _bwd(launches[-1][1]).p
+        assert len(impl._calls) == n and ws.memory_bytes()["graph_arena"] > arena
+        assert gc.dx.ptr != dx and q.q.dq != _bwd(first[1]).p.q.dq and gc.dx._producer_stream is None
+
+
 def test_bad_input_still_raises_and_launches_nothing(launches):
     with null_driver(), _ws() as ws:
         a = _Inputs()
