@@ -127,13 +127,14 @@ class Fp8Calls:
                                  weights=(routed, shared))
 
     # -- backward -----------------------------------------------------------------------------------
-    def _transposed_weights(self, state: ForwardState, args, stream, capturing: bool) -> dict:
+    def _transposed_weights(self, state: ForwardState, args, stream, capturing: bool) -> tuple[dict, object]:
         """The ``wt`` pointers of moe_backward_fp8 (MoEFp8WeightsT): the QuantizedWeights' transposed
-        copies, or (missing there) quantised now on ``stream`` from the master weights (module doc)."""
+        copies, or (missing there) quantised now on ``stream`` from the master weights (module doc);
+        and the block holding copies made here (None if none), to keep until the launch is enqueued."""
         routed, shared = state.weights
         masters = {"": (args.w_gate, args.w_up, args.w_down),
                    "shared_": (args.shared_gate, args.shared_up, args.shared_down)}
-        wt, todo = {}, []
+        wt, todo, block = {}, [], None
         for prefix, g in (("", routed), ("shared_", shared)):
             for part in _QPARTS:
                 wt[f"{prefix}{part}_t"] = wt[f"{prefix}{part}_t_s"] = 0
@@ -159,10 +160,8 @@ class Fp8Calls:
             Q8.launch_quantize([(v.ptr, Q8.as_shape3(tuple(v.shape)), 0, 0, block[f"{name}_t"].ptr,
                                  block[f"{name}_t_s"].ptr) for name, v in todo],
                                stream=stream, device_id=self.device_id)
-            # The block is released when this call returns: the pool (or the recycler, same stream
-            # only) hands it out again after the launch below in stream order.
             wt.update({n: t.ptr for n, t in block.items()})
-        return wt
+        return wt, block
 
     def _run_backward_fp8(self, sched, state: ForwardState, dout, args, *, out, accumulate: bool, stream):
         """The "fp8_block" backward (moe_backward_fp8) of a context of the FP8 forward or of
@@ -177,7 +176,7 @@ class Fp8Calls:
         T = dims.tokens
         sh = self._shapes_for(T)
         sizes = self._fp8_bytes("backward", dims)
-        # dx, d_topk_weights and the weight gradients the caller did not pass: one block, as bf16.
+        # dx, d_topk_weights and the weight gradients the caller did not pass: one block, as in bf16.
         given = tuple(n for n in _GRAD_NAMES if sizes[n] and out.get(n) is not None)
         grad_dtype = next((v.dtype for v in out.values() if v is not None), dtypes.float32)
         lay = sh.layout(("backward", given, grad_dtype.name), lambda: self._backward_parts(sh, given, grad_dtype))
@@ -188,7 +187,7 @@ class Fp8Calls:
         scratch = self._scratch_ptrs("backward_fp8", {n: nb for n, nb in sizes.items()
                                                       if _FP8_BACKWARD[n].role in ("scratch", "counters")},
                                      stream, capturing)
-        wt = self._transposed_weights(state, args, stream, capturing)
+        wt, copies = self._transposed_weights(state, args, stream, capturing)
         fwd = self._fp8_bytes("forward", dims)
         ctx = {n: (t.ptr if fwd[n] else 0) for n, t in state.bufs.items()}
         grad_ptrs = tuple(device_ptr(grads[n]) for n in _GRAD_NAMES)
@@ -210,6 +209,9 @@ class Fp8Calls:
             if cacheable:
                 self._calls.put(key, prep)
         prep()
+        # Copies made for this call are released now: like every result block, reused only by a
+        # later call on this stream (after this launch in stream order) or freed on it.
+        del copies
         dx._owner = (dx._owner, args, dout)   # keep the inputs alive with the result
         return dict(dx=dx, d_topk_weights=dtw, **{n: grads[n] for n in _GRAD_NAMES})
 
