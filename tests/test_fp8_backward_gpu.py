@@ -9,8 +9,9 @@ mok_rt/reference/fp8.py backward_fp8 lists its quantisation points).
   notes"), zero in the padding columns [I, Ip);
 * dx, d_topk_weights and every weight gradient within relative Frobenius 5e-3 (FP8ERR lines);
 * every output poisoned with NaN first (poison_outputs=True): each must be written, finite;
-* two runs bit for bit equal; recompute_context then backward, and forward on bf16 master weights
-  (the transposed copies then quantised inside the backward) then backward: the same bits.
+* two runs bit for bit equal; recompute_context then backward, and a forward on bf16 master
+  weights or on quantize_weights(for_backward=False) (the transposed copies then quantised inside
+  the backward) then backward: the same bits.
 
 Each test runs in a child process of its own (tests/_gpu.run_isolated; MOK_RT_GPU_ISOLATE=0 runs
 them here).  Run: ``python -m pytest -q tests/test_fp8_backward_gpu.py -s`` (prints FP8ERR lines).
@@ -81,9 +82,10 @@ def _bits(a):
 
 
 def run_gpu(cfg, h, d_out, *, max_tokens=None):
-    """The CUDA FP8 backward, four ways on one workspace: twice on the forward's context (the first
-    run's scratch kept), on recompute_context's, and on the context of a forward on bf16 master
-    weights (transposed copies quantised in the backward)."""
+    """The CUDA FP8 backward, five ways on one workspace: twice on the forward's context (the first
+    run's scratch kept), on recompute_context's, and on the contexts of a forward on bf16 master
+    weights and on quantize_weights(for_backward=False) (the transposed copies then quantised in the
+    backward)."""
     d = {n: cp.asarray(v) for n, v in h.items() if n != "shared"}
     dout = cp.asarray(d_out)
     sh = None if h["shared"][0] is None else mok.ExpertWeights(*(cp.asarray(s) for s in h["shared"]))
@@ -104,8 +106,10 @@ def run_gpu(cfg, h, d_out, *, max_tokens=None):
         g3 = mok.backward(ws, ctx_r, dout)
         _, ctx_m = mok.forward(ws, sched, d["x"], d["tw"], ew, shared=sh)
         g4 = mok.backward(ws, ctx_m, dout)
+        _, ctx_f = mok.forward(ws, sched, d["x"], d["tw"], mok.quantize_weights(ws, ew, sh, for_backward=False))
+        g5 = mok.backward(ws, ctx_f, dout)
         ws.synchronize()
-        res["runs"] = [_grads(g) for g in (g1, g2, g3, g4)]
+        res["runs"] = [_grads(g) for g in (g1, g2, g3, g4, g5)]
     return res
 
 
@@ -194,7 +198,7 @@ def check_case(name, cfg, h, *, seed=0, **kw):
     print(REPORT[-1])
     for n in first:
         assert errs[n] <= TOL, f"{name}: {n} relative error {errs[n]:.3e} > {TOL}"
-    # Every run bit for bit: repeated, after recompute_context, on master weights (copies made in the call).
+    # Every run bit for bit: repeated, after recompute_context, with the copies made in the backward.
     for i, run in enumerate(got["runs"][1:], 1):
         for n, a in first.items():
             np.testing.assert_array_equal(_bits(run[n]), _bits(a), err_msg=f"{name}: run {i} {n} differs")
