@@ -23,6 +23,7 @@ from mok_rt.kernels import fp8_quantize as Q8  # noqa: E402
 from mok_rt.kernels import moe_fp8_bwd as MB  # noqa: E402
 from mok_rt.kernels import moe_launch as L  # noqa: E402
 from mok_rt.kernels import moe_params_fp8 as F  # noqa: E402
+from mok_rt.kernels import moe_params as P  # noqa: E402
 from mok_rt.kernels import moe_params_fp8_bwd as B  # noqa: E402
 from mok_rt.runtime import launch as rlaunch  # noqa: E402
 
@@ -354,3 +355,23 @@ def test_launch_checks_name_the_buffer():
     assert sizes["counters"] == 4 * MB.backward_plan(d).counter_words
     assert sizes["dguq"] == 1024 * 2 * 256 and sizes["dq"] == (256 + 1024) * H and "gu" not in sizes
     assert "dyq" not in sizes and "gate_t" not in sizes
+
+
+def test_every_pointer_of_the_struct_has_a_source():
+    """Each pointer field of MoEFp8BackwardParams comes from the launch's table, is a view, a
+    counter of the plan, the error word / trace, or is null by design (the bf16 weights, x)."""
+    table = {b.name for b in MB.FP8_BACKWARD_TABLE}
+    views, nulls = {"dyq", "dy_routed", "x_routed"}, {"x"} | {n for n, _ in P.MoEWeights._fields_}
+    counters = {c.name for c in MB.backward_plan(L.LayerDims(
+        tokens=T, hidden=H, intermediate=I, top_k=K, local_experts=E, capacity_rows=1024,
+        shared_intermediate=Is)).counters}
+    sched = {n for n, _ in P.MoESchedule._fields_}
+    fields = set()
+    for struct in (P.MoEContext, P.MoEWeightGrads, B.MoEFp8WeightsT, F.MoEFp8Context, B.MoEFp8BackwardScratch):
+        fields |= {n for n, _ in struct._fields_}
+    fields |= {n for n, t in P.MoEBackwardParams._fields_ if t is ctypes.c_uint64} - {"err", "trace"}
+    fields |= {n for n, t in B.MoEFp8BackwardParams._fields_ if t is ctypes.c_uint64}
+    assert fields - table - views - nulls - counters - sched == set()
+    assert table - fields == {"counters"}       # and nothing in the table is left unused
+    assert counters >= {n for n, _ in P.MoEBackwardCounters._fields_} | {"token_dq_ready", "expert_widen_ready",
+                                                                          "prep_done"}
