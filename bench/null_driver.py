@@ -46,7 +46,8 @@ class NullDriver:
     def __init__(self):
         self.counts: dict[str, int] = {}
         self.launches: list = []      # (function, config, kernelParams) of every cuLaunchKernelEx
-        self.memsets: list = []
+        self.memsets: list = []       # (pointer, value, words) of every cuMemsetD32Async
+        self.memsets8: list = []      # (pointer, value, bytes) of every cuMemsetD8Async
         self.capturing = False
         self.record_launches = False
         self._ids = itertools.count(0x10)
@@ -119,6 +120,11 @@ class NullDriver:
     def _cuMemsetD32Async(self, ptr, value, words, stream):
         if self.record_launches:
             self.memsets.append((int(ptr), value, words))
+        return (_OK,)
+
+    def _cuMemsetD8Async(self, ptr, value, nbytes, stream):
+        if self.record_launches:
+            self.memsets8.append((int(ptr), value, nbytes))
         return (_OK,)
 
     def _cuGetErrorString(self, res):
@@ -226,10 +232,13 @@ def null_driver():
     for c in caches:
         c.cache_clear()
     handles, loaded = dict(_cubins._handles), set(_cubins._loaded)
+    from mok_rt.kernels import moe_fp8 as _fp8
+    from mok_rt.kernels import moe_fp8_bwd as _fp8_bwd
     from mok_rt.kernels import moe_launch as _launch
     from mok_rt.kernels import moe_maps as _maps
     from mok_rt.runtime import launch as _rlaunch
-    memos = [(d, dict(d)) for d in (_launch._fit_cache, _launch._maps_cache, _maps._cache, _rlaunch._smem_set)]
+    memos = [(d, dict(d)) for d in (_launch._fit_cache, _launch._maps_cache, _maps._cache, _rlaunch._smem_set,
+                                    _fp8._maps_cache, _fp8_bwd._maps_cache)]
     try:
         for mod, name, _, new in saved:
             setattr(mod, name, new)

@@ -4,6 +4,7 @@
     ncu --clock-control none --print-summary per-kernel python bench/profile_layer.py --iters 2
     python bench/profile_layer.py --shape deepseek-v3 --iters 3 --trace ds.json   # per-task timeline
     python bench/profile_layer.py --shape qwen3-30b-a3b --precision fp8_block --trace fp8.json   # forward only
+    python bench/profile_layer.py --shape qwen3-30b-a3b --precision fp8_block --fp8-backward    # and moe_backward_fp8
 
 Kernel durations come from ncu (or from the device-time column when the host is not the limit).
 """
@@ -33,8 +34,10 @@ def main() -> int:
     ap.add_argument("--grad-dtype", choices=("float32", "bfloat16"), default="float32",
                     help="dtype of the weight gradients (caller buffers)")
     ap.add_argument("--precision", choices=("bf16", "fp8_block"), default="bf16",
-                    help="fp8_block: the forward only (its backward is not built), on weights quantised "
-                         "once by mok.quantize_weights")
+                    help="fp8_block: the forward only (unless --fp8-backward), on weights quantised once by "
+                         "mok.quantize_weights")
+    ap.add_argument("--fp8-backward", action="store_true",
+                    help="fp8_block: the backward too (moe_backward_fp8; its kernel may still be incomplete)")
     args = ap.parse_args()
     import cupy as cp
     import mok_rt as mok
@@ -79,7 +82,7 @@ def main() -> int:
             t2 = time.perf_counter()
             stream.sync()
             t3 = time.perf_counter()
-            if fp8:
+            if fp8 and not args.fp8_backward:
                 print(f"iter {it}: host schedule {1e3 * (t1 - t0):.3f} ms, forward {1e3 * (t2 - t1):.3f} ms, "
                       f"sched+fwd done {1e3 * (t3 - t0):.3f} ms ({flops / (t3 - t0) / 1e12:.1f} TF/s)", flush=True)
                 del out, ctx

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# The fp8_block engine and forward on the GPU (one device call of at most 10 minutes per part).
-#     bash scripts/gpu_fp8.sh [all|probe|forward|bf16|bench|profile]...      (default: all)
-# all = probe, forward, bench.  Each test file runs in a pytest process of its own, and
-# inside it every GEMM / forward test in a child process (tests/_gpu.run_isolated): a kernel fault
-# kills its process's CUDA context, and the first GPU run lost 40 tests to one illegal instruction.
+# The fp8_block engine, forward and backward on the GPU (one device call of at most 10 minutes per part).
+#     bash scripts/gpu_fp8.sh [all|probe|forward|backward|bf16|bench|profile]...      (default: all)
+# all = probe, forward, backward, bench.  Each test file runs in a pytest process of its own, and
+# inside it every GEMM / forward / backward test in a child process (tests/_gpu.run_isolated): a
+# kernel fault kills its process's CUDA context, and the first GPU run lost 40 tests to one
+# illegal instruction.
 #   probe    tests/test_fp8_gemm_probe_gpu.py (quantisers, both GEMM schedules, FP8PROBE timings)
 #   forward  tests/test_fp8_forward_gpu.py (the megakernel against the FP8 oracle)
+#   backward tests/test_fp8_backward_gpu.py (moe_backward_fp8 against the oracle's backward_fp8)
 #   bf16     the bf16 GPU tests of the host paths FP8 shares (layer, TMA, prepared calls, graphs, DLPack)
-#   bench    bench/bench_fp8_forward.py, qwen3-30b-a3b (T = 16384) and the deepseek-v3 EP = 8 slice
+#   bench    bench/bench_fp8_forward.py --backward, qwen3-30b-a3b (T = 16384) and the deepseek-v3 EP = 8 slice
 #   profile  a per-task trace of the FP8 forward (bench/profile_layer.py --precision fp8_block)
 # Logs under $OUT; a short summary per part.
 set -uo pipefail
@@ -24,16 +26,17 @@ run_pytest() {  # name budget_s files...
 
 parts=()
 for part in "${@:-all}"; do
-  if [ "$part" = all ]; then parts+=(probe forward bench); else parts+=("$part"); fi
+  if [ "$part" = all ]; then parts+=(probe forward backward bench); else parts+=("$part"); fi
 done
 for part in "${parts[@]}"; do
   case "$part" in
     probe) run_pytest probe 200 tests/test_fp8_gemm_probe_gpu.py ;;
     forward) run_pytest forward 240 tests/test_fp8_forward_gpu.py ;;
+    backward) run_pytest backward 240 tests/test_fp8_backward_gpu.py ;;
     bf16) run_pytest bf16 300 tests/test_layer_gpu.py tests/test_moe_tma_gpu.py tests/test_prepared_calls_gpu.py \
             tests/test_graphs_gpu.py tests/test_dlpack_gpu.py ;;
     bench)
-      timeout 120 python3 bench/bench_fp8_forward.py --shapes qwen3-30b-a3b,deepseek-v3-ep8-slice --iters 10 > "$out/bench_fp8.txt" 2>&1
+      timeout 200 python3 bench/bench_fp8_forward.py --shapes qwen3-30b-a3b,deepseek-v3-ep8-slice --iters 10 --backward > "$out/bench_fp8.txt" 2>&1
       echo "bench rc=$?" >> "$out/bench_fp8.txt"; echo "== bench"; tail -5 "$out/bench_fp8.txt" ;;
     profile)
       timeout 120 python3 bench/profile_layer.py --shape qwen3-30b-a3b --precision fp8_block --iters 3 \

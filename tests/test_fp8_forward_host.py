@@ -250,9 +250,10 @@ def test_quantized_weights_must_come_from_the_backend_that_runs_them():
                     None)
 
 
-def test_cuda_backward_on_an_fp8_workspace_is_refused_not_run_in_bf16():
+def test_cuda_fp8_backward_with_expert_parallelism_is_refused():
+    # (A workspace refuses fp8_block with EP first; the backward says so again before anything runs.)
     from mok_rt.backends.cuda import CudaBackend
     with pytest.raises(mok.ArgumentError) as ei:
-        CudaBackend.backward(SimpleNamespace(_fp8=True), None, None, None, None, out={}, grad_dtype=None,
-                             accumulate=False, stream=None)
-    assert ei.value.argument == "precision" and "backward of 'fp8_block' is not built yet" in str(ei.value)
+        CudaBackend._run_backward_fp8(SimpleNamespace(ep=object()), None, None, None, None, out={}, grad_dtype=None,
+                                      accumulate=False, stream=None)
+    assert ei.value.argument == "precision" and "one rank only" in str(ei.value)

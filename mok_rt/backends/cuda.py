@@ -28,14 +28,13 @@ import numpy as np
 from mok_rt.errors import ArgumentError
 from mok_rt.interop import dtypes
 from mok_rt.interop.tensor import Tensor
-from mok_rt.kernels import fp8_quantize as Q8
-from mok_rt.kernels import moe_fp8 as M8
 from mok_rt.kernels import moe_launch as L
 from mok_rt.kernels import moe_params as P
 from mok_rt.kernels import trace as _trace
 from mok_rt.kernels.schedule import (Schedule, build_schedule, build_schedule_ep, output_shapes, poison_schedule,
                                      scratch_words)
-from mok_rt.backends.cuda_calls import Layout, PreparedCalls, Recycler
+from mok_rt.backends.cuda_calls import ForwardState, Layout, PreparedCalls, Recycler, device_ptr
+from mok_rt.backends.cuda_fp8 import Fp8Calls
 from mok_rt.runtime.device import activate
 from mok_rt.runtime.driver import call, driver
 from mok_rt.runtime.errorword import ErrorWord, device_error
@@ -46,20 +45,6 @@ _MAX_PENDING_TRACES = 64   # traced launches kept until take_traces() (the oldes
 _DTYPES = {"bf16": dtypes.bfloat16, "f32": dtypes.float32, "i32": dtypes.int32}
 _FORWARD = {b.name: b for b in P.FORWARD_BUFFERS}
 _BACKWARD = {b.name: b for b in P.BACKWARD_BUFFERS}
-_QPARTS = ("gate", "up", "down")
-_FP8_FORWARD = {b.name: b for b in M8.F.FP8_FORWARD_BUFFERS}
-
-
-class _ForwardState:
-    """The forward's context buffers (their addresses in the call's block, 0 for a buffer of 0
-    bytes; ``bufs_key`` the same as a tuple, for the backward's cache key), and what must
-    outlive the launch: the block's owner and the inputs.  ``bufs`` may be shared with other
-    calls of the same block (the prepared forward's): read only."""
-
-    __slots__ = ("dims", "bufs", "bufs_key", "keep")
-
-    def __init__(self, dims: L.LayerDims, bufs: dict, bufs_key: tuple, keep: tuple = ()):
-        self.dims, self.bufs, self.bufs_key, self.keep = dims, bufs, bufs_key, keep
 
 
 @dataclass(frozen=True)
@@ -83,7 +68,7 @@ class _Shapes:
         return lay
 
 
-class CudaBackend:
+class CudaBackend(Fp8Calls):
     def __init__(self, ws, ep=None):
         self.ws = ws
         self.ep = ep
@@ -119,8 +104,8 @@ class CudaBackend:
         self._calls = PreparedCalls()           # prepared launches of calls that repeat (cuda_calls.py)
         self._poison = bool(ws.poison_outputs)
         self._peak = 0                          # memory_bytes()["peak"]
-        self._fp8 = cfg.precision == "fp8_block"   # the forward runs moe_forward_fp8 (one rank; no backward yet)
-        self._fp8_sizes: dict[int, dict] = {}      # token count -> moe_forward_fp8's buffer bytes
+        self._fp8 = cfg.precision == "fp8_block"   # moe_forward_fp8 / moe_backward_fp8 (one rank; cuda_fp8.py)
+        self._fp8_sizes: dict[tuple, dict] = {}    # ("forward" / "backward", token count) -> buffer bytes
 
     # -- lifetime / errors ---------------------------------------------------------------------
     def close(self) -> None:
@@ -213,12 +198,12 @@ class CudaBackend:
             call("cuMemsetD8Async", driver.CUdeviceptr(base), 0xFF, total, driver.CUstream(handle))
         return base, owner
 
-    def _block(self, parts: dict, stream, capturing: bool, *, poison: bool) -> dict:
+    def _block(self, parts: dict, stream, capturing: bool, *, poison: bool, tag=None) -> dict:
         """One allocation for a call's results, carved into tensors: ``parts`` maps a name to
-        (shape, DType); every part starts on a 256-byte boundary."""
+        (shape, DType); every part starts on a 256-byte boundary.  ``tag``: as for _results."""
         lay = Layout(parts)
         handle = self.ws._stream_int(stream)
-        base, owner = self._results(lay.total, stream, handle, capturing, poison=poison)
+        base, owner = self._results(lay.total, stream, handle, capturing, poison=poison, tag=tag)
         return lay.tensors(base, self.device_id, owner, None if capturing else stream, handle)
 
     def _scratch_ptrs(self, kind: str, sizes: dict, stream, capturing: bool) -> tuple[dict, tuple]:
@@ -443,85 +428,7 @@ class CudaBackend:
                 self._calls.put(key, hit)
         prep, ptrs, ptrs_key = hit
         prep()
-        return out, _ForwardState(dims, ptrs, ptrs_key, (args, sched, owner))
-
-    # -- fp8_block (moe_forward_fp8; docs/FP8_DESIGN.md) ---------------------------------------------
-    def quantize(self, groups, *, stream, for_backward: bool = True) -> dict:
-        """``mok.quantize_weights``: ``groups`` [(name, (gate, up, down) bf16 views)] ->
-        {name: DeviceQuantized}, the forward copies and scales (and with ``for_backward`` the
-        transposed input-gradient copies) in one block, one launch."""
-        capturing, _ = self._begin(stream)
-        parts = {}
-        for name, views in groups:
-            for part, v in zip(_QPARTS, views):
-                parts[f"{name}.{part}"] = (v.shape, dtypes.float8_e4m3fn)
-                parts[f"{name}.{part}_scale"] = (Q8.scale_shape(v.shape), dtypes.float32)
-                if for_backward:
-                    vt = Q8.transposed_shape(v.shape)
-                    parts[f"{name}.{part}_t"] = (vt, dtypes.float8_e4m3fn)
-                    parts[f"{name}.{part}_t_scale"] = (Q8.scale_shape(vt), dtypes.float32)
-        block = self._block(parts, stream, capturing, poison=False)
-
-        def dst(name, part):
-            t = (block[f"{name}.{part}"].ptr, block[f"{name}.{part}_scale"].ptr)
-            return t + ((block[f"{name}.{part}_t"].ptr, block[f"{name}.{part}_t_scale"].ptr) if for_backward else ())
-
-        pairs = [(v.ptr, Q8.as_shape3(v.shape), *dst(name, part))
-                 for name, views in groups for part, v in zip(_QPARTS, views)]
-        Q8.launch_quantize(pairs, stream=stream, device_id=self.device_id)
-        names = [*_QPARTS, *(f"{p}_scale" for p in _QPARTS)]
-        if for_backward:
-            names += [*(f"{p}_t" for p in _QPARTS), *(f"{p}_t_scale" for p in _QPARTS)]
-        out = {}
-        for name, views in groups:
-            t = {k: block[f"{name}.{k}"] for k in names}
-            t["gate"]._owner = (t["gate"]._owner, tuple(views))   # the sources outlive the launch
-            out[name] = Q8.DeviceQuantized(**t, device_id=self.device_id)
-        return out
-
-    def _run_forward_fp8(self, sched, args, stream, *, context_only: bool):
-        """The "fp8_block" forward (moe_forward_fp8): on QuantizedWeights, or on bf16 master weights
-        quantised for this call first (one more launch; mok.quantize_weights once per step saves it).
-        Not through the prepared-call cache: every call fills its parameters anew."""
-        capturing, _ = self._begin(stream)
-        T = sched.tokens
-        dims = self._shapes_for(T).dims
-        sizes = self._fp8_sizes.get(T)
-        if sizes is None:
-            if len(self._fp8_sizes) > 64:
-                self._fp8_sizes.clear()
-            sizes = self._fp8_sizes[T] = M8.forward_buffer_bytes(dims)
-        if args.quantized is not None:
-            routed, shared = args.quantized.experts, args.quantized.shared
-        else:
-            groups = [("experts", (args.w_gate, args.w_up, args.w_down))]
-            if args.shared_gate is not None:
-                groups.append(("shared", (args.shared_gate, args.shared_up, args.shared_down)))
-            # Forward copies only: a forward on master weights does not pay for the backward's copies
-            # (the FP8 backward will quantise them from ctx.inputs' weights when they are missing).
-            q = self.quantize(groups, stream=stream, for_backward=False)
-            routed, shared = q["experts"], q.get("shared")
-        parts = {n: ((nb,), dtypes.uint8) for n, nb in sizes.items() if _FP8_FORWARD[n].role == "context"}
-        if not context_only:
-            parts["out"] = ((T, dims.hidden), dtypes.bfloat16)
-        block = self._block(parts, stream, capturing, poison=True)
-        out = block.pop("out", None)
-        scratch, _ = self._scratch_ptrs("forward_fp8", {n: nb for n, nb in sizes.items()
-                                                     if _FP8_FORWARD[n].role in ("scratch", "counters")},
-                                     stream, capturing)
-        wq = {}
-        for prefix, g in (("", routed), ("shared_", shared)):
-            for part in _QPARTS:
-                wq[prefix + part] = 0 if g is None else getattr(g, part).ptr
-                wq[f"{prefix}{part}_s"] = 0 if g is None else getattr(g, f"{part}_scale").ptr
-        fb = M8.Fp8ForwardBuffers(x=args.x.ptr, topk_weights=_ptr(args.topk_weights), out=_ptr(out), **wq,
-                                  **{n: (v.ptr if sizes[n] else 0) for n, v in block.items()}, **scratch)
-        plan = M8.forward_plan(dims, context_only=context_only)
-        trace = self._trace_buffer("recompute" if context_only else "forward", plan, stream, capturing)
-        M8.launch_forward_fp8(fb, sched._launch_bufs, dims, stream=stream, err_ptr=self.error.device_ptr,
-                              device_id=self.device_id, knobs=self.knobs, context_only=context_only,
-                              trace_ptr=trace, plan=plan)
-        return out, _ForwardState(dims, block, (), (args, sched, routed, shared))   # bufs: Tensors (the FP8 context)
+        return out, ForwardState(dims, ptrs, ptrs_key, (args, sched, owner))
 
     @staticmethod
     def _forward_parts(sh: _Shapes, context_only: bool) -> dict:
@@ -536,17 +443,12 @@ class CudaBackend:
     def recompute(self, sched, args, *, stream):
         return self._run_forward(sched, args, stream, context_only=True)[1]
 
-    def backward(self, sched, state: _ForwardState, dout, args, *, out, grad_dtype, accumulate, stream):
+    def backward(self, sched, state: ForwardState, dout, args, *, out, grad_dtype, accumulate, stream):
         """Gradients by kernel name (dx, d_topk_weights, dw_gate ... d_shared_down); ``out``:
         the caller's validated buffers by the same names (None: allocate, in ``grad_dtype``)."""
-        if self._fp8:
-            # Refused before anything is launched: running the bf16 backward on an FP8 context would
-            # silently compute other gradients (docs/FP8_DESIGN.md, step 2 "Not built").
-            raise ArgumentError("precision", "the CUDA backward of 'fp8_block' is not built yet (missing: the FP8 "
-                                             "dA / dX GEMMs, the dSwiGLU quantisation and the wgrad operands; "
-                                             "the transposed weight copies exist); the CUDA backend runs the FP8 "
-                                             "forward and recompute_context only. Use backend='reference' for "
-                                             "FP8 gradients")
+        if self._fp8:   # moe_backward_fp8 (backends/cuda_fp8.py)
+            return self._run_backward_fp8(sched, state, dout, args, out=out, grad_dtype=grad_dtype,
+                                          accumulate=accumulate, stream=stream)
         capturing, handle = self._begin(stream)
         dims = state.dims
         T = dims.tokens
@@ -605,15 +507,13 @@ class CudaBackend:
         return parts
 
 
-def _ptr(v) -> int:
-    return 0 if v is None else v.ptr
-
-
 def _input_ptrs(args) -> tuple:
     """x, topk_weights, the routed and the shared expert's weights (0: none)."""
     if args.shared_gate is None:
-        return (args.x.ptr, args.topk_weights.ptr, _ptr(args.w_gate), _ptr(args.w_up), _ptr(args.w_down), 0, 0, 0)
-    return (args.x.ptr, args.topk_weights.ptr, _ptr(args.w_gate), _ptr(args.w_up), _ptr(args.w_down),
+        return (args.x.ptr, args.topk_weights.ptr, device_ptr(args.w_gate), device_ptr(args.w_up),
+                device_ptr(args.w_down), 0, 0, 0)
+    return (args.x.ptr, args.topk_weights.ptr, device_ptr(args.w_gate), device_ptr(args.w_up),
+                device_ptr(args.w_down),
             args.shared_gate.ptr, args.shared_up.ptr, args.shared_down.ptr)
 
 

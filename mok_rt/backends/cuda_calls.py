@@ -15,6 +15,7 @@ on the host: the layout of a call's result block, recycled result blocks, and pr
   enqueues the cached launch; anything that changes (a new pointer, shape, stream, a grown
   scratch buffer) is a different key.  Captured, traced and expert-parallel calls are not cached
   (their pointers are fresh per capture, their trace buffers and EP epochs per launch).
+* :class:`ForwardState`: what a forward hands to its backward (the context's buffers).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from mok_rt.interop import dtypes
 from mok_rt.interop.dlpack import _c_strides
 from mok_rt.interop.tensor import Tensor
 
-__all__ = ["ALIGN", "Layout", "Recycler", "PreparedCalls"]
+__all__ = ["ALIGN", "Layout", "Recycler", "PreparedCalls", "ForwardState", "device_ptr"]
 
 ALIGN = 256                 # byte alignment of every buffer carved from a call's block
 _MAX_SPARES = 8             # recycled result blocks kept per rank (the oldest are freed)
@@ -166,3 +167,21 @@ class PreparedCalls:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+class ForwardState:
+    """The forward's context buffers and what must outlive the launch (the block's owner, the
+    inputs).  bf16: ``bufs`` their addresses in the call's block (0 for a buffer of 0 bytes),
+    ``bufs_key`` the same as a tuple (the backward's cache key), shared with the other calls of the
+    same prepared forward: read only.  fp8_block: ``bufs`` Tensors, ``weights`` the forward's
+    (routed, shared) DeviceQuantized; () for bf16."""
+
+    __slots__ = ("dims", "bufs", "bufs_key", "keep", "weights")
+
+    def __init__(self, dims, bufs: dict, bufs_key: tuple = (), keep: tuple = (), weights: tuple = ()):
+        self.dims, self.bufs, self.bufs_key, self.keep, self.weights = dims, bufs, bufs_key, keep, weights
+
+
+def device_ptr(v) -> int:
+    """A view's or tensor's device address; 0 for None."""
+    return 0 if v is None else v.ptr

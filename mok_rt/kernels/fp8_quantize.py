@@ -15,7 +15,7 @@ weight (the forward copy's size again; the scales add 4 bytes per 16,384 weights
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mok_rt.errors import ArgumentError
 
@@ -84,8 +84,8 @@ class DeviceQuantized:
     expert without the leading axis): the forward copies ``gate``, ``up`` ``[.., I, H]`` and
     ``down`` ``[.., H, I]`` (float8_e4m3fn tensors) and their fp32 scales; with ``for_backward``
     also the input-gradient copies ``gate_t``, ``up_t`` ``[.., H, I]`` and ``down_t`` ``[.., I, H]``
-    (None otherwise).  Opaque to users (the ``experts`` / ``shared`` of a
-    :class:`mok_rt.QuantizedWeights`)."""
+    (None otherwise); ``sources``: the bf16 views quantised.  Opaque to users (the ``experts`` /
+    ``shared`` of a :class:`mok_rt.QuantizedWeights`)."""
 
     gate: object
     up: object
@@ -100,6 +100,9 @@ class DeviceQuantized:
     gate_t_scale: object = None
     up_t_scale: object = None
     down_t_scale: object = None
+    # The bf16 views quantised (kept alive with the copies): where the FP8 backward makes the
+    # transposed copies from when these were quantised with for_backward=False.
+    sources: tuple | None = field(default=None, repr=False)
 
     @property
     def for_backward(self) -> bool:
