@@ -3,17 +3,15 @@
 // the host never launches it (CudaBackend.backward refuses FP8 contexts).  Built so far:
 //   P  token_prep    token block:            dq = Q(d_out) in token order (the widening half: not yet)
 //   B0 dispatch      row block:              dyq = Q(d_out[token]) (the bf16 dy_routed: not yet)
+//   B1 d_weights     token block:            d_topk_weights = <d_out, y_slot> (fp8b::d_weights)
 //   B2 shared dA     token block x I_s/256:  dq * shared_down_t -> dSwiGLU(sgu) -> dsguq + dsgu
 //   B3 routed dA     row block x I/256:      dyq * down_t[e], * tw -> dSwiGLU(gu) -> dguq + dgu
 //   B4 shared dX     token block x H/256:    dsguq * [shared_gate_t | shared_up_t] -> dx_shared (fp32)
 //   B5 routed dX     row block x H/256:      dguq * [gate_t[e] | up_t[e]] -> dx_slot[route] (bf16)
 //   B9 combine       part of a token block:  the bf16 body
 // Not yet (a task of these phases stops the launch with kErrInternal, so a stray launch fails
-// loudly instead of leaving gradients unwritten): B1 d_weights, W widen, B6-B8 wgrads (the bf16
-// bodies on the widened operands).  B1 is the bf16 body, but as tried (before dX was added):
-// through the ring (the bf16 backward's one-GPU path) its route-stage loads pushed the 40-register
-// producer into spilling (44-48 bytes); as the plain worker body (BackwardTasks::d_weights, the EP
-// path) the workers spilled 136 bytes.
+// loudly instead of leaving gradients unwritten): W widen, B6-B8 wgrads (the bf16 bodies on the
+// widened operands).
 // The dA tile is 128 x 256 as two 128-wide sub-tiles = two I blocks, so each sub-tile's dG and dU
 // rows are whole quantisation blocks, quantised from registers in the epilogue (fp8b::da_subtile).
 #pragma once
@@ -30,6 +28,7 @@ enum Fp8BackwardJob : int {
   kB8RoutedDA,   // a = row block, b = I tile, c = expert, d = sub-tiles, e = upper half idle
   kB8SharedDX,   // a = token block, b = hidden tile (256), d = sub-tiles
   kB8RoutedDX,   // a = row block, b = hidden tile, c = expert, d = sub-tiles, e = upper half idle
+  kB8DWeights,   // a = token block
   kB8Combine,    // a = combine task
 };
 
@@ -167,7 +166,11 @@ struct TmaBackwardFp8 {
       job = pipe::Job{kB8Combine, pipe::kLoadNone, 0, t};
       return 1;
     }
-    if (f.d_weights.has(task) || plan.x.widen.has(task) || f.wgrad_down.has(task) || f.wgrad_gate_up.has(task) ||
+    if (f.d_weights.has(task)) {
+      job = pipe::Job{kB8DWeights, pipe::kLoadNone, 0, f.d_weights.local(task)};
+      return 1;
+    }
+    if (plan.x.widen.has(task) || f.wgrad_down.has(task) || f.wgrad_gate_up.has(task) ||
         f.shared_wgrad.has(task))
       return not_built(task, __LINE__);
     return 0;  // push, notifies: empty without expert parallelism
@@ -269,7 +272,7 @@ struct TmaBackwardFp8 {
     if (!fp8g::mainloop<false>(s, ps, t0, t1, fp8b::k_blocks(d.hidden), consumer, w, job.e != 0 && consumer == 1, two,
                                b_scales(job)))
       return false;
-    const pipe::Frag f = pipe::Frag::of(consumer);
+    const pipe::Frag f = fp8b::frag_here();
     const float tw0 = route_weight(job, f.row0), tw1 = route_weight(job, f.row0 + 8);
     const int i0 = job.b * fp8g::kTileN;
     fp8b::da_subtile(t0, f, da_out(job), i0, tw0, tw1, make_swiglu(d));
@@ -297,7 +300,7 @@ struct TmaBackwardFp8 {
     const fp8g::BScales g = dx_scales(job, false), u = dx_scales(job, true);
     const fp8b::BScalesKSwitch sb{g.lo, u.lo, g.step, ipb};
     if (!fp8g::mainloop<false>(s, ps, t0, t1, 2 * ipb, consumer, w, idle, two, sb)) return false;
-    const pipe::Frag f = pipe::Frag::of(consumer);
+    const pipe::Frag f = fp8b::frag_here();
     const int row0 = job.a * kBlockM, cols0 = min_int(fp8g::kBN, d.hidden - h0);
     const int cols1 = two ? min_int(fp8g::kBN, d.hidden - h0 - fp8g::kBN) : 0;
     if (shared) {
@@ -327,6 +330,9 @@ struct TmaBackwardFp8 {
         return true;
       case kB8Combine:
         tasks.combine_body(job.a);
+        return true;
+      case kB8DWeights:
+        fp8b::d_weights(q.p, job.a);
         return true;
       case kB8SharedDA:
       case kB8RoutedDA:

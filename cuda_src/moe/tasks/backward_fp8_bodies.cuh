@@ -9,6 +9,7 @@
 //                   the forward's context, dG and dU quantised per row (one 1 x 128 block each) into
 //                   dguq (the dX GEMM's A) and their dequantised values rounded to bf16 into dgu (the
 //                   wgrads' operand: never quantised twice).
+//   d_weights       B1: d_topk_weights = <d_out, y_slot> (the bf16 body's arithmetic, see there).
 // NOT YET: the bf16 dy_routed / dq_bf second outputs of quantize_dout and the widening of xq, xrq,
 // aq, saq (phases P, W) -- see FP8_DESIGN Step 3 "Status".
 #pragma once
@@ -22,6 +23,24 @@
 namespace mok {
 namespace fp8b {
 
+// The thread index, read again where it is used.  threadIdx.x is a pure value to the compiler, so
+// everything derived from it (fragment rows and columns, lanes, warps, their 64-bit forms) was
+// computed once before the persistent worker loop and held in registers through every task body,
+// ~10 of the 232 at the dA epilogue's peak; the volatile read keeps each body's copies inside it.
+__device__ __forceinline__ int tid_here() {
+  int t;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+  return t;
+}
+__device__ __forceinline__ int worker_tid_here() { return tid_here() - kWorkerThread0; }
+
+// pipe::Frag::of(consumer) from tid_here() (same values).
+__device__ __forceinline__ pipe::Frag frag_here() {
+  const int t = tid_here(), l = t & 31;
+  const int consumer = (t - kWorkerThread0) >> 7;
+  return pipe::Frag{64 * consumer + 16 * ((t & 127) >> 5) + (l >> 2), 2 * (l & 3), l & 3};
+}
+
 // B0 (routed): row block b of dyq <- Q(d_out[slot / k]) (padding rows zero, scale 0; then
 // block_dy_ready[b], expert_dy_ready[e]), or P (token order): token block b of dq <- Q(d_out)
 // (then token_dq_ready[b]).  One function for both, so the quantiser is inlined once (as the
@@ -29,8 +48,8 @@ namespace fp8b {
 __device__ __forceinline__ void quantize_dout(const MoEFp8BackwardParams& q, bool routed, int b, int e) {
   const MoEBackwardParams& p = q.p;
   const MoEDims& d = p.dims;
-  const int lane = threadIdx.x & 31;
-  fp8f::QuantRows r{q.q.dyq, q.q.rs, (size_t)d.max_rows, d.hidden, b * kBlockM + (worker_tid() >> 5),
+  const int wt = worker_tid_here(), lane = wt & 31;
+  fp8f::QuantRows r{q.q.dyq, q.q.rs, (size_t)d.max_rows, d.hidden, b * kBlockM + (wt >> 5),
                     fp8f::kRowsPerWarp, nullptr};
   const int row = r.row(lane & 15);
   if (routed) {
@@ -53,6 +72,47 @@ __device__ __forceinline__ void quantize_dout(const MoEFp8BackwardParams& q, boo
     signal_counters(p.cnt.block_dy_ready + b, p.cnt.expert_dy_ready + e);
   else
     signal_counter(q.token_dq_ready + b);
+}
+
+// B1: d_topk_weights[t, j] = <d_out[t], y_slot[t k + j]> (unquantised d_out, the oracle's), a warp
+// per route, lanes stride over H, then a fixed butterfly: the bf16 body's (BackwardTasks::d_weights)
+// sums in the same order.  Why not that body: its loads are guarded by `if (c < hidden)`, and a
+// register only written under a predicate keeps its old value otherwise, so ptxas held its 16
+// load registers (and the hoisted lane / warp values) live around the whole worker loop: 104 bytes
+// of spills at the dA epilogue's peak.  Here every load register is written (zeros past H), and
+// the thread index is read inside the body (tid_here).
+__device__ __forceinline__ void d_weights(const MoEBackwardParams& p, int tb) {
+  const MoEDims& d = p.dims;
+  const int wt = worker_tid_here(), warp = wt >> 5, lane = wt & 31;
+  const int routes = min_int(kBlockM, d.tokens - tb * kBlockM) * d.top_k, slot0 = tb * kBlockM * d.top_k;
+  for (int q = warp; q < routes; q += kThreads / 32) {
+    const size_t slot = (size_t)slot0 + q, t = slot / d.top_k;
+    const bf16* const yr = p.ctx.y_slot + slot * d.hidden;
+    const bf16* const gr = p.d_out + t * d.hidden;
+    float sum = 0.f;
+    constexpr int kPairs = 2;
+    for (int c0 = lane * 8; c0 < d.hidden; c0 += 32 * 8 * kPairs) {
+      uint4 yv[kPairs], gv[kPairs];
+#pragma unroll
+      for (int u = 0; u < kPairs; ++u) {
+        const int c = c0 + u * 32 * 8;
+        yv[u] = fp8f::ldg_or_zero(yr + c, c < d.hidden);
+        gv[u] = fp8f::ldg_or_zero(gr + c, c < d.hidden);
+      }
+#pragma unroll
+      for (int u = 0; u < kPairs; ++u) {
+        if (c0 + u * 32 * 8 >= d.hidden) break;
+        float y[8], g[8];
+        unpack_bf16x8(yv[u], y);
+        unpack_bf16x8(gv[u], g);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) sum = fmaf(g[i], y[i], sum);
+      }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    if (lane == 0) p.d_topk_weights[slot] = sum;
+  }
 }
 
 // Where one dA sub-tile's outputs go.  Rows are tile rows (0 .. 127) of the task's row block.
