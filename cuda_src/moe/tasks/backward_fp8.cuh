@@ -1,17 +1,19 @@
 // The "fp8_block" backward's task set (TmaBackwardFp8; docs/FP8_DESIGN.md "Step 3"), one GPU: the
 // bf16 backward's phases and waits (tasks/backward.cuh) with FP8 operands.  INCOMPLETE, compile-only:
 // the host never launches it (CudaBackend.backward refuses FP8 contexts).  Built so far:
-//   P  token_prep    token block:            dq = Q(d_out) in token order (the widening half: not yet)
-//   B0 dispatch      row block:              dyq = Q(d_out[token]) (the bf16 dy_routed: not yet)
+//   P  token_prep    token block:            dq = Q(d_out) in token order + dq_bf = bf16(deq(dq)); then
+//                                            xq_bf = bf16(deq(xq)), sact = bf16(deq(saq)) (wgrad operands)
+//   B0 dispatch      row block:              dyq = Q(d_out[token]) + dy_routed = bf16(tw * deq(dyq))
 //   B1 d_weights     token block:            d_topk_weights = <d_out, y_slot> (fp8b::d_weights)
 //   B2 shared dA     token block x I_s/256:  dq * shared_down_t -> dSwiGLU(sgu) -> dsguq + dsgu
 //   B3 routed dA     row block x I/256:      dyq * down_t[e], * tw -> dSwiGLU(gu) -> dguq + dgu
 //   B4 shared dX     token block x H/256:    dsguq * [shared_gate_t | shared_up_t] -> dx_shared (fp32)
 //   B5 routed dX     row block x H/256:      dguq * [gate_t[e] | up_t[e]] -> dx_slot[route] (bf16)
+//   W  widen         row block:              x_routed = bf16(deq(xrq)), act = bf16(deq(aq)) (wgrad operands)
 //   B9 combine       part of a token block:  the bf16 body
 // Not yet (a task of these phases stops the launch with kErrInternal, so a stray launch fails
-// loudly instead of leaving gradients unwritten): W widen, B6-B8 wgrads (the bf16 bodies on the
-// widened operands).
+// loudly instead of leaving gradients unwritten): B6-B8 wgrads (the bf16 bodies on the widened
+// operands).
 // The dA tile is 128 x 256 as two 128-wide sub-tiles = two I blocks, so each sub-tile's dG and dU
 // rows are whole quantisation blocks, quantised from registers in the epilogue (fp8b::da_subtile).
 #pragma once
@@ -29,6 +31,7 @@ enum Fp8BackwardJob : int {
   kB8SharedDX,   // a = token block, b = hidden tile (256), d = sub-tiles
   kB8RoutedDX,   // a = row block, b = hidden tile, c = expert, d = sub-tiles, e = upper half idle
   kB8DWeights,   // a = token block
+  kB8Widen,      // a = row block, b = expert
   kB8Combine,    // a = combine task
 };
 
@@ -170,7 +173,15 @@ struct TmaBackwardFp8 {
       job = pipe::Job{kB8DWeights, pipe::kLoadNone, 0, f.d_weights.local(task)};
       return 1;
     }
-    if (plan.x.widen.has(task) || f.wgrad_down.has(task) || f.wgrad_gate_up.has(task) ||
+    if (plan.x.widen.has(task)) {
+      const int blk = plan.x.widen.local(task);
+      if (blk >= num_blocks) return 0;
+      const int e = p.sched.block_expert[blk];
+      if (!valid_expert(e, blk, d, p.err)) return -1;
+      job = pipe::Job{kB8Widen, pipe::kLoadNone, 0, blk, e};
+      return 1;
+    }
+    if (f.wgrad_down.has(task) || f.wgrad_gate_up.has(task) ||
         f.shared_wgrad.has(task))
       return not_built(task, __LINE__);
     return 0;  // push, notifies: empty without expert parallelism
@@ -325,8 +336,12 @@ struct TmaBackwardFp8 {
                       int consumer, const MbarWaitCtx& w, const pipe::Turns&) const {
     switch (job.kind) {
       case kB8TokenPrep:
-      case kB8Dispatch:
+      case kB8Dispatch:  // one call: the quantiser inlined once
         fp8b::quantize_dout(q, job.kind == kB8Dispatch, job.a, job.b);
+        if (job.kind == kB8TokenPrep) fp8b::token_prep_widen(q, job.a);
+        return true;
+      case kB8Widen:
+        fp8b::widen_block(q, job.a, job.b);
         return true;
       case kB8Combine:
         tasks.combine_body(job.a);
