@@ -2,10 +2,10 @@
 // backward on one GPU, on the bf16 kernels' pipeline (roles, ring, Job queue, task order) with the
 // FP8 task set of tasks/backward_fp8.cuh.  A cubin of its own, so the bf16 kernels (moe_layer.cu)
 // and the FP8 forward (moe_forward_fp8.cu) are built exactly as before.
-// INCOMPLETE, compile-only, never launched: the task set lacks dX, widen and the wgrads (a task of
-// those phases stops the launch with kErrInternal); CudaBackend.backward refuses FP8 contexts.
-// Launch (when complete): 384 threads (pipe::kCtaThreads), pipe::kSmemBytes of dynamic shared
-// memory, about one CTA per SM; parameters: MoEFp8BackwardTmaParams (moe/params_fp8_bwd.cuh).
+// Every phase is built; compile-only, never launched: there is no host launch yet and
+// CudaBackend.backward refuses FP8 contexts.
+// Launch: 384 threads (pipe::kCtaThreads), pipe::kSmemBytes of dynamic shared memory, about one
+// CTA per SM; parameters: MoEFp8BackwardTmaParams (moe/params_fp8_bwd.cuh).
 #include "moe/tasks/backward_fp8.cuh"
 
 using namespace mok;
