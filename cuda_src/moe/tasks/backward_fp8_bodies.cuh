@@ -99,8 +99,8 @@ __device__ __forceinline__ void quantize_dout(const MoEFp8BackwardParams& q, boo
     second = DequantToBf16{q.q.dq_bf, 1.f};
   }
   // A ring of 6 units, not the forward's 8 (5 units = 10 KB in flight per warp, not 7 = 14 KB): with
-  // 8, ptxas spilled 20 bytes of the worker loop's state once the dX tasks joined the dA epilogue
-  // in this kernel (7 spills too).  Its cost on the dispatch is to be measured on the GPU.
+  // 8 or 7 and the bf16 second output, the workers spill (24 bytes, with every phase in the kernel).
+  // Its cost on the dispatch is to be measured on the GPU.
   fp8f::quantize_rows_warp<6>(r, second);
   if (routed)
     signal_counters(p.cnt.block_dy_ready + b, p.cnt.expert_dy_ready + e);
