@@ -1,11 +1,12 @@
 """Groundwork of the "fp8_block" backward on the CUDA backend, without a GPU (docs/FP8_DESIGN.md,
 "Step 3"; the launch itself: tests/test_fp8_backward_null_driver.py): the parameter structs against
-cuda_src/moe/params_fp8_bwd.cuh (static_asserts, and the header compiled when nvcc is here), the
-FP8 backward plan, and the buffer table's shapes."""
+cuda_src/moe/params_fp8_bwd.cuh (static_asserts, and the header compiled when nvcc is here) and
+against the built kernel's parameter, the FP8 backward plan, and the buffer table's shapes."""
 from __future__ import annotations
 
 import ctypes
 import re
+import struct
 import subprocess
 from pathlib import Path
 
@@ -32,6 +33,43 @@ DIMS = [_dims(), _dims(Is=0), _dims(T=0), _dims(T=1, H=256, I=128, Is=128),
 
 
 # ---- structs: one source of truth with the header ---------------------------------------------------
+def _kernel_params(cubin: Path, kernel: str) -> tuple[list[int], int]:
+    """(sizes of `kernel`'s parameters, its parameter bank's bytes) from the cubin's .nv.info.<kernel>
+    section: EIATTR_KPARAM_INFO (0x17; the size in bits 18-31 of its last word) and
+    EIATTR_CBANK_PARAM_SIZE (0x19)."""
+    elf = cubin.read_bytes()
+    assert elf[:5] == b"\x7fELF\x02"
+    shoff, = struct.unpack_from("<Q", elf, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", elf, 0x3a)
+    secs = [struct.unpack_from("<IIQQQQ", elf, shoff + i * shentsize) for i in range(shnum)]
+    names = secs[shstrndx][4]
+    sizes, bank = [], None
+    for name_at, _, _, _, off, size in secs:
+        name = elf[names + name_at:elf.index(b"\0", names + name_at)].decode()
+        if name != ".nv.info." + kernel:
+            continue
+        at = off
+        while at < off + size:
+            fmt, attr, v = struct.unpack_from("<BBH", elf, at)
+            if fmt == 4:  # EIFMT_SVAL: v payload bytes follow
+                if attr == 0x17:
+                    sizes.append(struct.unpack_from("<I", elf, at + 4 + 8)[0] >> 18)
+                at += 4 + v
+            else:
+                if attr == 0x19:
+                    bank = v
+                at += 4
+    return sizes, bank
+
+
+def test_the_built_kernel_takes_the_tma_params():
+    """moe_backward_fp8 (mok_rt/cubins) has one parameter, MoEFp8BackwardTmaParams, and its parameter
+    bank (the struct after the 64-byte-aligned start) fits the classic 4 KB."""
+    sizes, bank = _kernel_params(build.CUBIN_DIR / "moe_backward_fp8.sm_90a.cubin", "moe_backward_fp8")
+    assert sizes == [ctypes.sizeof(B.MoEFp8BackwardTmaParams)] == [3712]
+    assert bank is not None and 3712 <= bank <= 4096
+
+
 def test_struct_layouts_match_the_header():
     text = HEADER.read_text()
     sizes = {m.group(1): int(m.group(2)) for m in re.finditer(r"sizeof\((\w+)\) == (\d+)\b(?! \*)", text)}
@@ -110,6 +148,10 @@ def test_fp8_backward_plan(d):
     tp, wd = plan.phase("token_prep"), plan.phase("widen")
     assert tp.count == (d.token_blocks if shared else 0) and wd.count == d.max_blocks
     assert tp.end <= plan.phase("dispatch").begin
+    # The kernel's pipe::AheadOrder (TmaBackwardFp8::make_order) permutes [begin, begin + the four
+    # phases' counts) from the dispatch on: they must be contiguous, token_prep before, widen after.
+    four = [plan.phase(n) for n in ("dispatch", "d_weights", "shared_da", "routed_da")]
+    assert all(a.end == b.begin for a, b in zip(four, four[1:]))
     assert plan.phase("routed_dx").end <= wd.begin and wd.end <= plan.phase("wgrad_down").begin
     # The structs: the bf16-shaped part equals the bf16 plan's except for the shifted phases.
     s, x = plan.struct(), plan.fp8_struct()

@@ -2,10 +2,9 @@
 // backward on one GPU, on the bf16 kernels' pipeline (roles, ring, Job queue, task order) with the
 // FP8 task set of tasks/backward_fp8.cuh.  A cubin of its own, so the bf16 kernels (moe_layer.cu)
 // and the FP8 forward (moe_forward_fp8.cu) are built exactly as before.
-// INCOMPLETE, compile-only, never launched: the task set lacks dX, widen and the wgrads (a task of
-// those phases stops the launch with kErrInternal); CudaBackend.backward refuses FP8 contexts.
-// Launch (when complete): 384 threads (pipe::kCtaThreads), pipe::kSmemBytes of dynamic shared
-// memory, about one CTA per SM; parameters: MoEFp8BackwardTmaParams (moe/params_fp8_bwd.cuh).
+// Every phase is built; CudaBackend.backward launches it for fp8_block (backends/cuda_fp8.py).
+// Launch: 384 threads (pipe::kCtaThreads), pipe::kSmemBytes of dynamic shared memory, about one
+// CTA per SM; parameters: MoEFp8BackwardTmaParams (moe/params_fp8_bwd.cuh).
 #define MOK_ZERO_FILL_ROUTES 1  // moe/tasks/row_copy.cuh: keeps the combine's route registers from spilling here
 #include "moe/tasks/backward_fp8.cuh"
 

@@ -1,11 +1,11 @@
 // Parameter struct of the "fp8_block" backward megakernel (docs/FP8_DESIGN.md, "Step 3"): the bf16
 // backward's MoEBackwardParams, unchanged, followed by what FP8 adds.  Mirrored by
 // mok_rt/kernels/moe_params_fp8_bwd.py (sizes and offsets asserted on both sides with the same
-// numbers).  NOT USED BY A KERNEL YET: compile-checked only (tests/test_fp8_backward_host.py).
+// numbers).  Read by moe_backward_fp8 (compile-only: no host launch fills it yet).
 //
 // Why the bf16 struct stays whole: the phases the FP8 backward keeps (d_weights, the bf16 wgrads,
-// the dX epilogue, combine) are the bf16 bodies (tasks/backward_bodies.cuh, backward.cuh), which
-// take a MoEBackwardParams.  Of it the FP8 backward uses sched, cnt, grads, x (null: never read),
+// the dX epilogue, combine) are the bf16 bodies or their arithmetic (tasks/backward_bodies.cuh,
+// backward.cuh, backward_fp8.cuh), on a MoEBackwardParams.  Of it the FP8 backward uses sched, cnt, grads, x (null: never read),
 // topk_weights, d_out (unquantised, for d_weights), dx, d_topk_weights, dx_slot, dx_shared, err,
 // trace, dims, plan (FP8 tile counts), accumulate, grad_bf16 and:
 //   ctx.gu, ctx.sgu, ctx.y_slot   the FP8 forward's bf16 context (g, u rounded as the oracle's)
@@ -105,7 +105,8 @@ static_assert(sizeof(MoEFp8BackwardParams) == 1504 && offsetof(MoEFp8BackwardPar
 // separate maps for the token-order and routed rows would be 21 and not fit.
 //   A (e4m3, 2D {K, rows}, box {128, 128}, SWIZZLE_128B); A scales (fp32, 2D {rows, K blocks}, box
 //   {128, 1}); B (e4m3, 3D {K, N, E}, box {128, 128, 1}, SWIZZLE_128B); wgrad operands (bf16,
-//   MN-major as the bf16 backward's *_mn maps).
+//   MN-major as the bf16 backward's *_mn maps: 3D {MN, K = rows, 1}, box {64, 64, 1},
+//   SWIZZLE_128B; the kernel's loads give coordinates (mn, row, 0)).
 struct MoEFp8BackwardMaps {
   TensorMap dq_k;             // dq [token_rows + R, H]    A of shared dA (rows 0..), routed dA (rows token_rows..)
   TensorMap dguq_k;           // dguq [R, 2 Ip]            A of routed dX

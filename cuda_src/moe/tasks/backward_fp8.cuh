@@ -1,19 +1,22 @@
 // The "fp8_block" backward's task set (TmaBackwardFp8; docs/FP8_DESIGN.md "Step 3"), one GPU: the
-// bf16 backward's phases and waits (tasks/backward.cuh) with FP8 operands.  INCOMPLETE, compile-only:
-// the host never launches it (CudaBackend.backward refuses FP8 contexts).  Built so far:
-//   P  token_prep    token block:            dq = Q(d_out) in token order (the widening half: not yet)
-//   B0 dispatch      row block:              dyq = Q(d_out[token]) (the bf16 dy_routed: not yet)
+// bf16 backward's phases and waits (tasks/backward.cuh) with FP8 operands.  Compile-only, never run
+// on a GPU: the host has no launch yet (CudaBackend.backward refuses FP8 contexts).  Phases, in
+// plan order (mok_rt/kernels/moe_plan.py backward_plan(..., precision="fp8_block")):
+//   P  token_prep    token block:            dq = Q(d_out) in token order + dq_bf = bf16(deq(dq)); then
+//                                            xq_bf = bf16(deq(xq)), sact = bf16(deq(saq)) (wgrad operands)
+//   B0 dispatch      row block:              dyq = Q(d_out[token]) + dy_routed = bf16(tw * deq(dyq))
+//   B1 d_weights     token block:            d_topk_weights = <d_out, y_slot> (fp8b::d_weights)
 //   B2 shared dA     token block x I_s/256:  dq * shared_down_t -> dSwiGLU(sgu) -> dsguq + dsgu
 //   B3 routed dA     row block x I/256:      dyq * down_t[e], * tw -> dSwiGLU(gu) -> dguq + dgu
 //   B4 shared dX     token block x H/256:    dsguq * [shared_gate_t | shared_up_t] -> dx_shared (fp32)
 //   B5 routed dX     row block x H/256:      dguq * [gate_t[e] | up_t[e]] -> dx_slot[route] (bf16)
+//   W  widen         row block:              x_routed = bf16(deq(xrq)), act = bf16(deq(aq)) (wgrad operands)
+//   B6 wgrad down    expert x H/128 x I/256: dW_down[e] = dy_routed_e^T act_e            (bf16 GEMMs,
+//   B7 wgrad gate|up expert x {g,u} x I/128 x H/256: dW_{gate,up}[e] = dgu_e^T x_routed_e  in turns,
+//   B8 shared wgrad  H/128 x I_s/256, then {g,u} x I_s/128 x H/256: dq_bf^T sact, dsgu^T xq_bf; K = T)
 //   B9 combine       part of a token block:  the bf16 body
-// Not yet (a task of these phases stops the launch with kErrInternal, so a stray launch fails
-// loudly instead of leaving gradients unwritten): B1 d_weights, W widen, B6-B8 wgrads (the bf16
-// bodies on the widened operands).  B1 is the bf16 body, but as tried (before dX was added):
-// through the ring (the bf16 backward's one-GPU path) its route-stage loads pushed the 40-register
-// producer into spilling (44-48 bytes); as the plain worker body (BackwardTasks::d_weights, the EP
-// path) the workers spilled 136 bytes.
+// Waits beyond the bf16 backward's: shared dA on token_dq_ready[tb] (P), the routed wgrads also on
+// expert_widen_ready[e] (W), the shared wgrads on prep_done (P).  Each waits only on earlier phases.
 // The dA tile is 128 x 256 as two 128-wide sub-tiles = two I blocks, so each sub-tile's dG and dU
 // rows are whole quantisation blocks, quantised from registers in the epilogue (fp8b::da_subtile).
 #pragma once
@@ -30,6 +33,14 @@ enum Fp8BackwardJob : int {
   kB8RoutedDA,   // a = row block, b = I tile, c = expert, d = sub-tiles, e = upper half idle
   kB8SharedDX,   // a = token block, b = hidden tile (256), d = sub-tiles
   kB8RoutedDX,   // a = row block, b = hidden tile, c = expert, d = sub-tiles, e = upper half idle
+  kB8DWeights,   // a = token block
+  kB8Widen,      // a = row block, b = expert
+  // The bf16 wgrads (kLoadRows, see wgrad_stage): a = A's first M row (down: h; gate|up: (up) I + i),
+  // b = B's first N row (down: i; gate|up: h), c / d = A's / B's first K row, e = expert (routed)
+  kB8WgradDown,          // A = dy_mn, B = act_mn
+  kB8WgradGateUp,        // A = dgu_mn, B = x_mn
+  kB8SharedWgradDown,    // A = dy_mn, B = sact_mn
+  kB8SharedWgradGateUp,  // A = dsgu_mn, B = x_mn
   kB8Combine,    // a = combine task
 };
 
@@ -78,12 +89,13 @@ struct TmaBackwardFp8 {
   const MoEFp8BackwardMaps& maps;
   const MoEFp8BackwardParams& q;
   const Fp8BwdPlans& plan;
-  const BackwardTasks& tasks;  // the bf16 bodies (combine; d_weights and the wgrads later)
+  const BackwardTasks& tasks;  // the bf16 bodies and helpers (combine_body, expert_rows)
   const pipe::AheadOrder& order;
   int num_blocks;
 
-  // The bf16 backward's one-GPU order (token_prep and widen lie outside the permuted ranges, as the
-  // forward's quant_x; to be checked against make_order with the full task set on the GPU).
+  // The bf16 backward's one-GPU order.  The permuted range is [dispatch, d_weights, shared_da,
+  // routed_da] (contiguous in the FP8 plan too); token_prep lies before it (grabbed first, as the
+  // forward's quant_x) and widen after routed_dx, both in plan order.
   __device__ static pipe::AheadOrder make_order(const MoEBackwardPlan& f, const MoEBackwardParams& p, int num_blocks) {
     return pipe::AheadOrder::make(f.shared_da, f.dispatch, f.routed_da, f.d_weights, f.i_tiles, f.routed_dx, f.h_tiles,
                                   p.sched, p.dims.local_experts, num_blocks);
@@ -91,16 +103,13 @@ struct TmaBackwardFp8 {
 
   __device__ int plan_task(int grabbed) const { return order.map(grabbed); }
   __device__ unsigned long long* trace() const { return q.p.trace; }
-  __device__ static bool in_turns(const pipe::Job&) { return false; }
+  // The wgrads run in turns, as the bf16 backward's (pipeline.cuh "GEMMs in turns").
+  __device__ static bool in_turns(const pipe::Job& job) {
+    return job.kind >= kB8WgradDown && job.kind <= kB8SharedWgradGateUp;
+  }
 
   // Sub-tiles of dA tile n: the second I block only where it starts inside I.
   __device__ static int da_subtiles(int n, int inter) { return n * fp8g::kTileN + fp8g::kBN < inter ? 2 : 1; }
-
-  // A phase the kernel does not run yet: stop the launch (the producer's -1), with the task.
-  __device__ int not_built(int task, int line) const {
-    set_error(q.p.err, kErrInternal, line, task, 0);
-    return -1;
-  }
 
   // ---- producer -----------------------------------------------------------------------------------
   __device__ int prepare(int grabbed, pipe::Job& job, pipe::LoadSrc&, pipe::LoadSrc&) const {
@@ -167,11 +176,70 @@ struct TmaBackwardFp8 {
       job = pipe::Job{kB8Combine, pipe::kLoadNone, 0, t};
       return 1;
     }
-    if (f.d_weights.has(task) || plan.x.widen.has(task) || f.wgrad_down.has(task) || f.wgrad_gate_up.has(task) ||
-        f.shared_wgrad.has(task))
-      return not_built(task, __LINE__);
+    if (f.d_weights.has(task)) {
+      job = pipe::Job{kB8DWeights, pipe::kLoadNone, 0, f.d_weights.local(task)};
+      return 1;
+    }
+    if (plan.x.widen.has(task)) {
+      const int blk = plan.x.widen.local(task);
+      if (blk >= num_blocks) return 0;
+      const int e = p.sched.block_expert[blk];
+      if (!valid_expert(e, blk, d, p.err)) return -1;
+      job = pipe::Job{kB8Widen, pipe::kLoadNone, 0, blk, e};
+      return 1;
+    }
+    if (f.wgrad_down.has(task)) {  // dW_down[e] = dy_routed_e^T act_e
+      const int t = f.wgrad_down.local(task), per_e = f.h_rows * f.i_tiles;
+      const int e = t / per_e, rem = t % per_e, h = rem / f.i_tiles, n = rem % f.i_tiles;
+      const BackwardTasks::ExpertRows er = tasks.expert_rows(e);
+      if (er.count == 0 && p.accumulate) return 0;  // adding zero: leave the caller's buffer alone
+      if (er.blocks > 0 &&
+          (!wait_counter_thread(p.cnt.expert_dy_ready + e, er.blocks * f.wait_expert_dy_ready_per_block, w, task) ||
+           !wait_counter_thread(q.expert_widen_ready + e, er.blocks * plan.x.wait_expert_widen_ready_per_block, w,
+                                task)))
+        return -1;
+      // dy_mn holds the token-order rows first: routed row r is its row token_rows + r
+      job = pipe::Job{kB8WgradDown, pipe::kLoadRows, wgrad_k_tiles(er.count), h * kBlockM, n * pipe::kBN,
+                      plan.x.token_rows + er.first, er.first, e};
+      return 1;
+    }
+    if (f.wgrad_gate_up.has(task)) {  // dW_{gate,up}[e] = dG_e^T / dU_e^T x_routed_e
+      const int t = f.wgrad_gate_up.local(task), per_up = f.i_rows * f.h_tiles, per_e = 2 * per_up;
+      const int e = t / per_e, rem = t % per_e, up = rem / per_up, rem2 = rem % per_up;
+      const int n = rem2 / f.h_tiles, h = rem2 % f.h_tiles;
+      const BackwardTasks::ExpertRows er = tasks.expert_rows(e);
+      if (er.count == 0 && p.accumulate) return 0;
+      if (er.blocks > 0 &&
+          (!wait_counter_thread(p.cnt.expert_dgu_ready + e, er.blocks * f.wait_expert_dgu_ready_per_block, w, task) ||
+           !wait_counter_thread(q.expert_widen_ready + e, er.blocks * plan.x.wait_expert_widen_ready_per_block, w,
+                                task)))
+        return -1;
+      // gate tile rows past I read up columns: garbage in rows the epilogue drops (x_mn: as dy_mn)
+      job = pipe::Job{kB8WgradGateUp, pipe::kLoadRows, wgrad_k_tiles(er.count), up * d.inter + n * kBlockM,
+                      h * pipe::kBN, er.first, plan.x.token_rows + er.first, e};
+      return 1;
+    }
+    if (f.shared_wgrad.has(task)) {  // K = the tokens; every operand of P's (prep_done)
+      if (d.tokens == 0 && p.accumulate) return 0;
+      if (!wait_counter_thread(q.prep_done, plan.x.wait_prep_done, w, task)) return -1;
+      int t = f.shared_wgrad.local(task);
+      const int down_tiles = f.h_rows * f.si_tiles;
+      if (t < down_tiles) {  // dWs_down[h, i] = sum_t dq_bf[t, h] * sact[t, i]
+        job = pipe::Job{kB8SharedWgradDown, pipe::kLoadRows, wgrad_k_tiles(d.tokens), t / f.si_tiles * kBlockM,
+                        t % f.si_tiles * pipe::kBN};
+        return 1;
+      }
+      t -= down_tiles;  // dWs_{gate,up}[i, h] = sum_t dsgu[t, (up) i] * xq_bf[t, h]
+      const int per_up = f.si_rows * f.h_tiles, up = t / per_up, rem = t % per_up;
+      if (!wait_counter_thread(p.cnt.dsgu_done, f.wait_dsgu_done, w, task)) return -1;
+      job = pipe::Job{kB8SharedWgradGateUp, pipe::kLoadRows, wgrad_k_tiles(d.tokens),
+                      up * d.shared_inter + rem / f.h_tiles * kBlockM, rem % f.h_tiles * pipe::kBN};
+      return 1;
+    }
     return 0;  // push, notifies: empty without expert parallelism
   }
+
+  __device__ static int wgrad_k_tiles(int rows) { return ceil_div(rows, wg::kBK); }
 
   // The B scales of a dA Job (down_t_s [e, I block, H block]): sub-tile s reads I block 2b + s's row
   // of H blocks (step = H/128 apart; 0 without sub-tile 1).
@@ -209,7 +277,29 @@ struct TmaBackwardFp8 {
     }
   }
 
+  // One k-tile (64 rows of the operands) of a bf16 wgrad tile: the bf16 backward's MN-major loads
+  // (pipe::produce), A's 128 M rows as two 64-wide panels, B's 256 N rows as four; the coordinates
+  // come ready in the Job (no LoadSrc pair held from prepare to the loads).  The panel coordinates
+  // are the same in every stage, so the compiler computed them once before pipe::produce_rows's
+  // stage loop, next to the FP8 stages' invariants (it hoists from every branch of the loop body):
+  // the 40-register producer spilled 16-20 bytes.  The empty asm makes them per-stage values.
+  __device__ uint32_t wgrad_stage(const pipe::Job& job, int stage, uint32_t dst, uint32_t bar) const {
+    const MoEFp8BackwardMaps& m = pipe::late(maps);
+    int a0 = job.a, b0 = job.b, k = stage * wg::kBK;
+    asm volatile("" : "+r"(a0), "+r"(b0));  // not hoisted out of the stage loop (see above)
+    const bool down = job.kind == kB8WgradDown || job.kind == kB8SharedWgradDown;
+    const TensorMap* a = down ? &m.dy_mn : job.kind == kB8WgradGateUp ? &m.dgu_mn : &m.dsgu_mn;
+    const TensorMap* b = down ? (job.kind == kB8WgradDown ? &m.act_mn : &m.sact_mn) : &m.x_mn;
+#pragma unroll
+    for (int i = 0; i < wg::kBM / 64; ++i) tma_load_3d(dst + i * wg::kPanelBytes, a, bar, a0 + 64 * i, job.c + k, 0);
+    dst += pipe::Geometry::kABytes;
+#pragma unroll
+    for (int i = 0; i < pipe::kBN / 64; ++i) tma_load_3d(dst + i * wg::kPanelBytes, b, bar, b0 + 64 * i, job.d + k, 0);
+    return pipe::Geometry::kStageBytes;
+  }
+
   __device__ uint32_t stage_rows(const pipe::Job& job, int stage, uint32_t dst, uint32_t bar) const {
+    if (in_turns(job)) return wgrad_stage(job, stage, dst, bar);
     const MoEFp8BackwardMaps& m = pipe::late(maps);
     const int row0 = job.a * kBlockM, n0 = job.b * fp8g::kTileN;
     if (job.kind == kB8SharedDX || job.kind == kB8RoutedDX) {
@@ -269,7 +359,7 @@ struct TmaBackwardFp8 {
     if (!fp8g::mainloop<false>(s, ps, t0, t1, fp8b::k_blocks(d.hidden), consumer, w, job.e != 0 && consumer == 1, two,
                                b_scales(job)))
       return false;
-    const pipe::Frag f = pipe::Frag::of(consumer);
+    const pipe::Frag f = fp8b::frag_here();
     const float tw0 = route_weight(job, f.row0), tw1 = route_weight(job, f.row0 + 8);
     const int i0 = job.b * fp8g::kTileN;
     fp8b::da_subtile(t0, f, da_out(job), i0, tw0, tw1, make_swiglu(d));
@@ -297,7 +387,7 @@ struct TmaBackwardFp8 {
     const fp8g::BScales g = dx_scales(job, false), u = dx_scales(job, true);
     const fp8b::BScalesKSwitch sb{g.lo, u.lo, g.step, ipb};
     if (!fp8g::mainloop<false>(s, ps, t0, t1, 2 * ipb, consumer, w, idle, two, sb)) return false;
-    const pipe::Frag f = pipe::Frag::of(consumer);
+    const pipe::Frag f = fp8b::frag_here();
     const int row0 = job.a * kBlockM, cols0 = min_int(fp8g::kBN, d.hidden - h0);
     const int cols1 = two ? min_int(fp8g::kBN, d.hidden - h0 - fp8g::kBN) : 0;
     if (shared) {
@@ -318,15 +408,55 @@ struct TmaBackwardFp8 {
     return true;
   }
 
-  __device__ bool run(const pipe::Job& job, const pipe::Shared& s, wg::PipeState& ps, float (&)[pipe::kAccRegs],
-                      int consumer, const MbarWaitCtx& w, const pipe::Turns&) const {
+  // A wgrad tile: the bf16 backward's GEMM in turns and store (fp32 or bf16, overwritten or added),
+  // one call site of each for all four kinds (each is inlined once).
+  __device__ bool wgrad(const pipe::Job& job, const pipe::Shared& s, wg::PipeState& ps, float (&acc)[pipe::kAccRegs],
+                        int consumer, const MbarWaitCtx& w, const pipe::Turns& turns) const {
+    if (!pipe::gemm_in_turns<wg::kMNMajor, wg::kMNMajor>(s, ps, acc, job.k_tiles, consumer, w, turns)) return false;
+    const MoEBackwardParams& p = q.p;
+    const MoEDims& d = p.dims;
+    const MoEWeightGrads& g = p.grads;
+    void* dst;
+    size_t at;
+    int ld, rows, cols;
+    const bool routed = job.kind == kB8WgradDown || job.kind == kB8WgradGateUp;
+    const int inter = routed ? d.inter : d.shared_inter, e = routed ? job.e : 0;
+    if (job.kind == kB8WgradDown || job.kind == kB8SharedWgradDown) {  // [h, i]: 128 h rows x 256 i columns
+      const int h0 = job.a, i0 = job.b;
+      dst = routed ? g.dw_down : g.d_shared_down;
+      at = ((size_t)e * d.hidden + h0) * inter + i0;
+      ld = inter, rows = min_int(kBlockM, d.hidden - h0), cols = min_int(pipe::kBN, inter - i0);
+    } else {  // [i, h]: 128 i rows x 256 h columns; job.a = (up) I + i
+      const bool up = job.a >= inter;
+      const int i0 = job.a - (up ? inter : 0), h0 = job.b;
+      dst = routed ? (up ? g.dw_up : g.dw_gate) : (up ? g.d_shared_up : g.d_shared_gate);
+      at = ((size_t)e * inter + i0) * d.hidden + h0;
+      ld = d.hidden, rows = min_int(kBlockM, inter - i0), cols = min_int(pipe::kBN, d.hidden - h0);
+    }
+    const pipe::Frag f = fp8b::frag_here();
+    if (p.grad_bf16)  // uniform over the launch; streaming stores: nothing here reads them again
+      pipe::store_bf16<true>(acc, f, static_cast<bf16*>(dst) + at, ld, rows, cols, p.accumulate != 0);
+    else
+      pipe::store_f32<true>(acc, f, static_cast<float*>(dst) + at, ld, rows, cols, p.accumulate != 0);
+    return true;
+  }
+
+  __device__ bool run(const pipe::Job& job, const pipe::Shared& s, wg::PipeState& ps, float (&acc)[pipe::kAccRegs],
+                      int consumer, const MbarWaitCtx& w, const pipe::Turns& turns) const {
     switch (job.kind) {
       case kB8TokenPrep:
-      case kB8Dispatch:
+      case kB8Dispatch:  // one call: the quantiser inlined once
         fp8b::quantize_dout(q, job.kind == kB8Dispatch, job.a, job.b);
+        if (job.kind == kB8TokenPrep) fp8b::token_prep_widen(q, job.a);
+        return true;
+      case kB8Widen:
+        fp8b::widen_block(q, job.a, job.b);
         return true;
       case kB8Combine:
         tasks.combine_body(job.a);
+        return true;
+      case kB8DWeights:
+        fp8b::d_weights(q.p, job.a);
         return true;
       case kB8SharedDA:
       case kB8RoutedDA:
@@ -334,6 +464,11 @@ struct TmaBackwardFp8 {
       case kB8SharedDX:
       case kB8RoutedDX:
         return dx(job, s, ps, consumer, w);
+      case kB8WgradDown:
+      case kB8WgradGateUp:
+      case kB8SharedWgradDown:
+      case kB8SharedWgradGateUp:
+        return wgrad(job, s, ps, acc, consumer, w, turns);
       default:
         return false;
     }

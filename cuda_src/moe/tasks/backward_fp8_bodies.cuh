@@ -4,13 +4,15 @@
 //                   copy (P: dq = Q(d_out), the shared dA's A), the forward's pipelined quantiser
 //                   (quantize_rows.cuh) with d_out as the source.  Unweighted: tw is applied to the
 //                   fp32 dA instead (FP8_DESIGN "Semantics notes" (1)), so dq / dyq are bitwise the
-//                   oracle's.
+//                   oracle's.  Second output from the same registers (DequantToBf16): the wgrads'
+//                   bf16 A, dy_routed = bf16(tw * q * s) (B0) or dq_bf = bf16(q * s) (P).
+//   widen_rows      bf16(q * s) of the forward's quantised context: P's xq_bf, sact
+//                   (token_prep_widen) and W's x_routed, act (widen_block), the wgrads' B / A.
+//   d_weights       B1: d_topk_weights = <d_out, y_slot> (the bf16 body's arithmetic, see there).
 //   da_subtile      one 128-column I block of dA: da = tw * acc, dSwiGLU against the bf16 gu of
 //                   the forward's context, dG and dU quantised per row (one 1 x 128 block each) into
 //                   dguq (the dX GEMM's A) and their dequantised values rounded to bf16 into dgu (the
 //                   wgrads' operand: never quantised twice).
-// NOT YET: the bf16 dy_routed / dq_bf second outputs of quantize_dout and the widening of xq, xrq,
-// aq, saq (phases P, W) -- see FP8_DESIGN Step 3 "Status".
 #pragma once
 #include "common/fp8.cuh"
 #include "moe/params_fp8_bwd.cuh"
@@ -22,37 +24,205 @@
 namespace mok {
 namespace fp8b {
 
-// B0 (routed): row block b of dyq <- Q(d_out[slot / k]) (padding rows zero, scale 0; then
-// block_dy_ready[b], expert_dy_ready[e]), or P (token order): token block b of dq <- Q(d_out)
-// (then token_dq_ready[b]).  One function for both, so the quantiser is inlined once (as the
-// forward's fp8f::quantize_x, whose structure this is).
+// The thread index, read again where it is used.  threadIdx.x is a pure value to the compiler, so
+// everything derived from it (fragment rows and columns, lanes, warps, their 64-bit forms) was
+// computed once before the persistent worker loop and held in registers through every task body,
+// ~10 of the 232 at the dA epilogue's peak; the volatile read keeps each body's copies inside it.
+__device__ __forceinline__ int tid_here() {
+  int t;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+  return t;
+}
+__device__ __forceinline__ int worker_tid_here() { return tid_here() - kWorkerThread0; }
+
+// pipe::Frag::of(consumer) from tid_here() (same values).
+__device__ __forceinline__ pipe::Frag frag_here() {
+  const int t = tid_here(), l = t & 31;
+  const int consumer = (t - kWorkerThread0) >> 7;
+  return pipe::Frag{64 * consumer + 16 * ((t & 127) >> 5) + (l >> 2), 2 * (l & 3), l & 3};
+}
+
+// The dispatch's second output (fp8f::quantize_rows_warp's `second`): each quantised unit
+// dequantised, times the row's weight, rounded to bf16 into a bf16 copy of the rows (row r at
+// dst + r * hidden), from the registers that hold its E4M3 bytes and scale: dy_routed = bf16(tw * q
+// * s), the routed wgrad's A (the oracle's dy = tw * dq), or dq_bf = bf16(q * s) (w = 1), the shared
+// one's.  Lane j < 16 holds local row j's weight (0 for padding rows: their q and s are 0 anyway).
+struct DequantToBf16 {
+  bf16* dst;
+  float lane_w;
+  __device__ __forceinline__ void operator()(const fp8f::QuantRows& q, int j, int row, int col0,
+                                             const fp8::QuantizedQuadBlock& b) const {
+    const float m = __shfl_sync(0xffffffffu, lane_w, j) * b.scale;  // every lane: a shuffle
+    bf16* const out = dst + (size_t)row * q.hidden + col0;
+#pragma unroll
+    for (int k = 0; k < fp8f::kUnitSlots; ++k) {
+      if (col0 + 32 * k >= q.hidden) continue;
+      const uint32_t e[2] = {b.q[k].x, b.q[k].y};  // 8 E4M3, low byte first: elements 32 k + 0 .. 7
+      uint32_t w[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 v = fp8::e4m3x2_to_f32(e[i >> 1] >> (16 * (i & 1)));  // exact
+        w[i] = pack_bf16x2(v.x * m, v.y * m);
+      }
+      *reinterpret_cast<uint4*>(out + 32 * k) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  }
+};
+
+// B0 (routed): row block b of dyq <- Q(d_out[slot / k]) and dy_routed <- bf16(tw * deq(dyq)) (padding
+// rows zero, scale 0; then block_dy_ready[b], expert_dy_ready[e]), or P's first half (token order):
+// token block b of dq <- Q(d_out) and dq_bf <- bf16(deq(dq)) (then token_dq_ready[b]).  One function
+// for both, so the quantiser is inlined once (as the forward's fp8f::quantize_x, whose structure
+// this is).
 __device__ __forceinline__ void quantize_dout(const MoEFp8BackwardParams& q, bool routed, int b, int e) {
   const MoEBackwardParams& p = q.p;
   const MoEDims& d = p.dims;
-  const int lane = threadIdx.x & 31;
-  fp8f::QuantRows r{q.q.dyq, q.q.rs, (size_t)d.max_rows, d.hidden, b * kBlockM + (worker_tid() >> 5),
+  const int wt = worker_tid_here(), lane = wt & 31;
+  fp8f::QuantRows r{q.q.dyq, q.q.rs, (size_t)d.max_rows, d.hidden, b * kBlockM + (wt >> 5),
                     fp8f::kRowsPerWarp, nullptr};
+  DequantToBf16 second{p.dy_routed, 0.f};
   const int row = r.row(lane & 15);
   if (routed) {
     const int slots = d.tokens * d.top_k;
     const int slot = lane < fp8f::kRowsPerWarp ? p.sched.row_slot[row] : -1;
     if (slot >= slots) set_error(p.err, kErrInternal, __LINE__, row, slot);  // corrupt schedule: never read past d_out
-    if (slot >= 0 && slot < slots) r.lane_src = p.d_out + (size_t)(slot / d.top_k) * d.hidden;
+    if (slot >= 0 && slot < slots) {
+      r.lane_src = p.d_out + (size_t)(slot / d.top_k) * d.hidden;
+      second.lane_w = __ldg(p.topk_weights + slot);
+    }
   } else {
     r.dst = q.q.dq;
     r.scale = q.q.ts;
     r.ld = q.plan8.token_ld;
     r.nrows = d.tokens > r.row0 ? min_int(fp8f::kRowsPerWarp, ceil_div(d.tokens - r.row0, fp8f::kQuantWarps)) : 0;
     r.lane_src = p.d_out + (size_t)row * d.hidden;  // rows past the tokens are never loaded (j >= nrows)
+    second = DequantToBf16{q.q.dq_bf, 1.f};
   }
   // A ring of 6 units, not the forward's 8 (5 units = 10 KB in flight per warp, not 7 = 14 KB): with
-  // 8, ptxas spilled 20 bytes of the worker loop's state once the dX tasks joined the dA epilogue
-  // in this kernel (7 spills too).  Its cost on the dispatch is to be measured on the GPU.
-  fp8f::quantize_rows_warp<6>(r);
+  // 8 or 7 and the bf16 second output, the workers spill (24 bytes, with every phase in the kernel).
+  // Its cost on the dispatch is to be measured on the GPU.
+  fp8f::quantize_rows_warp<6>(r, second);
   if (routed)
     signal_counters(p.cnt.block_dy_ready + b, p.cnt.expert_dy_ready + e);
   else
     signal_counter(q.token_dq_ready + b);
+}
+
+// B1: d_topk_weights[t, j] = <d_out[t], y_slot[t k + j]> (unquantised d_out, the oracle's), a warp
+// per route, lanes stride over H, then a fixed butterfly: the bf16 body's (BackwardTasks::d_weights)
+// sums in the same order.  Why not that body: its loads are guarded by `if (c < hidden)`, and a
+// register only written under a predicate keeps its old value otherwise, so ptxas held its 16
+// load registers (and the hoisted lane / warp values) live around the whole worker loop: 104 bytes
+// of spills at the dA epilogue's peak.  Here every load register is written (zeros past H), and
+// the thread index is read inside the body (tid_here).
+__device__ __forceinline__ void d_weights(const MoEBackwardParams& p, int tb) {
+  const MoEDims& d = p.dims;
+  const int wt = worker_tid_here(), warp = wt >> 5, lane = wt & 31;
+  const int routes = min_int(kBlockM, d.tokens - tb * kBlockM) * d.top_k, slot0 = tb * kBlockM * d.top_k;
+  for (int q = warp; q < routes; q += kThreads / 32) {
+    const size_t slot = (size_t)slot0 + q, t = slot / d.top_k;
+    const bf16* const yr = p.ctx.y_slot + slot * d.hidden;
+    const bf16* const gr = p.d_out + t * d.hidden;
+    float sum = 0.f;
+    constexpr int kPairs = 2;
+    for (int c0 = lane * 8; c0 < d.hidden; c0 += 32 * 8 * kPairs) {
+      uint4 yv[kPairs], gv[kPairs];
+#pragma unroll
+      for (int u = 0; u < kPairs; ++u) {
+        const int c = c0 + u * 32 * 8;
+        yv[u] = fp8f::ldg_or_zero(yr + c, c < d.hidden);
+        gv[u] = fp8f::ldg_or_zero(gr + c, c < d.hidden);
+      }
+#pragma unroll
+      for (int u = 0; u < kPairs; ++u) {
+        if (c0 + u * 32 * 8 >= d.hidden) break;
+        float y[8], g[8];
+        unpack_bf16x8(yv[u], y);
+        unpack_bf16x8(gv[u], g);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) sum = fmaf(g[i], y[i], sum);
+      }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    if (lane == 0) p.d_topk_weights[slot] = sum;
+  }
+}
+
+// 16 bytes at p (read-only for the launch), or zeros where !pred; every register written either way
+// (fp8f::ldg_or_zero's form: a register written only under a predicate stays live around the loop).
+__device__ __forceinline__ uint4 ld_nc_v4_or_zero(const void* p, bool pred) {
+  return fp8f::ldg_or_zero(static_cast<const bf16*>(p), pred);
+}
+__device__ __forceinline__ float ld_nc_f32_or_zero(const float* p, bool pred) {
+  float v;
+  asm("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %2, 0;\n\tmov.b32 %0, 0;\n\t@p ld.global.nc.f32 %0, [%1];\n\t}"
+      : "=f"(v)
+      : "l"(p), "r"(static_cast<int>(pred)));
+  return v;
+}
+
+// Rows [row0, row0 + rows) of an E4M3 array [*, cols] with fp32 scales s[(c / 128) * s_ld + row]
+// widened to bf16(q * s) into out (same row index, [*, cols]), and rows [row0 + rows, row0 + zero_to)
+// of out written as zeros (nothing read for them).  The wgrads' bf16 operands from the forward's
+// quantised context (x_routed, act, xq_bf, sact): the values the FP8 GEMMs saw, rounded to bf16
+// once.  16 bytes of E4M3 per thread and step, kBatch steps in flight (cols: a multiple of 64).
+__device__ __forceinline__ void widen_rows(const uint8_t* q, const float* s, size_t s_ld, bf16* out, int cols, int row0,
+                                           int rows, int zero_to) {
+  constexpr int kBatch = 8;
+  const int cpr = cols / 16;  // 16-byte chunks per row
+  const int n = zero_to * cpr, loaded = rows * cpr;
+  for (int base = worker_tid_here(); base < n; base += kThreads * kBatch) {
+    uint4 v[kBatch];
+    float sc[kBatch];
+    size_t at[kBatch];  // element offset of the chunk
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int i = base + u * kThreads, r = i / cpr, c = (i - r * cpr) * 16;
+      at[u] = (size_t)(row0 + r) * cols + c;
+      v[u] = ld_nc_v4_or_zero(q + at[u], i < loaded);
+      sc[u] = ld_nc_f32_or_zero(s + (size_t)(c / fp8::kBlock) * s_ld + row0 + r, i < loaded);
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      if (base + u * kThreads >= n) break;
+      const uint32_t e[4] = {v[u].x, v[u].y, v[u].z, v[u].w};  // 16 E4M3, low byte first
+      uint32_t w[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float2 f = fp8::e4m3x2_to_f32(e[i >> 1] >> (16 * (i & 1)));  // exact
+        w[i] = pack_bf16x2(f.x * sc[u], f.y * sc[u]);
+      }
+      uint4* const o = reinterpret_cast<uint4*>(out + at[u]);
+      o[0] = make_uint4(w[0], w[1], w[2], w[3]);
+      o[1] = make_uint4(w[4], w[5], w[6], w[7]);
+    }
+  }
+}
+
+// P's second half (token block tb, only with a shared expert; after quantize_dout's dq, dq_bf and
+// token_dq_ready[tb] for the shared dA): the shared wgrads' other token-order operands, xq_bf =
+// bf16(deq(xq)) and sact = bf16(deq(saq)), and zeros in dq_bf / xq_bf rows [T, block end) (the
+// wgrads' K runs to a multiple of 64 tokens, and those maps hold the routed rows below: TMA
+// zero-fills nothing there; sact's and dsgu's maps end at T); then prep_done.
+__device__ __forceinline__ void token_prep_widen(const MoEFp8BackwardParams& q, int tb) {
+  const MoEDims& d = q.p.dims;
+  const int t0 = tb * kBlockM, rows = min_int(kBlockM, d.tokens - t0);
+  const size_t ld = q.plan8.token_ld;
+  widen_rows(q.qctx.xq, q.qctx.xq_s, ld, q.q.xq_bf, d.hidden, t0, rows, kBlockM);
+  widen_rows(q.qctx.saq, q.qctx.saq_s, ld, q.p.ctx.sact, d.shared_inter, t0, rows, rows);
+  widen_rows(q.q.dq, q.q.ts, ld, q.q.dq_bf, d.hidden, t0 + rows, 0, kBlockM - rows);  // zeros only
+  signal_counter(q.prep_done);
+}
+
+// W (row block b of expert e): x_routed = bf16(deq(xrq)), act = bf16(deq(aq)) (padding rows: zeros,
+// their q and scales are), the routed wgrads' B operands; then expert_widen_ready[e].
+__device__ __forceinline__ void widen_block(const MoEFp8BackwardParams& q, int b, int e) {
+  const MoEDims& d = q.p.dims;
+  const size_t ld = d.max_rows;
+  widen_rows(q.qctx.xrq, q.qctx.xrq_s, ld, q.p.ctx.x_routed, d.hidden, b * kBlockM, kBlockM, kBlockM);
+  widen_rows(q.qctx.aq, q.qctx.aq_s, ld, q.p.ctx.act, d.inter, b * kBlockM, kBlockM, kBlockM);
+  signal_counter(q.expert_widen_ready + e);
 }
 
 // Where one dA sub-tile's outputs go.  Rows are tile rows (0 .. 127) of the task's row block.

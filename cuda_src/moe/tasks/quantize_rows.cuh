@@ -81,10 +81,18 @@ __device__ __forceinline__ void load_unit(uint4 (&v)[kUnitSlots], const QuantRow
   }
 }
 
+// A second output of each stored unit, written from the same registers (QuantRows, local row j, its
+// dst row, this lane's first column, the unit's quantised blocks): none in the forward; the FP8
+// backward's dispatch also writes the dequantised rows in bf16 (tasks/backward_fp8_bodies.cuh).
+struct NoSecondOutput {
+  __device__ __forceinline__ void operator()(const QuantRows&, int, int, int, const fp8::QuantizedQuadBlock&) const {}
+};
+
 // Quantise and store unit c of local row j (held in v).  Returns whether one of its blocks needs the
 // div.rn fallback (warp-uniform).  kDiv: that fallback (it loads the unit again itself).
-template <bool kDiv>
-__device__ __forceinline__ bool store_unit(const uint4 (&v)[kUnitSlots], const QuantRows& q, int j, int c) {
+template <bool kDiv, class Second = NoSecondOutput>
+__device__ __forceinline__ bool store_unit(const uint4 (&v)[kUnitSlots], const QuantRows& q, int j, int c,
+                                           const Second& second = Second{}) {
   const int row = q.row(j), col0 = c * kUnitCols + unit_lane_col();
   uint4 w[kUnitSlots];
   if (kDiv) {
@@ -100,6 +108,7 @@ __device__ __forceinline__ bool store_unit(const uint4 (&v)[kUnitSlots], const Q
     if (col0 + 32 * k < q.hidden) *reinterpret_cast<uint2*>(dst + 32 * k) = b.q[k];
   if ((threadIdx.x & 3) == 0 && col0 < q.hidden)
     q.scale[(size_t)(static_cast<unsigned>(col0) / fp8::kBlock) * q.ld + row] = b.scale;
+  second(q, j, row, col0, b);
   return __any_sync(0xffffffffu, b.needs_div);
 }
 
@@ -114,8 +123,9 @@ __device__ __forceinline__ void next_unit(int& j, int& c, int upr) {
 // issued before unit i is quantised.  A row with a block that needs div.rn is redone at the end (the
 // same lanes store to the same addresses, so the later stores win).
 // R: the ring's units (kRing in the forward; the FP8 backward takes fewer registers, see there).
-template <int R = kRing>
-__device__ __forceinline__ void quantize_rows_warp(const QuantRows& q) {
+// second: each unit's second output (NoSecondOutput: none).
+template <int R = kRing, class Second = NoSecondOutput>
+__device__ __forceinline__ void quantize_rows_warp(const QuantRows& q, const Second& second = Second{}) {
   const int upr = (q.hidden + kUnitCols - 1) / kUnitCols;  // units per row
   int lj = 0, lc = 0;  // the next unit to load
   int sj = 0, sc = 0;  // the next unit to quantise
@@ -132,7 +142,7 @@ __device__ __forceinline__ void quantize_rows_warp(const QuantRows& q) {
       if (sj >= q.nrows) break;  // warp-uniform
       load_unit(ring[(k + R - 1) % R], q, lj, lc);
       next_unit(lj, lc, upr);
-      if (store_unit<false>(ring[k], q, sj, sc)) redo |= 1u << sj;
+      if (store_unit<false>(ring[k], q, sj, sc, second)) redo |= 1u << sj;
       next_unit(sj, sc, upr);
     }
   }
@@ -140,7 +150,7 @@ __device__ __forceinline__ void quantize_rows_warp(const QuantRows& q) {
   for (; redo != 0; redo &= redo - 1) {
     const int j = __ffs(redo) - 1;
 #pragma unroll 1
-    for (int c = 0; c < upr; ++c) store_unit<true>(ring[0], q, j, c);
+    for (int c = 0; c < upr; ++c) store_unit<true>(ring[0], q, j, c, second);
   }
 }
 
