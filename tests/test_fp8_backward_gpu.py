@@ -7,7 +7,9 @@ mok_rt/reference/fp8.py backward_fp8 lists its quantisation points).
 * the dSwiGLU epilogue's ``dguq`` / ``dsguq`` dequantised within 2e-2 of the oracle's Q(dG), Q(dU)
   (the kernel applies tw to the fp32 dA instead of to dq: E4M3 ties may flip, FP8_DESIGN "Semantics
   notes"), zero in the padding columns [I, Ip);
-* dx, d_topk_weights and every weight gradient within relative Frobenius 5e-3 (FP8ERR lines);
+* d_topk_weights and the down weight gradients within relative Frobenius 5e-3 of the oracle; dx and
+  the gate / up weight gradients within 5e-3 of the oracle's last GEMMs fed with the kernel's own
+  Q(dG), Q(dU) and within 1.5e-2 end to end (check_case says why; FP8ERR lines print both);
 * every output poisoned with NaN first (poison_outputs=True): each must be written, finite;
 * two runs bit for bit equal; recompute_context then backward, and a forward on bf16 master
   weights or on quantize_weights(for_backward=False) (the transposed copies then quantised inside
@@ -37,8 +39,10 @@ from mok_rt.reference import layer as RL  # noqa: E402
 from mok_rt.reference.quantize import FP8_BLOCK, fake_quantize, quantize_fp8_block  # noqa: E402
 
 BF16 = ml_dtypes.bfloat16
-TOL = 5e-3           # dx, d_topk_weights, dW: the forward's tolerance
+TOL = 5e-3           # every gradient, downstream of the kernel's own quantisation decisions
+TOL_E2E = 1.5e-2     # dx and the gate / up gradients against the oracle end to end (see check_case)
 TOL_Q = 2e-2         # dguq / dsguq dequantised (E4M3 ties)
+DECIDED = ("dx", "dw_gate", "dw_up", "dws_gate", "dws_up")   # gradients downstream of Q(dG), Q(dU)
 GRADS = ("dw_gate", "dw_up", "dw_down", "dws_gate", "dws_up", "dws_down")
 REPORT: list[str] = []
 
@@ -146,6 +150,54 @@ def _deq(q, s, rows, col0, n, kb0):
     return v * sc
 
 
+def _kernel_dgu(got, dims):
+    """The kernel's own Q(dG), Q(dU) per route (the oracle's row order, T * k rows) and the shared
+    expert's (T rows), dequantised to float64 from dguq / dsguq and their scales."""
+    from mok_rt.kernels.moe_params_fp8_bwd import padded_inter
+    sc, slots = got["scratch"], got["row_slot"]
+    T, H, I, Is, k = dims.tokens, dims.hidden, dims.intermediate, dims.shared_intermediate, dims.top_k
+    hb, ip = -(-H // FP8_BLOCK), padded_inter(I)
+    rows = np.nonzero(slots >= 0)[0]
+    dg, du = np.zeros((T * k, I)), np.zeros((T * k, I))
+    if rows.size:
+        dg[slots[rows]] = _deq(sc["dguq"], sc["rs"], rows, 0, I, hb)
+        du[slots[rows]] = _deq(sc["dguq"], sc["rs"], rows, ip, I, hb + ip // FP8_BLOCK)
+    if not Is:
+        return dg, du, None, None
+    ips, t = padded_inter(Is), np.arange(T)
+    return (dg, du, _deq(sc["dsguq"], sc["ts"], t, 0, Is, hb),
+            _deq(sc["dsguq"], sc["ts"], t, ips, Is, hb + ips // FP8_BLOCK))
+
+
+def _downstream_reference(rctx, got, dims) -> dict:
+    """The oracle's dx and gate / up weight gradients (backward_fp8's last GEMMs, float64) computed
+    from the kernel's own Q(dG), Q(dU).  Why: dG and dU are quantised from the fp32 result of an FP8
+    GEMM, the oracle's from a float64 one; where the two land on different sides of an E4M3
+    rounding midpoint (a fraction of a per cent of the elements, each then one E4M3 step = 6-12 %
+    apart) the end-to-end difference reaches ~5e-3 with nothing wrong.  Given the same decisions,
+    what follows must agree tightly."""
+    return _downstream(rctx, *_kernel_dgu(got, dims), dims)
+
+
+def _downstream(rctx, dg, du, sdg, sdu, dims) -> dict:
+    T, k = rctx.topk_ids.shape
+    w, wsh = rctx._w, rctx._ws
+    ids, tok = rctx.topk_ids.reshape(-1), np.repeat(np.arange(T), k)
+    E, I, H = w.gate_t.shape[0], dims.intermediate, dims.hidden
+    dx_rows = np.zeros((T * k, H))
+    out = {"dw_gate": np.zeros((E, I, H)), "dw_up": np.zeros((E, I, H))}
+    for e in np.unique(ids):
+        idx = np.nonzero(ids == e)[0]
+        xe = rctx.xq[tok[idx]]
+        dx_rows[idx] = dg[idx] @ w.gate_t[e].T + du[idx] @ w.up_t[e].T
+        out["dw_gate"][e], out["dw_up"][e] = dg[idx].T @ xe, du[idx].T @ xe
+    out["dx"] = dx_rows.reshape(T, k, H).sum(axis=1)
+    if wsh is not None:
+        out["dx"] = out["dx"] + sdg @ wsh.gate_t.T + sdu @ wsh.up_t.T
+        out["dws_gate"], out["dws_up"] = sdg.T @ rctx.xq, sdu.T @ rctx.xq
+    return out
+
+
 def _check_quantised(name, got, h, d_out, rctx, errs):
     """dq / dyq bitwise; dguq / dsguq within TOL_Q, their padding columns zero."""
     from mok_rt.kernels.moe_params_fp8_bwd import padded_inter, token_rows
@@ -193,11 +245,21 @@ def check_case(name, cfg, h, *, seed=0, **kw):
         assert np.isfinite(a.astype(np.float64)).all(), f"{name}: {n} has NaN/inf (unwritten?)"
         errs[n] = rel_err(a, getattr(want, n))
     _check_quantised(name, got, h, d_out, rctx, errs)
+    # dx and the gate / up gradients: tight against the oracle given the kernel's Q(dG), Q(dU)
+    # (_downstream_reference), and end to end within TOL_E2E; d_topk_weights and the down
+    # gradients do not depend on those decisions: tight end to end.
+    down = _downstream_reference(rctx, got, got["dims"])
+    stage = {n: rel_err(first[n], down[n]) for n in DECIDED if n in first}
     norm = np.linalg.norm(want.dx) if want.dx.size else 0.0
-    REPORT.append(f"FP8ERR bwd {name}: " + " ".join(f"{n}={e:.2e}" for n, e in errs.items()) + f" |dx|={norm:.3e}")
+    REPORT.append(f"FP8ERR bwd {name}: " + " ".join(f"{n}={e:.2e}" for n, e in errs.items()) + f" |dx|={norm:.3e}"
+                  + " | given the kernel's Q(dG), Q(dU): " + " ".join(f"{n}={e:.2e}" for n, e in stage.items()))
     print(REPORT[-1])
     for n in first:
-        assert errs[n] <= TOL, f"{name}: {n} relative error {errs[n]:.3e} > {TOL}"
+        if n in DECIDED:
+            assert stage[n] <= TOL, f"{name}: {n} relative error {stage[n]:.3e} > {TOL} given the same Q(dG), Q(dU)"
+            assert errs[n] <= TOL_E2E, f"{name}: {n} relative error {errs[n]:.3e} > {TOL_E2E} end to end"
+        else:
+            assert errs[n] <= TOL, f"{name}: {n} relative error {errs[n]:.3e} > {TOL}"
     # Every run bit for bit: repeated, after recompute_context, with the copies made in the backward.
     for i, run in enumerate(got["runs"][1:], 1):
         for n, a in first.items():
