@@ -181,9 +181,10 @@ def _run_mok(torch, ranks, mok: _Mok, shape: Shape, tokens: int, inp: _Inputs, r
         _free(torch)
 
     def timed_quantize():
-        ws, s = state["ws"], _stream_for_mok(torch, ranks)
-        q = _time(torch, ranks, lambda: m.quantize_weights(ws, experts, shared, stream=s), iters=args.iters,
-                  warmup=args.warmup, timing=args.timing)
+        ws = state["ws"]
+        # The stream is looked up per call, as in fwd(): --timing graph calls it on its side and capture streams.
+        q = _time(torch, ranks, lambda: m.quantize_weights(ws, experts, shared, stream=_stream_for_mok(torch, ranks)),
+                  iters=args.iters, warmup=args.warmup, timing=args.timing)
         every = ranks.gather(statistics.median(q))
         return {"quantize_weights_ms": round(max(every), 4),
                 "quantize_weights_ms_ranks": [round(v, 4) for v in every]}
