@@ -168,8 +168,9 @@ def _precision_lines(r: dict, precision: str) -> list[str]:
     if mem:
         notes.append(f"step memory {mem['step_peak_gib']:.2f} GiB (quantised weights "
                      f"{mem.get('quantized_weights_gib', 0):.2f})")
-    for key, why in (fig.get("not_built") or {}).items():
-        notes.append(f"{key}: not built ({why[:120]})")
+    not_built = fig.get("not_built") or {}
+    for why in dict.fromkeys(not_built.values()):   # one note per message (EP > 1: fwd and fwd_bwd share it)
+        notes.append(f"{' and '.join(k for k, w in not_built.items() if w == why)}: not built ({why[:120]})")
     for key in ("error", "quantize_weights_error"):
         if fig.get(key):
             notes.append(f"{key.replace('_', ' ')}: {fig[key][:200]}")

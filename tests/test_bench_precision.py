@@ -37,22 +37,28 @@ def test_old_results_still_read(path):
     assert "fp8" not in table + md   # a bf16-only run: no precision rows
 
 
-class _NoFp8Backward:
-    """mok_rt as its CUDA backend is today: the FP8 backward refused with ArgumentError("precision")."""
+class _RefusesFp8:
+    """mok_rt as its CUDA backend is today: the FP8 backward refused with ArgumentError("precision")
+    (``refuse="backward"``), or, with expert parallelism, the FP8 workspace (``"workspace"``)."""
 
-    def __init__(self, mod):
-        self._mod = mod
+    def __init__(self, mod, refuse: str):
+        self._mod, self._refuse = mod, refuse
 
     def __getattr__(self, name):
         return getattr(self._mod, name)
 
+    def Workspace(self, config, *a, **kw):  # noqa: N802 -- mok_rt's name
+        if self._refuse == "workspace" and config.precision != "bf16":
+            raise self._mod.ArgumentError("precision", "FP8 with expert parallelism is not built yet (test)")
+        return self._mod.Workspace(config, *a, **kw)
+
     def backward(self, ws, ctx, *a, **kw):
-        if ws.config.precision != "bf16":
+        if self._refuse == "backward" and ws.config.precision != "bf16":
             raise self._mod.ArgumentError("precision", "the FP8 backward is not built yet (test)")
         return self._mod.backward(ws, ctx, *a, **kw)
 
 
-def _run(torch, monkeypatch, precisions, *, fp8_backward: bool) -> dict:
+def _run(torch, monkeypatch, precisions, *, refuse: str | None = None) -> dict:
     from bench_mok import _Mok
     from bench_procs import _Ranks
     # The baseline's timing is not under test (CPU grouped_mm takes ~0.5 s a call): fixed samples;
@@ -61,8 +67,8 @@ def _run(torch, monkeypatch, precisions, *, fp8_backward: bool) -> dict:
     ranks = _Ranks(torch, rank=0, size=1, local_rank=0, cpu=True)
     mok = _Mok(ranks, want=True)
     assert mok.error is None
-    if not fp8_backward:
-        mok.mod = _NoFp8Backward(mok.mod)
+    if refuse:
+        mok.mod = _RefusesFp8(mok.mod, refuse)
     args = argparse.Namespace(impl="both", precisions=precisions, tokens=None, seed=0, iters=20, warmup=1,
                               timing="pipelined", grad_dtype="bfloat16", comm_sms=None)
     rec = bench_moe.run_shape(torch, ranks, mok, TINY, args)
@@ -72,7 +78,7 @@ def _run(torch, monkeypatch, precisions, *, fp8_backward: bool) -> dict:
 
 def test_fp8_backward_not_built(monkeypatch, tmp_path):
     torch = pytest.importorskip("torch")
-    rec = _run(torch, monkeypatch, ["bf16", "fp8_block"], fp8_backward=False)
+    rec = _run(torch, monkeypatch, ["bf16", "fp8_block"], refuse="backward")
     assert rec["error"] is None and rec["check"]["passed_fwd_bwd"], rec
     fp8, check = rec["mok_fp8_block"], rec["check_fp8_block"]
     assert fp8["fwd_tflops_per_gpu"] is not None and fp8["deterministic"] and fp8["quantize_weights_ms"] > 0
@@ -98,10 +104,22 @@ def test_fp8_with_backward(monkeypatch):
     """Where mok.backward runs FP8 (the reference backend; the CUDA one once built), the harness
     uses it: fwd+bwd figures gated at 0.1 on dx, d_topk_weights and every weight gradient."""
     torch = pytest.importorskip("torch")
-    rec = _run(torch, monkeypatch, ["fp8_block"], fp8_backward=True)
+    rec = _run(torch, monkeypatch, ["fp8_block"])
     fp8, check = rec["mok_fp8_block"], rec["check_fp8_block"]
     assert rec["mok"] is None and rec["ratio_fp8_block_vs_bf16"] is None   # bf16 not requested
     assert check["passed_fwd_bwd"] and "backward" not in check, check
     assert {"dx", "d_topk_weights", "dw_gate", "dws_down"} <= set(check["rel_fro"])
     assert fp8["fwd_bwd_tflops_per_gpu"] is not None and fp8["deterministic"] and "withheld" not in fp8
     assert rec["ratio_fp8_block"]["fwd_bwd"]
+
+
+def test_fp8_workspace_refused(monkeypatch):
+    """FP8 refused as a whole (the CUDA backend with EP > 1): both figures "not built", no error."""
+    torch = pytest.importorskip("torch")
+    rec = _run(torch, monkeypatch, ["fp8_block"], refuse="workspace")
+    fp8 = rec["mok_fp8_block"]
+    assert rec["error"] is None and "error" not in fp8, rec
+    assert fp8["withheld"] == {"fwd": "not built", "fwd_bwd": "not built"} and set(fp8["not_built"]) == {"fwd", "fwd_bwd"}
+    assert rec["check_fp8_block"]["error"] == "not built" and rec["ratio_fp8_block"] is None
+    doc = {"results": [rec]}
+    assert bench_report.format_table(doc).count("not built") >= 2
