@@ -7,6 +7,7 @@ Both run in the same process, one process per GPU, on the same random inputs and
     torchrun --nproc-per-node=8 bench/bench_moe.py             # expert parallel over 8 GPUs
     mpirun -np 2 python bench/bench_moe.py                     # same, launched by MPI
     python bench/bench_moe.py --quick                          # small shapes: a smoke test
+    python bench/bench_moe.py --precision bf16,fp8_block       # mok_rt in bf16 and in FP8, one baseline
 
 A step is timed with CUDA events on torch's current stream (mok_rt is handed that stream), each
 iteration on its own after warm-up, and the median over iterations is reported (the slowest
@@ -14,14 +15,13 @@ rank's median with EP > 1).  "fwd" = routing schedule + forward; "fwd+bwd" = sch
 + backward (weight, input and router-weight gradients).  TFLOP/s per GPU count the routed
 experts' 6*T*k*H*I (+ the shared expert's 6*T*H*I_s) per forward and 3x that per forward +
 backward, T = tokens per rank.  Before timing, one fwd+bwd of each side is compared
-(relative Frobenius error); mok_rt figures that fail the check are withheld.
+(relative Frobenius error); mok_rt figures that fail the check are withheld.  ``--precision``
+runs mok_rt once per precision against the same baseline (FP8: bench_mok.py, bench/README.md).
 """
 from __future__ import annotations
 
 import argparse
 import datetime
-import gc
-import math
 import os
 import statistics
 import sys
@@ -30,13 +30,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench_procs import _attempt, _launcher_env, _log, _Ranks
-from bench_report import _commit, _machine, _results_path, _versions, _write, format_table
-from bench_timing import _time
+from bench_mok import TOLERANCE, TOLERANCES, _Mok, _run_mok
+from bench_procs import _attempt, _free, _launcher_env, _log, _Ranks
+from bench_report import PRECISIONS, _commit, _machine, _results_path, _versions, _write, format_table, mok_key
+from bench_timing import _figures, _time
 
 _HERE = Path(__file__).resolve().parent
-_ROOT = _HERE.parent
-TOLERANCE = 2e-2          # relative Frobenius error of mok_rt vs the baseline
 SCHEMA = 1
 
 
@@ -72,7 +71,6 @@ SHAPES = {s.name: s for s in (
 )}
 DEFAULT_SHAPES = ("qwen3-30b-a3b", "deepseek-v3", "deepseek-v3-shared")
 QUICK_SHAPES = ("quick", "quick-shared")
-_GRAD_NAMES = ("dw_gate", "dw_up", "dw_down", "dws_gate", "dws_up", "dws_down")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -100,6 +98,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--grad-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                     help="mok_rt's weight-gradient buffers: bfloat16 (default; what the baseline's autograd "
                          "produces for its bf16 weights) or float32 (a trainer's fp32 main grads)")
+    ap.add_argument("--precision", default="bf16",
+                    help="comma list of mok_rt precisions to run, each against the same baseline run: bf16 "
+                         "(default) and/or fp8_block (weights quantised once per workspace, outside the timed "
+                         "steps, and that call timed on its own; checked with a looser tolerance)")
     ap.add_argument("--comm-sms", type=int, default=None,
                     help="MoEConfig.comm_sms with EP (tasks that push this rank's rows; default: the config's)")
     ap.add_argument("--out", default=None, help="directory for the results JSON (default bench/results)")
@@ -127,6 +129,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if any(t is not None and t <= 0 for t in args.token_list):
         ap.error("--tokens must be positive")
     args.tokens = None
+    wanted = args.precision.split(",")
+    if not set(wanted) <= set(PRECISIONS):
+        ap.error(f"--precision: expected a comma list of {', '.join(PRECISIONS)}, got {args.precision!r}")
+    args.precisions = [p for p in PRECISIONS if p in wanted]   # bf16 first: the others are compared with it
     if args.iters < 20:
         ap.error("--iters must be >= 20 (medians of fewer iterations are too noisy to quote)")
     if args.warmup is None:
@@ -185,43 +191,6 @@ class _Inputs:
         self.topk_weights.grad = None
 
 
-def rel_fro(torch, got, want) -> float:
-    """||got - want||_F / ||want||_F in float64, in slices so big weight gradients need no big
-    temporaries.  NaN (an unwritten poisoned element) propagates and fails every check."""
-    if tuple(got.shape) != tuple(want.shape):
-        return math.inf
-    a, b = got.reshape(got.shape[0], -1), want.reshape(want.shape[0], -1)
-    step = max(1, (1 << 25) // max(1, a.shape[1]))
-    num = torch.zeros((), dtype=torch.float64, device=b.device)
-    den = torch.zeros((), dtype=torch.float64, device=b.device)
-    for r in range(0, a.shape[0], step):
-        ad, bd = a[r:r + step].double(), b[r:r + step].double()
-        num += (ad - bd).square().sum()
-        den += bd.square().sum()
-    num, den = num.item(), den.item()
-    if den == 0:
-        return 0.0 if num == 0 else math.inf
-    return math.sqrt(num / den)
-
-
-_FIGURE_FIELDS = ("ms", "ms_ranks", "ms_min_rank0", "ms_max_rank0", "tflops_per_gpu")
-
-
-def _figures(ranks: _Ranks, fwd_ms: list[float], fwd_bwd_ms: list[float], flops_fwd: int) -> dict:
-    """Per-rank medians gathered; the step takes as long as the slowest rank."""
-    mine = {"fwd": statistics.median(fwd_ms), "fwd_bwd": statistics.median(fwd_bwd_ms)}
-    every = ranks.gather(mine)
-    fig = {}
-    for key, flops in (("fwd", flops_fwd), ("fwd_bwd", 3 * flops_fwd)):
-        ms = max(r[key] for r in every)
-        samples = fwd_ms if key == "fwd" else fwd_bwd_ms
-        fig.update({f"{key}_ms": round(ms, 4), f"{key}_ms_ranks": [round(r[key], 4) for r in every],
-                    f"{key}_ms_min_rank0": round(min(samples), 4) if ranks.rank == 0 else None,
-                    f"{key}_ms_max_rank0": round(max(samples), 4) if ranks.rank == 0 else None,
-                    f"{key}_tflops_per_gpu": round(flops / ms / 1e9, 2)})
-    return fig
-
-
 # -- the baseline ----------------------------------------------------------------------------------
 def _torch_reference(inp: _Inputs, base) -> dict:
     """One baseline fwd+bwd; its results (kept) are what mok_rt is checked against."""
@@ -275,180 +244,6 @@ def _torch_step_memory(torch, ranks, step) -> dict | None:
     return {"step_peak_gib": round((torch.cuda.max_memory_allocated() - before) / 2 ** 30, 3)}
 
 
-# -- mok_rt ----------------------------------------------------------------------------------------
-class _Mok:
-    """mok_rt, its process group, and why it cannot run (``error``) if it cannot."""
-
-    def __init__(self, ranks: _Ranks, want: bool):
-        self.mod = self.group = self.error = None
-        if not want:
-            self.error = "not requested (--impl torch)"
-            return
-
-        def load():
-            if str(_ROOT) not in sys.path:
-                sys.path.insert(0, str(_ROOT))
-            import mok_rt as mok
-            missing = [n for n in ("MoEConfig", "Workspace", "SingleProcessGroup", "CallableGroup", "ExpertWeights",
-                                   "schedule", "forward", "backward") if not hasattr(mok, n)]
-            if missing:
-                raise ImportError(f"mok_rt {getattr(mok, '__version__', '?')} lacks {', '.join(missing)}")
-            if ranks.size == 1:
-                group = mok.SingleProcessGroup(devices=[ranks.device])
-            else:   # one process per rank over torch.distributed's collectives
-                group = mok.CallableGroup(rank=ranks.rank, size=ranks.size, device_id=ranks.device,
-                                          all_gather=ranks.gather, barrier=ranks.barrier)
-            return mok, group
-
-        value, self.error = _attempt(ranks, "mok_rt setup", load)
-        if value is not None:
-            self.mod, self.group = value
-
-
-def _as_torch(torch, t):
-    return t if isinstance(t, torch.Tensor) else torch.from_dlpack(t)
-
-
-def _stream_for_mok(torch, ranks: _Ranks):
-    if ranks.cpu:
-        return None
-    s = torch.cuda.current_stream()
-    return s if hasattr(s, "__cuda_stream__") else s.cuda_stream   # older torch: the raw handle
-
-
-def _run_mok(torch, ranks, mok: _Mok, shape: Shape, tokens: int, inp: _Inputs, refs: dict,
-             flops: int, args) -> tuple[dict, dict]:
-    """Check one mok_rt fwd+bwd against the baseline's (``refs["ref"]``, popped once used so
-    its memory is free while timing), then time fwd and fwd+bwd.  Returns (figures or error, check)."""
-    m = mok.mod
-    ref = refs.pop("ref", None)
-    ref_names = set(ref or ())
-    state: dict[str, Any] = {}
-    result: dict[str, Any] = {}
-    check: dict[str, Any] = {"tolerance": TOLERANCE}
-    x, tw, ids = inp.x_plain, inp.topk_weights_plain, inp.topk_ids32
-    weights = inp.mok_weights()
-    experts = m.ExpertWeights(*weights[:3])
-    shared = None if weights[3] is None else m.ExpertWeights(*weights[3:])
-
-    def setup():
-        knobs = {} if args.comm_sms is None else {"comm_sms": args.comm_sms}
-        cfg = m.MoEConfig(hidden=shape.hidden, intermediate=shape.intermediate, num_experts=shape.experts,
-                          top_k=shape.top_k, shared_intermediate=shape.shared, swiglu_limit=shape.swiglu_limit,
-                          **knobs)
-        state["ws"] = m.Workspace(cfg, mok.group, max_tokens=tokens, backend="reference" if ranks.cpu else "cuda",
-                                  stream=_stream_for_mok(torch, ranks))
-        # Caller-owned weight-gradient buffers (a trainer's .grad) in --grad-dtype, poisoned so
-        # that an element the kernel never writes fails the check.
-        gdt = getattr(torch, args.grad_dtype)
-        bufs = [None if w is None else torch.full(tuple(w.shape), math.nan, device=x.device, dtype=gdt)
-                for w in weights]
-        state["bufs"] = {"dw": m.ExpertWeights(*bufs[:3]),
-                         "dw_shared": None if bufs[3] is None else m.ExpertWeights(*bufs[3:])}
-
-    def fwd():
-        ws, s = state["ws"], _stream_for_mok(torch, ranks)
-        sched = m.schedule(ws, ids, stream=s)
-        out, _ = m.forward(ws, sched, x, tw, experts, shared=shared, stream=s)
-        return out
-
-    def fwd_bwd():
-        ws, s = state["ws"], _stream_for_mok(torch, ranks)
-        sched = m.schedule(ws, ids, stream=s)
-        out, ctx = m.forward(ws, sched, x, tw, experts, shared=shared, stream=s)
-        g = m.backward(ws, ctx, inp.d_out, **state["bufs"], stream=s)
-        return out, g
-
-    def check_run():
-        out, g = fwd_bwd()
-        state["ws"].synchronize()   # raises what a kernel reported
-        got = {"out": out, "dx": g.dx, "d_topk_weights": g.d_topk_weights,
-               **dict(zip(_GRAD_NAMES, (*g.dw, *(g.dw_shared or (None,) * 3))))}
-        got = {n: _as_torch(torch, v) for n, v in got.items() if v is not None}
-        # Clones: mok_rt may hand out workspace memory that the next call overwrites.
-        state["first"] = {n: got[n].clone() for n in ("out", "dx", "d_topk_weights")}
-        if ref is None:
-            return {}
-        return {n: rel_fro(torch, got[n], want) for n, want in ref.items() if n in got}
-
-    def release_ref():
-        nonlocal ref
-        ref = None
-        _free(torch)
-
-    def timed():
-        last = {}
-        f = _time(torch, ranks, lambda: last.__setitem__("fwd", fwd()), iters=args.iters, warmup=args.warmup,
-                  timing=args.timing)
-        state["ws"].synchronize()
-        same = torch.equal(_as_torch(torch, last.pop("fwd")), state["first"]["out"])
-        fb = _time(torch, ranks, lambda: last.__setitem__("fb", fwd_bwd()), iters=args.iters, warmup=args.warmup,
-                   timing=args.timing)
-        state["ws"].synchronize()
-        out, g = last.pop("fb")
-        for name, t in (("out", out), ("dx", g.dx), ("d_topk_weights", g.d_topk_weights)):
-            same = same and torch.equal(_as_torch(torch, t), state["first"][name])
-        return f, fb, same
-
-    def step_memory():
-        """After the check run (the fresh workspace's first, eager, step): mok_rt's high-water
-        mark (scratch and result blocks; later eager steps reuse both) plus the caller's gradient
-        buffers, which the baseline's step allocates itself."""
-        mem = state["ws"].memory_bytes()
-        grads = sum(b.numel() * b.element_size() for part in state["bufs"].values() if part is not None
-                    for b in part)
-        gib = lambda n: round(n / 2 ** 30, 3)  # noqa: E731
-        result["memory"] = {"workspace_peak_gib": gib(mem["peak"]), "scratch_gib": gib(mem["scratch"]),
-                            "grad_buffers_gib": gib(grads), "step_peak_gib": gib(mem["peak"] + grads)}
-
-    try:
-        _, err = _attempt(ranks, "mok_rt workspace", setup)
-        if err:
-            return {"error": err}, {"error": "mok_rt did not run"}
-        errors, err = _attempt(ranks, "mok_rt check run", check_run)
-        if not err and not ranks.cpu:
-            step_memory()
-        release_ref()
-        if err:
-            return {"error": err}, {"error": "mok_rt did not run"}
-        if not ref_names:
-            check["error"] = "no baseline result to compare with (--impl mok or the baseline failed)"
-            passed_fwd = passed_bwd = False
-        else:
-            worst = {}   # the worst rank's error per tensor; NaN (unwritten, poisoned) counts as inf
-            for r_errors in ranks.gather(errors):
-                for n, v in r_errors.items():
-                    worst[n] = max(worst.get(n, 0.0), math.inf if math.isnan(v) else v)
-            check["rel_fro"] = {n: (v if math.isfinite(v) else str(v)) for n, v in worst.items()}
-            passed_fwd = worst.get("out", math.nan) < TOLERANCE
-            passed_bwd = passed_fwd and set(worst) == ref_names and all(v < TOLERANCE for v in worst.values())
-        check["passed_fwd"], check["passed_fwd_bwd"] = passed_fwd, passed_bwd
-        times, err = _attempt(ranks, "mok_rt timing", timed)
-        if err:
-            return {"error": err}, check
-        f, fb, same = times
-        fig = _figures(ranks, f, fb, flops)
-        result["deterministic"] = all(ranks.gather(bool(same)))
-        # A figure that failed the check is kept for the developers but never quoted.
-        for key, ok in (("fwd", passed_fwd), ("fwd_bwd", passed_bwd)):
-            part = {k: v for k, v in fig.items() if k.removeprefix(key + "_") in _FIGURE_FIELDS}
-            if ok:
-                result.update(part)
-            else:
-                result.setdefault("unverified", {}).update(part)
-                result[f"{key}_tflops_per_gpu"] = None
-                result.setdefault("withheld", {})[key] = "failed check" if ref_names else "unchecked"
-        return result, check
-    finally:
-        ws = state.pop("ws", None)
-        state.clear()
-        if ws is not None:
-            try:
-                ws.close()
-            except Exception as ex:   # closing after a device error must not end the run
-                print(f"[rank {ranks.rank}] closing the workspace: {ex!r}", file=sys.stderr)
-
-
 # -- one shape -------------------------------------------------------------------------------------
 def run_shape(torch, ranks: _Ranks, mok: _Mok, shape: Shape, args) -> dict:
     from torch_baseline import TorchMoEBaseline
@@ -459,6 +254,10 @@ def run_shape(torch, ranks: _Ranks, mok: _Mok, shape: Shape, args) -> dict:
                            "tokens_per_rank": tokens, "ep": ranks.size,
                            "flops_fwd_per_gpu": flops, "flops_fwd_bwd_per_gpu": 3 * flops,
                            "torch": None, "mok": None, "check": None, "ratio": None, "error": None}
+    for precision in args.precisions:   # bf16 under the keys above; the others suffixed
+        if precision != "bf16":
+            rec.update({mok_key(part, precision): None for part in ("mok", "check", "ratio")})
+            rec[mok_key("ratio", precision) + "_vs_bf16"] = None
     want_torch = args.impl in ("both", "torch")
     want_mok = args.impl in ("both", "mok")
     state: dict[str, Any] = {}
@@ -475,42 +274,45 @@ def run_shape(torch, ranks: _Ranks, mok: _Mok, shape: Shape, args) -> dict:
             rec["error"] = err
             return rec
         inp, base = state["inp"], state["base"]
-        refs = {}   # the baseline's fwd+bwd results, handed over (not kept) for mok_rt's check
-        if want_mok and mok.mod is not None and want_torch:
-            refs["ref"], err = _attempt(ranks, "baseline check run", lambda: _torch_reference(inp, base))
-            if err:
-                rec["torch"] = {"error": err}
-        if want_mok:
-            if mok.mod is None:
-                rec["mok"] = {"error": mok.error}
-            else:
-                rec["mok"], rec["check"] = _run_mok(torch, ranks, mok, shape, tokens, inp, refs, flops, args)
-        refs.clear()
-        _free(torch)
+        for precision in args.precisions:
+            # The baseline's fwd+bwd results, handed over (not kept) for mok_rt's check: made again
+            # for each precision rather than held through the timed runs of the others.
+            refs = {}
+            if want_mok and mok.mod is not None and want_torch and rec["torch"] is None:
+                refs["ref"], err = _attempt(ranks, "baseline check run", lambda: _torch_reference(inp, base))
+                if err:
+                    rec["torch"] = {"error": err}
+            if want_mok:
+                if mok.mod is None:
+                    rec[mok_key("mok", precision)] = {"error": mok.error}
+                else:
+                    rec[mok_key("mok", precision)], rec[mok_key("check", precision)] = _run_mok(
+                        torch, ranks, mok, shape, tokens, inp, refs, flops, args, precision)
+            refs.clear()
+            _free(torch)
         if want_torch and rec["torch"] is None:
             times, err = _attempt(ranks, "baseline timing", lambda: _time_torch(torch, ranks, inp, base, args))
-            rec["torch"] = {"error": err} if err else {**_figures(ranks, *times[:2], flops), "memory": times[2]}
-        rec["ratio"] = _ratios(rec)
+            rec["torch"] = {"error": err} if err else {**_figures(ranks, {"fwd": times[0], "fwd_bwd": times[1]},
+                                                                  flops), "memory": times[2]}
+        for precision in args.precisions:
+            rec[mok_key("ratio", precision)] = _ratios(rec["torch"], rec[mok_key("mok", precision)])
+            if precision != "bf16":
+                rec[mok_key("ratio", precision) + "_vs_bf16"] = _ratios(rec["mok"], rec[mok_key("mok", precision)])
         return rec
     finally:
         state.clear()
         _free(torch)
 
 
-def _ratios(rec: dict) -> dict | None:
-    t, m = rec.get("torch") or {}, rec.get("mok") or {}
+def _ratios(slow: dict | None, fast: dict | None) -> dict | None:
+    """Time of ``slow`` over time of ``fast`` for fwd and fwd+bwd: the same FLOPs on both sides,
+    so the speed-up of ``fast``; verified figures only (a withheld one has no TFLOP/s)."""
     out = {}
-    for key in ("fwd", "fwd_bwd"):   # same FLOPs on both sides: the ratio of times (verified figures only)
-        verified = m.get(f"{key}_tflops_per_gpu") is not None
-        a, b = m.get(f"{key}_ms"), t.get(f"{key}_ms")
-        out[key] = round(b / a, 3) if verified and a and b else None
+    for key in ("fwd", "fwd_bwd"):
+        a, b = fast or {}, slow or {}
+        verified = a.get(f"{key}_tflops_per_gpu") is not None and b.get(f"{key}_tflops_per_gpu") is not None
+        out[key] = round(b[f"{key}_ms"] / a[f"{key}_ms"], 3) if verified and a[f"{key}_ms"] else None
     return out if any(out.values()) else None
-
-
-def _free(torch) -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 # -- main ------------------------------------------------------------------------------------------
@@ -540,6 +342,7 @@ def main(argv=None) -> int:
            "machine": _machine(torch, ranks), "commit": _commit(args.commit), "versions": _versions(torch, mok),
            "argv": sys.argv[1:], "ep": size, "iters": args.iters, "warmup": args.warmup, "seed": args.seed,
            "quick": args.quick, "cpu_smoke": args.cpu_smoke, "impl": args.impl, "tolerance": TOLERANCE,
+           "precisions": args.precisions, "tolerances": {p: TOLERANCES[p] for p in args.precisions},
            "comm_sms": args.comm_sms, "grad_dtype": args.grad_dtype,
            "mok_error": mok.error, "complete": False,
            "timed": {"fwd": "schedule + forward", "fwd_bwd": "schedule + forward + backward",
@@ -547,6 +350,10 @@ def main(argv=None) -> int:
                      "clock": "wall clock (cpu-smoke)" if args.cpu_smoke else "CUDA events, torch stream"},
            "flops": "fwd = 6*T*k*H*I + 6*T*H*I_s per GPU (T tokens per rank); fwd_bwd = 3 * fwd",
            "results": []}
+    if "fp8_block" in args.precisions:
+        doc["timed"]["quantize_weights"] = ("fp8_block: mok.quantize_weights of the bf16 master weights, once per "
+                                            "workspace and outside fwd / fwd_bwd (a trainer: once per optimizer "
+                                            "step); timed on its own, same statistic and timing")
     _log(ranks, f"EP={size}  GPU: {doc['machine']['gpu']}  commit: {doc['commit']['short']}  "
                 f"torch {torch.__version__}  mok_rt {doc['versions']['mok_rt']}"
                 + (f"\nmok_rt unavailable: {mok.error}" if mok.error and args.impl != "torch" else ""))

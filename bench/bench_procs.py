@@ -2,6 +2,7 @@
 collectives the harness needs, and logging / error capture that keeps the ranks in step."""
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import traceback
@@ -91,3 +92,11 @@ def _attempt(ranks: _Ranks, what: str, fn: Callable[[], Any]) -> tuple[Any, str 
     if len(bad) == ranks.size and len(set(errors)) == 1:
         return None, f"{what}: every rank: {bad[0][1]}"
     return None, f"{what}: " + "; ".join(f"rank {r}: {e}" for r, e in bad)
+
+
+def _free(torch) -> None:
+    """Give what the last shape held back to the device (torch's cache included), so the next
+    starts from the same free memory."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

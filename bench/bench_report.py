@@ -12,6 +12,14 @@ from pathlib import Path
 from typing import Any
 
 _ROOT = Path(__file__).resolve().parent.parent
+PRECISIONS = ("bf16", "fp8_block")   # what bench_moe.py --precision takes, in the order it runs them
+
+
+def mok_key(part: str, precision: str) -> str:
+    """Where a result record keeps mok_rt's ``part`` ("mok", "check", "ratio") in ``precision``:
+    bf16 under the plain names (as before --precision existed), the others suffixed
+    ("mok_fp8_block"), so bf16-only records and their readers are unchanged."""
+    return part if precision == "bf16" else f"{part}_{precision}"
 
 
 # -- provenance ------------------------------------------------------------------------------------
@@ -117,7 +125,7 @@ def _cell(fig: dict | None, key: str) -> str:
         un = fig.get("unverified") or {}
         if why == "unchecked" and un.get(f"{key}_ms") is not None:   # --impl mok: timing only, marked
             return f"{un[f'{key}_ms']:8.3f} {un[f'{key}_tflops_per_gpu']:5.1f}?"
-        return {"failed check": "WRONG", "unchecked": "unchecked"}.get(why, "-")
+        return {"failed check": "WRONG", "unchecked": "unchecked", "not built": "not built"}.get(why, "-")
     return f"{ms:8.3f} {tf:6.1f}"
 
 
@@ -129,7 +137,44 @@ def _check_cell(check: dict | None) -> str:
         return (check.get("error") or "-")[:24]
     worst = max(errs, key=lambda n: float(errs[n]))
     verdict = "ok" if check.get("passed_fwd_bwd") else ("fwd-only" if check.get("passed_fwd") else "FAIL")
-    return f"{verdict} out {float(errs.get('out', math.nan)):.1e} max {worst} {float(errs[worst]):.1e}"
+    if check.get("backward") == "not built" and check.get("passed_fwd"):
+        verdict = "ok fwd (no bwd)"
+    cell = f"{verdict} out {float(errs.get('out', math.nan)):.1e} max {worst} {float(errs[worst]):.1e}"
+    # A precision other than bf16 has its own tolerance: say which one the verdict used.
+    return cell + (f" (tol {check['tolerance']:g})" if "precision" in check else "")
+
+
+def _precisions(r: dict) -> list[str]:
+    """The precisions other than bf16 that a record holds (none in records of bf16-only runs)."""
+    return [p for p in PRECISIONS if p != "bf16" and mok_key("mok", p) in r]
+
+
+def _precision_lines(r: dict, precision: str) -> list[str]:
+    """The table row of mok_rt in ``precision`` (under the bf16 row; the baseline's columns are
+    the bf16 row's) and a line of what the row has no column for."""
+    fig, check = r.get(mok_key("mok", precision)), r.get(mok_key("check", precision))
+    ratio = r.get(mok_key("ratio", precision)) or {}
+    rx = {k: (f"{ratio[k]:5.2f}" if ratio.get(k) else "  -") for k in ("fwd", "fwd_bwd")}
+    lines = [f"{'  + ' + precision:<20}{'':>3}{'':>9}  {'':>17}  {_cell(fig, 'fwd'):>17}{rx['fwd']:>6}  {'':>17}  "
+             f"{_cell(fig, 'fwd_bwd'):>17}{rx['fwd_bwd']:>6}  {_check_cell(check)}"]
+    fig = fig or {}
+    vs = r.get(mok_key("ratio", precision) + "_vs_bf16") or {}
+    vs_cells = {k: f"{vs[k]:.2f}x" if vs.get(k) else "-" for k in ("fwd", "fwd_bwd")}
+    notes = [f"vs mok_rt bf16: fwd {vs_cells['fwd']}, fwd+bwd {vs_cells['fwd_bwd']}"]
+    if fig.get("quantize_weights_ms") is not None:
+        notes.append(f"quantize_weights {fig['quantize_weights_ms']:.3f} ms (once per optimizer step, not in the "
+                     f"figures)")
+    mem = fig.get("memory")
+    if mem:
+        notes.append(f"step memory {mem['step_peak_gib']:.2f} GiB (quantised weights "
+                     f"{mem.get('quantized_weights_gib', 0):.2f})")
+    not_built = fig.get("not_built") or {}
+    for why in dict.fromkeys(not_built.values()):   # one note per message (EP > 1: fwd and fwd_bwd share it)
+        notes.append(f"{' and '.join(k for k, w in not_built.items() if w == why)}: not built ({why[:120]})")
+    for key in ("error", "quantize_weights_error"):
+        if fig.get(key):
+            notes.append(f"{key.replace('_', ' ')}: {fig[key][:200]}")
+    return lines + [f"    {precision}: " + "; ".join(notes)]
 
 
 def format_table(doc: dict) -> str:
@@ -142,6 +187,8 @@ def format_table(doc: dict) -> str:
         lines.append(f"{r['shape']:<20}{r['ep']:>3}{r['tokens_per_rank']:>9}  {_cell(r['torch'], 'fwd'):>17}  "
                      f"{_cell(r['mok'], 'fwd'):>17}{rx['fwd']:>6}  {_cell(r['torch'], 'fwd_bwd'):>17}  "
                      f"{_cell(r['mok'], 'fwd_bwd'):>17}{rx['fwd_bwd']:>6}  {_check_cell(r['check'])}")
+        for precision in _precisions(r):
+            lines += _precision_lines(r, precision)
         for part in ("torch", "mok"):
             e = (r.get(part) or {}).get("error")
             if e and not e.startswith("not requested"):

@@ -1,7 +1,9 @@
 """How bench_moe.py times a call: CUDA events around each iteration, enqueued back to back
-(pipelined), one at a time (serial), or as replays of a captured CUDA graph."""
+(pipelined), one at a time (serial), or as replays of a captured CUDA graph; and the figures
+quoted from those times."""
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any, Callable
 
@@ -65,3 +67,22 @@ def _time(torch, ranks, fn: Callable[[], Any], *, iters: int, warmup: int,
         end.synchronize()
         out.append(start.elapsed_time(end))
     return out
+
+
+# -- figures ---------------------------------------------------------------------------------------
+_FIGURE_FIELDS = ("ms", "ms_ranks", "ms_min_rank0", "ms_max_rank0", "tflops_per_gpu")
+
+
+def _figures(ranks, times: dict[str, list[float]], flops_fwd: int) -> dict:
+    """Per-rank medians gathered; the step takes as long as the slowest rank.  ``times``: the
+    samples of "fwd" and (where it ran) "fwd_bwd"."""
+    every = ranks.gather({key: statistics.median(samples) for key, samples in times.items()})
+    fig = {}
+    for key, samples in times.items():
+        ms = max(r[key] for r in every)
+        flops = flops_fwd if key == "fwd" else 3 * flops_fwd
+        fig.update({f"{key}_ms": round(ms, 4), f"{key}_ms_ranks": [round(r[key], 4) for r in every],
+                    f"{key}_ms_min_rank0": round(min(samples), 4) if ranks.rank == 0 else None,
+                    f"{key}_ms_max_rank0": round(max(samples), 4) if ranks.rank == 0 else None,
+                    f"{key}_tflops_per_gpu": round(flops / ms / 1e9, 2)})
+    return fig

@@ -4,7 +4,8 @@
     python bench/plot_results.py bench/results/<run>.json [more.json ...] [--png chart.png]
 
 The chart shows TFLOP/s per GPU of the PyTorch baseline and mok_rt, forward and forward +
-backward, per shape (and EP size), with mok_rt's speed-up written above its bars.  The Markdown
+backward, per shape (and EP size), with mok_rt's speed-up written above its bars; runs with
+``--precision`` add mok_rt's FP8 bars (lines with ``--sweep``).  The Markdown
 table goes to stdout (for the README).  Figures that failed the correctness check or errored are
 shown as such, never as numbers.  Needs matplotlib for the PNG only (``--no-png`` skips it).
 """
@@ -16,8 +17,13 @@ import math
 import sys
 from pathlib import Path
 
+from bench_report import PRECISIONS, mok_key
+
 _BARS = (("torch", "fwd", "PyTorch fwd", "#9ecae1"), ("mok", "fwd", "mok_rt fwd", "#08519c"),
          ("torch", "fwd_bwd", "PyTorch fwd+bwd", "#fdae6b"), ("mok", "fwd_bwd", "mok_rt fwd+bwd", "#a63603"))
+# mok_rt in the other precisions, where a run has them (bench_moe.py --precision)
+_PRECISION_BARS = {"fp8_block": (("fwd", "mok_rt fp8_block fwd", "#41ab5d"),
+                                 ("fwd_bwd", "mok_rt fp8_block fwd+bwd", "#005a32"))}
 
 
 def load(paths: list[str]) -> list[dict]:
@@ -34,13 +40,28 @@ def _rows(docs: list[dict]) -> list[tuple[dict, dict]]:
     return [(doc, r) for doc in docs for r in doc["results"]]
 
 
+def _extra(docs: list[dict]) -> list[str]:
+    """The precisions other than bf16 that any record holds (none in bf16-only runs)."""
+    return [p for p in PRECISIONS if p != "bf16" and any(mok_key("mok", p) in r for _, r in _rows(docs))]
+
+
+def _bars(docs: list[dict]) -> list[tuple[str, str, str, str]]:
+    """(record key, figure, legend, colour) per bar: _BARS, each precision's next to mok_rt's."""
+    bars = []
+    for impl, key, name, color in _BARS:
+        bars.append((impl, key, name, color))
+        if impl == "mok":
+            bars += [(mok_key("mok", p), k, n, c) for p in _extra(docs) for k, n, c in _PRECISION_BARS[p] if k == key]
+    return bars
+
+
 def _tflops(r: dict, impl: str, key: str) -> float | None:
     v = (r.get(impl) or {}).get(f"{key}_tflops_per_gpu")
     return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None
 
 
 def _status(r: dict, impl: str, key: str) -> str:
-    """Why a figure is missing: 'error', 'check failed', 'unchecked' or 'not run'."""
+    """Why a figure is missing: 'error', 'check failed', 'unchecked', 'not built' or 'not run'."""
     part = r.get(impl)
     if r.get("error") or (part or {}).get("error"):
         return "error"
@@ -73,20 +94,47 @@ def markdown(docs: list[dict]) -> str:
                 cells.append(f"{ms:.2f} ms, {tf:.0f} TFLOP/s" if tf is not None else _status(r, impl, key))
             ratio = (r.get("ratio") or {}).get(key)
             cells.append(f"{ratio:.2f}×" if ratio else "–")
-        check = r.get("check") or {}
-        errs = check.get("rel_fro") or {}
-        if errs:
-            worst = max(float(v) for v in errs.values())
-            verdict = ("pass" if check.get("passed_fwd_bwd") else
-                       "fwd only (bwd FAIL)" if check.get("passed_fwd") else "FAIL")
-            cells.append(f"{verdict} (out {float(errs.get('out', math.nan)):.1e}, worst {worst:.1e})")
-        else:
-            cells.append(check.get("error") or "–")
+        cells.append(_check(r.get("check")))
         out.append("| " + " | ".join(cells) + " |")
+        for p in _extra(docs):
+            if mok_key("mok", p) in r:
+                out.append("| " + " | ".join(_precision_cells(r, p)) + " |")
     out.append("")
     out.append("TFLOP/s per GPU: forward 6·T·k·H·I (+ 6·T·H·I_s shared), forward+backward 3×; "
                "timed: routing schedule + layer, CUDA events.")
+    if _extra(docs):
+        out.append("FP8 rows: the same FLOP count; speed-up over the baseline of the row above (× over mok_rt "
+                   "bf16 in brackets); weights quantised once per optimizer step, outside the timed steps "
+                   "(quantize_weights time in the check column); checked with their own tolerance.")
     return "\n".join(out)
+
+
+def _check(check: dict | None) -> str:
+    check = check or {}
+    errs = check.get("rel_fro") or {}
+    if not errs:
+        return check.get("error") or "–"
+    worst = max(float(v) for v in errs.values())
+    verdict = ("pass" if check.get("passed_fwd_bwd") else
+               "fwd pass (bwd not built)" if check.get("backward") == "not built" and check.get("passed_fwd") else
+               "fwd only (bwd FAIL)" if check.get("passed_fwd") else "FAIL")
+    tol = f", tolerance {check['tolerance']:g}" if "precision" in check else ""
+    return f"{verdict} (out {float(errs.get('out', math.nan)):.1e}, worst {worst:.1e}{tol})"
+
+
+def _precision_cells(r: dict, precision: str) -> list[str]:
+    """The Markdown row of mok_rt in ``precision``: its figures under the record's row."""
+    impl, fig = mok_key("mok", precision), r.get(mok_key("mok", precision)) or {}
+    cells = [f"↳ mok_rt {precision}", "", ""]
+    for key in ("fwd", "fwd_bwd"):
+        tf = _tflops(r, impl, key)
+        cells += ["", f"{fig[f'{key}_ms']:.2f} ms, {tf:.0f} TFLOP/s" if tf is not None else _status(r, impl, key)]
+        ratio = (r.get(mok_key("ratio", precision)) or {}).get(key)
+        vs = (r.get(mok_key("ratio", precision) + "_vs_bf16") or {}).get(key)
+        cells.append((f"{ratio:.2f}×" if ratio else "–") + (f" ({vs:.2f}× bf16)" if vs else ""))
+    q = fig.get("quantize_weights_ms")
+    cells.append(_check(r.get(mok_key("check", precision))) + (f"; quantize_weights {q:.3f} ms" if q else ""))
+    return cells
 
 
 def plot(docs: list[dict], png: Path) -> None:
@@ -95,20 +143,22 @@ def plot(docs: list[dict], png: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = _rows(docs)
+    bars = _bars(docs)
     n = len(rows)
-    width = 0.2
-    fig, ax = plt.subplots(figsize=(max(6.0, 2.6 * n + 1.5), 5.0))
-    top = max([_tflops(r, impl, key) or 0.0 for _, r in rows for impl, key, _, _ in _BARS] + [1.0])
-    for b, (impl, key, name, color) in enumerate(_BARS):
-        xs = [i + (b - 1.5) * width for i in range(n)]
+    width = 0.8 / len(bars)
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.65 * len(bars) * n + 1.5), 5.0))
+    top = max([_tflops(r, impl, key) or 0.0 for _, r in rows for impl, key, _, _ in bars] + [1.0])
+    for b, (impl, key, name, color) in enumerate(bars):
+        xs = [i + (b - (len(bars) - 1) / 2) * width for i in range(n)]
         vals = [_tflops(r, impl, key) for _, r in rows]
         ax.bar(xs, [v or 0.0 for v in vals], width, label=name, color=color)
         for x, v, (_, r) in zip(xs, vals, rows):
             if v is None:   # say why there is no bar instead of drawing a zero
-                ax.text(x, top * 0.02, _status(r, impl, key), rotation=90, ha="center", va="bottom", fontsize=7,
-                        color="#b00" if _status(r, impl, key) != "not run" else "#666")
-            elif impl == "mok":
-                ratio = (r.get("ratio") or {}).get(key)
+                why = _status(r, impl, key)
+                ax.text(x, top * 0.02, why, rotation=90, ha="center", va="bottom", fontsize=7,
+                        color="#666" if why in ("not run", "not built") else "#b00")
+            elif impl.startswith("mok"):   # "mok" -> "ratio", "mok_fp8_block" -> "ratio_fp8_block"
+                ratio = (r.get(impl.replace("mok", "ratio", 1)) or {}).get(key)
                 if ratio:
                     ax.text(x, v + top * 0.01, f"{ratio:.2f}×", ha="center", va="bottom", fontsize=8,
                             fontweight="bold")
@@ -119,7 +169,7 @@ def plot(docs: list[dict], png: Path) -> None:
     m = docs[0]["machine"]
     commits = ", ".join(sorted({d["commit"].get("short") or "?" for d in docs}))
     ax.set_title(f"MoE layer: mok_rt vs PyTorch grouped_mm pipeline — {m['gpu']}, commit {commits}", fontsize=10)
-    ax.legend(fontsize=8, ncols=4, loc="upper center", bbox_to_anchor=(0.5, -0.14), frameon=False)
+    ax.legend(fontsize=8, ncols=len(bars) // 2, loc="upper center", bbox_to_anchor=(0.5, -0.14), frameon=False)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(png, dpi=130)
@@ -140,10 +190,10 @@ def plot_sweep(docs: list[dict], png: Path) -> None:
     for ax, ((shape, ep), recs) in zip(axes[0], groups.items()):
         recs = sorted(recs, key=lambda r: r["tokens_per_rank"])
         xs = [r["tokens_per_rank"] for r in recs]
-        for impl, key, name, color in _BARS:
+        for impl, key, name, color in _bars(docs):
             ys = [_tflops(r, impl, key) for r in recs]
             ax.plot(xs, [math.nan if y is None else y for y in ys], marker="o", label=name, color=color,
-                    linestyle="-" if impl == "mok" else "--")
+                    linestyle="--" if impl == "torch" else "-" if impl == "mok" else ":")
         ax.set_xscale("log", base=2)
         ax.set_xticks(xs)
         ax.set_xticklabels([str(x) for x in xs], fontsize=8)
