@@ -513,8 +513,7 @@ def _input_ptrs(args) -> tuple:
         return (args.x.ptr, args.topk_weights.ptr, device_ptr(args.w_gate), device_ptr(args.w_up),
                 device_ptr(args.w_down), 0, 0, 0)
     return (args.x.ptr, args.topk_weights.ptr, device_ptr(args.w_gate), device_ptr(args.w_up),
-                device_ptr(args.w_down),
-            args.shared_gate.ptr, args.shared_up.ptr, args.shared_down.ptr)
+            device_ptr(args.w_down), args.shared_gate.ptr, args.shared_up.ptr, args.shared_down.ptr)
 
 
 _GRAD_NAMES = tuple(b.name for b in P.BACKWARD_BUFFERS if b.struct == "grads")
