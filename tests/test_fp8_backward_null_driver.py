@@ -72,7 +72,7 @@ def maps(monkeypatch):
         return spec.address.to_bytes(8, "little") + spec.dtype.encode().ljust(8, b"\0") + dims + box + bytes(52)
     monkeypatch.setattr(moe_maps, "encode", encode)
     monkeypatch.setattr(moe_maps, "_cache", type(moe_maps._cache)())
-    monkeypatch.setattr(MB, "_maps_cache", {})
+    monkeypatch.setattr(MB, "_maps_cache", MB._maps.StructCache())
 
 
 def map_of(tp, name):

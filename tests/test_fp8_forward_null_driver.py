@@ -110,7 +110,7 @@ def test_forward_and_recompute(launches, monkeypatch):
     monkeypatch.setattr(moe_maps, "encode", lambda spec: spec.address.to_bytes(8, "little") +
                         spec.dtype.encode().ljust(8, b"\0") + bytes(112))
     monkeypatch.setattr(moe_maps, "_cache", type(moe_maps._cache)())
-    monkeypatch.setattr(moe_fp8, "_maps_cache", {})
+    monkeypatch.setattr(moe_fp8, "_maps_cache", moe_fp8._maps.StructCache())
     with null_driver(), _ws() as ws:
         a = _Inputs()
         qw = mok.quantize_weights(ws, a.experts, a.shared)

@@ -8,8 +8,6 @@ Expert parallelism is not built for FP8 (the workspace refuses it).
 """
 from __future__ import annotations
 
-import ctypes
-
 from mok_rt.errors import ArgumentError
 from mok_rt.kernels import moe_launch as L
 from mok_rt.kernels import moe_maps as _maps
@@ -116,7 +114,7 @@ def _params(bufs, sched, plan, dims: L.LayerDims, knobs: L.KernelKnobs, err_ptr:
     return q
 
 
-_maps_cache: dict[tuple, bytes] = {}
+_maps_cache = _maps.StructCache()   # (dims, buffers) -> the encoded maps struct
 
 
 def launch_forward_fp8(bufs, sched: L.ScheduleBuffers, dims: L.LayerDims, *, stream, err_ptr: int,
@@ -138,15 +136,7 @@ def launch_forward_fp8(bufs, sched: L.ScheduleBuffers, dims: L.LayerDims, *, str
     q = _params(bufs, sched, plan, dims, knobs, err_ptr, trace_ptr, context_only)
     params = F.MoEFp8ForwardTmaParams()
     params.p = q
-    key = (dims, bufs)
-    raw = _maps_cache.get(key)
-    if raw is None:
-        _maps.encode_maps(map_specs(bufs, dims), params.maps)
-        raw = _maps_cache[key] = bytes(params.maps)
-        if len(_maps_cache) > 64:
-            _maps_cache.pop(next(iter(_maps_cache)))
-    else:
-        ctypes.memmove(ctypes.addressof(params.maps), raw, len(raw))
+    _maps_cache.fill((dims, bufs), params.maps, lambda: map_specs(bufs, dims))
     # The dependency counters start every launch at zero (one memset on the stream).
     call("cuMemsetD32Async", driver.CUdeviceptr(bufs.counters), 0, plan.counter_words,
          driver.CUstream(stream_handle(stream)))

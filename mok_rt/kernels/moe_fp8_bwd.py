@@ -20,7 +20,6 @@ Expert parallelism is not built for FP8 (the plan and the workspace refuse it).
 """
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 
 from mok_rt.errors import ArgumentError
@@ -208,8 +207,7 @@ class PreparedFp8Backward:
         self.megakernel()
 
 
-_MAPS_CACHE_SIZE = 64
-_maps_cache: dict[tuple, bytes] = {}   # (dims, buffers) -> the encoded maps struct
+_maps_cache = _maps.StructCache()   # (dims, buffers) -> the encoded maps struct
 
 
 def prepare_backward_fp8(bufs, sched: L.ScheduleBuffers, dims: L.LayerDims, *, stream, err_ptr: int,
@@ -234,16 +232,7 @@ def prepare_backward_fp8(bufs, sched: L.ScheduleBuffers, dims: L.LayerDims, *, s
     q = _params(bufs, sched, plan, dims, knobs, err_ptr, trace_ptr, accumulate, grad_bf16)
     params = B.MoEFp8BackwardTmaParams()
     params.p = q
-    # The maps depend on pointers and sizes alone (a training loop that reuses its buffers copies them).
-    key = (dims, bufs)
-    raw = _maps_cache.get(key)
-    if raw is None:
-        _maps.encode_maps(map_specs(bufs, dims), params.maps)
-        raw = _maps_cache[key] = bytes(params.maps)
-        if len(_maps_cache) > _MAPS_CACHE_SIZE:
-            _maps_cache.pop(next(iter(_maps_cache)))
-    else:
-        ctypes.memmove(ctypes.addressof(params.maps), raw, len(raw))
+    _maps_cache.fill((dims, bufs), params.maps, lambda: map_specs(bufs, dims))
     eng = _KERNELS
     run = None
     if plan.total:   # never 0: a backward always has weight-gradient tasks

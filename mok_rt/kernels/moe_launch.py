@@ -19,7 +19,6 @@ Typical use::
 """
 from __future__ import annotations
 
-import ctypes
 import math
 from dataclasses import dataclass, field, make_dataclass
 
@@ -298,8 +297,7 @@ def _params(cls, bufs, table, sched: ScheduleBuffers, plan: _moe_plan.Plan, dims
 
 
 _fit_cache: dict[tuple[int, int], int] = {}
-_MAPS_CACHE_SIZE = 64
-_maps_cache: dict[tuple, bytes] = {}   # (backward, dims, buffers) -> the encoded maps struct
+_maps_cache = _moe_maps.StructCache()   # (backward, dims, buffers) -> the encoded maps struct
 
 
 def _ctas_that_fit(kernel: Kernel, device_id: int, eng: _Kernels) -> int:
@@ -362,17 +360,8 @@ def _prepare_megakernel(p, bufs, dims: LayerDims, plan: _moe_plan.Plan, *, backw
     eng = _KERNELS
     params = P.MoEBackwardTmaParams() if backward else P.MoEForwardTmaParams()
     params.p = p
-    # The maps depend on the pointers and sizes alone: a training loop that reuses its buffers
-    # (weights always, the rest as often as the memory pool hands the same blocks back) copies them.
-    key = (backward, dims, bufs)
-    raw = _maps_cache.get(key)
-    if raw is None:
-        _moe_maps.encode_maps(_moe_maps.map_specs(bufs, dims, backward=backward), params.maps)
-        raw = _maps_cache[key] = bytes(params.maps)
-        if len(_maps_cache) > _MAPS_CACHE_SIZE:
-            _maps_cache.pop(next(iter(_maps_cache)))
-    else:
-        ctypes.memmove(ctypes.addressof(params.maps), raw, len(raw))
+    _maps_cache.fill((backward, dims, bufs), params.maps,
+                     lambda: _moe_maps.map_specs(bufs, dims, backward=backward))
     run = None
     if plan.total:
         kernel = get_kernel(eng.cubin, eng.backward if backward else eng.forward, device_id)

@@ -102,3 +102,26 @@ def encode_maps(specs: dict[str, TensorMapSpec | None], struct: ctypes.Structure
         field = getattr(struct, name)
         raw = bytes(len(field)) if spec is None else _encoded(spec)
         ctypes.memmove(ctypes.addressof(field), raw, len(field))
+
+
+class StructCache(dict):
+    """Encoded maps structs (bytes) by key (a launch's dims and buffer pointers): a training loop
+    that reuses its buffers (weights always, the rest as often as the memory pool hands the same
+    blocks back) copies its maps instead of building and encoding them again.  The oldest entry
+    goes first.  A dict, so that tools can save and restore it (bench/null_driver.py)."""
+
+    def __init__(self, size: int = 64):
+        super().__init__()
+        self.size = size
+
+    def fill(self, key, struct: ctypes.Structure, specs) -> None:
+        """Writes the maps of ``key`` into ``struct``; ``specs()`` (name -> spec, as encode_maps
+        takes) is called only when the key is new."""
+        raw = self.get(key)
+        if raw is None:
+            encode_maps(specs(), struct)
+            raw = self[key] = bytes(struct)
+            if len(self) > self.size:
+                self.pop(next(iter(self)))
+        else:
+            ctypes.memmove(ctypes.addressof(struct), raw, len(raw))
