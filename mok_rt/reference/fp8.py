@@ -41,6 +41,9 @@ to whole blocks, as the kernel's padded row space; the shared expert's rows are 
     "fp8_source"   dW_down = Qc(tw · d_out)ᵀ Qc(a),  dW_gate = Qc(dg)ᵀ Qc(x),  ...  quantised once,
                    from the unquantised values (a kernel that keeps bf16 copies); ``a`` is
                    swiglu(bf16(g), bf16(u)), which a kernel can recompute from its context
+    "fp8_mixed"    routed x and dy from (a), a, dg, du from (b); the shared expert as (b): what
+                   expert parallelism allows without bf16 dispatches, since an expert's x and
+                   d_out rows arrive on its rank as E4M3 only; a, dg, du are made there
 
 with ``dy = tw · dq``; the shared expert likewise (``tw = 1``).  Only the weight gradients change.
 """
@@ -60,7 +63,7 @@ from mok_rt.reference.quantize import (FORMATS, QuantizedExperts, fake_quantize,
 __all__ = ["PRECISIONS", "WGRAD_MODES", "FP8Context", "forward_fp8", "backward_fp8", "quantize_weights_ref", "run_forward"]
 
 PRECISIONS = ("bf16",) + FORMATS
-WGRAD_MODES = ("bf16", "fp8_requant", "fp8_source")     # backward_fp8's weight-gradient GEMMs
+WGRAD_MODES = ("bf16", "fp8_requant", "fp8_source", "fp8_mixed")   # backward_fp8's weight-gradient GEMMs
 
 
 def check_precision(precision) -> str:
@@ -205,10 +208,14 @@ def backward_fp8(ctx: FP8Context, d_out, *, wgrad: str = "bf16") -> _L.Grads:
     dg, du = _L._swiglu_backward(ctx.g, ctx.u, da, limit)
     dgq, duq = _q(dg, p), _q(du, p)                              # the dswiglu epilogue
     # The weight-gradient operands (per route row): what the GEMMs read before any Qc.
-    if wgrad == "fp8_source":
-        w_dy, w_a, w_g, w_u, w_x = row_tw[:, None] * d64[row_token], _L._swiglu(ctx.g, ctx.u, limit), dg, du, ctx.x
+    if wgrad in ("fp8_source", "fp8_mixed"):
+        w_a, w_g, w_u = _L._swiglu(ctx.g, ctx.u, limit), dg, du
     else:
-        w_dy, w_a, w_g, w_u, w_x = dy, ctx.aq, dgq, duq, ctx.xq
+        w_a, w_g, w_u = ctx.aq, dgq, duq
+    if wgrad == "fp8_source":
+        w_dy, w_x = row_tw[:, None] * d64[row_token], ctx.x
+    else:
+        w_dy, w_x = dy, ctx.xq
     qc = _identity if wgrad == "bf16" else (lambda m: fake_quantize_columns(m, p))
     dx_rows = np.empty((n, hidden))
     dw_gate, dw_up = np.zeros((num_e, inter, hidden)), np.zeros((num_e, inter, hidden))
@@ -230,7 +237,7 @@ def backward_fp8(ctx: FP8Context, d_out, *, wgrad: str = "bf16") -> _L.Grads:
         sdg, sdu = _L._swiglu_backward(ctx.shared_g, ctx.shared_u, sda, limit)
         sdgq, sduq = _q(sdg, p), _q(sdu, p)
         dx = (sdgq @ ws.gate_t.T + sduq @ ws.up_t.T) + dx
-        if wgrad == "fp8_source":
+        if wgrad in ("fp8_source", "fp8_mixed"):       # the shared expert's rows are local tokens
             s_dy, s_a, s_g, s_u, s_x = d64, _L._swiglu(ctx.shared_g, ctx.shared_u, limit), sdg, sdu, ctx.x
         else:
             s_dy, s_a, s_g, s_u, s_x = dq, ctx.shared_aq, sdgq, sduq, ctx.xq
