@@ -27,7 +27,8 @@ The bf16 rounding of ``g``/``u`` is emulated because ``dg``/``du`` are quantised
 bf16-sized difference in their input would flip ~1 in 30 E4M3 roundings and show up as ~1%
 in ``dx``; the forward's ``a`` comes from the fp32 accumulators and needs no such rounding.
 The weight-gradient GEMMs read the dequantised operands (the kernels widen them to bf16, an
-implementation rounding like every other bf16 store); they are never quantised a second time.
+implementation rounding like every other bf16 store); by default they are never quantised a
+second time.
 
 FP8 weight gradients (``backward_fp8(..., wgrad=...)``, reference-only, for measuring; the kernels
 run ``"bf16"``).  A wgrad GEMM reduces over an expert's rows (tokens), so FP8 needs both operands
@@ -41,9 +42,9 @@ to whole blocks, as the kernel's padded row space; the shared expert's rows are 
     "fp8_source"   dW_down = Qc(tw · d_out)ᵀ Qc(a),  dW_gate = Qc(dg)ᵀ Qc(x),  ...  quantised once,
                    from the unquantised values (a kernel that keeps bf16 copies); ``a`` is
                    swiglu(bf16(g), bf16(u)), which a kernel can recompute from its context
-    "fp8_mixed"    routed x and dy from (a), a, dg, du from (b); the shared expert as (b): what
-                   expert parallelism allows without bf16 dispatches, since an expert's x and
-                   d_out rows arrive on its rank as E4M3 only; a, dg, du are made there
+    "fp8_mixed"    routed x and dy as in fp8_requant; a, dg, du and the shared expert as in
+                   fp8_source.  What expert parallelism allows without bf16 dispatches: an
+                   expert's x and d_out rows reach its rank as E4M3 only, a, dg, du are made there
 
 with ``dy = tw · dq``; the shared expert likewise (``tw = 1``).  Only the weight gradients change.
 """
