@@ -27,7 +27,26 @@ The bf16 rounding of ``g``/``u`` is emulated because ``dg``/``du`` are quantised
 bf16-sized difference in their input would flip ~1 in 30 E4M3 roundings and show up as ~1%
 in ``dx``; the forward's ``a`` comes from the fp32 accumulators and needs no such rounding.
 The weight-gradient GEMMs read the dequantised operands (the kernels widen them to bf16, an
-implementation rounding like every other bf16 store); they are never quantised a second time.
+implementation rounding like every other bf16 store); by default they are never quantised a
+second time.
+
+FP8 weight gradients (``backward_fp8(..., wgrad=...)``, reference-only, for measuring; the kernels
+run ``"bf16"``).  A wgrad GEMM reduces over an expert's rows (tokens), so FP8 needs both operands
+quantised along the rows: ``Qc`` = 128 × 1 blocks, one scale per column and per 128 rows of the
+expert's row block (rows in the schedule's order, (t, j); each expert's rows padded with zero rows
+to whole blocks, as the kernel's padded row space; the shared expert's rows are the tokens)::
+
+    "bf16"         dW_down = dyᵀ aq,             dW_gate = dgqᵀ xq,        dW_up = duqᵀ xq   (today)
+    "fp8_requant"  dW_down = Qc(dy)ᵀ Qc(aq),     dW_gate = Qc(dgq)ᵀ Qc(xq), ...    the quantised
+                   operands quantised again (a kernel that keeps only its E4M3 copies)
+    "fp8_source"   dW_down = Qc(tw · d_out)ᵀ Qc(a),  dW_gate = Qc(dg)ᵀ Qc(x),  ...  quantised once,
+                   from the unquantised values (a kernel that keeps bf16 copies); ``a`` is
+                   swiglu(bf16(g), bf16(u)), which a kernel can recompute from its context
+    "fp8_mixed"    routed x and dy as in fp8_requant; a, dg, du and the shared expert as in
+                   fp8_source.  What expert parallelism allows without bf16 dispatches: an
+                   expert's x and d_out rows reach its rank as E4M3 only, a, dg, du are made there
+
+with ``dy = tw · dq``; the shared expert likewise (``tw = 1``).  Only the weight gradients change.
 """
 from __future__ import annotations
 
@@ -39,11 +58,13 @@ import numpy as np
 
 from mok_rt.errors import ArgumentError
 from mok_rt.reference import layer as _L
-from mok_rt.reference.quantize import FORMATS, QuantizedExperts, fake_quantize, quantize_experts
+from mok_rt.reference.quantize import (FORMATS, QuantizedExperts, fake_quantize, fake_quantize_columns,
+                                       quantize_experts)
 
-__all__ = ["PRECISIONS", "FP8Context", "forward_fp8", "backward_fp8", "quantize_weights_ref", "run_forward"]
+__all__ = ["PRECISIONS", "WGRAD_MODES", "FP8Context", "forward_fp8", "backward_fp8", "quantize_weights_ref", "run_forward"]
 
 PRECISIONS = ("bf16",) + FORMATS
+WGRAD_MODES = ("bf16", "fp8_requant", "fp8_source", "fp8_mixed")   # backward_fp8's weight-gradient GEMMs
 
 
 def check_precision(precision) -> str:
@@ -159,10 +180,14 @@ def _q(a: np.ndarray, precision: str) -> np.ndarray:
     return fake_quantize(a, precision) if a.shape[0] else a.copy()
 
 
-def backward_fp8(ctx: FP8Context, d_out) -> _L.Grads:
-    """Gradients of ``sum(out * d_out)`` (float64) under the FP8 semantics of the module doc."""
+def backward_fp8(ctx: FP8Context, d_out, *, wgrad: str = "bf16") -> _L.Grads:
+    """Gradients of ``sum(out * d_out)`` (float64) under the FP8 semantics of the module doc.
+    ``wgrad`` picks the weight-gradient GEMMs (:data:`WGRAD_MODES`, module doc); the default is
+    what the kernels compute, the other two exist to measure FP8 weight gradients."""
     if not isinstance(ctx, FP8Context):
         raise ArgumentError("ctx", f"expected a reference FP8Context, got {type(ctx).__name__}")
+    if wgrad not in WGRAD_MODES:
+        raise ArgumentError("wgrad", f"expected one of {WGRAD_MODES}, got {wgrad!r}")
     p, limit, w, ws = ctx.precision, ctx.swiglu_limit, ctx._w, ctx._ws
     tokens, k = ctx.topk_ids.shape
     num_e, inter, hidden = ctx.experts.gate.shape
@@ -183,6 +208,16 @@ def backward_fp8(ctx: FP8Context, d_out) -> _L.Grads:
             da[idx] = dy[idx] @ w.down_t[e].T                     # dgrad of down, FP8
     dg, du = _L._swiglu_backward(ctx.g, ctx.u, da, limit)
     dgq, duq = _q(dg, p), _q(du, p)                              # the dswiglu epilogue
+    # The weight-gradient operands (per route row): what the GEMMs read before any Qc.
+    if wgrad in ("fp8_source", "fp8_mixed"):
+        w_a, w_g, w_u = _L._swiglu(ctx.g, ctx.u, limit), dg, du
+    else:
+        w_a, w_g, w_u = ctx.aq, dgq, duq
+    if wgrad == "fp8_source":
+        w_dy, w_x = row_tw[:, None] * d64[row_token], ctx.x
+    else:
+        w_dy, w_x = dy, ctx.xq
+    qc = _identity if wgrad == "bf16" else (lambda m: fake_quantize_columns(m, p))
     dx_rows = np.empty((n, hidden))
     dw_gate, dw_up = np.zeros((num_e, inter, hidden)), np.zeros((num_e, inter, hidden))
     dw_down = np.zeros((num_e, hidden, inter))
@@ -190,11 +225,12 @@ def backward_fp8(ctx: FP8Context, d_out) -> _L.Grads:
         idx = order[offsets[e]:offsets[e + 1]]
         if not idx.size:
             continue
-        xe = ctx.xq[row_token[idx]]
         dx_rows[idx] = dgq[idx] @ w.gate_t[e].T + duq[idx] @ w.up_t[e].T    # dgrad of gate|up, FP8
-        np.matmul(dy[idx].T, ctx.aq[idx], out=dw_down[e])                   # wgrad: quantised operands
-        np.matmul(dgq[idx].T, xe, out=dw_gate[e])
-        np.matmul(duq[idx].T, xe, out=dw_up[e])
+        # wgrads: Qc runs per expert, so a 128-row block never straddles two experts
+        xe = qc(w_x[row_token[idx]])
+        np.matmul(qc(w_dy[idx]).T, qc(w_a[idx]), out=dw_down[e])
+        np.matmul(qc(w_g[idx]).T, xe, out=dw_gate[e])
+        np.matmul(qc(w_u[idx]).T, xe, out=dw_up[e])
     dx = dx_rows.reshape(tokens, k, hidden).sum(axis=1)
     dws = (None, None, None)
     if ws is not None:
@@ -202,9 +238,18 @@ def backward_fp8(ctx: FP8Context, d_out) -> _L.Grads:
         sdg, sdu = _L._swiglu_backward(ctx.shared_g, ctx.shared_u, sda, limit)
         sdgq, sduq = _q(sdg, p), _q(sdu, p)
         dx = (sdgq @ ws.gate_t.T + sduq @ ws.up_t.T) + dx
-        dws = (sdgq.T @ ctx.xq, sduq.T @ ctx.xq, dq.T @ ctx.shared_aq)
+        if wgrad in ("fp8_source", "fp8_mixed"):       # the shared expert's rows are local tokens
+            s_dy, s_a, s_g, s_u, s_x = d64, _L._swiglu(ctx.shared_g, ctx.shared_u, limit), sdg, sdu, ctx.x
+        else:
+            s_dy, s_a, s_g, s_u, s_x = dq, ctx.shared_aq, sdgq, sduq, ctx.xq
+        xs = qc(s_x)
+        dws = (qc(s_g).T @ xs, qc(s_u).T @ xs, qc(s_dy).T @ qc(s_a))
     return _L.Grads(dx=dx, d_topk_weights=d_topk_weights, dw_gate=dw_gate, dw_up=dw_up, dw_down=dw_down,
                     dws_gate=dws[0], dws_up=dws[1], dws_down=dws[2])
+
+
+def _identity(a: np.ndarray) -> np.ndarray:
+    return a
 
 
 def run_forward(config, topk_ids, args, host):

@@ -46,7 +46,8 @@ import numpy as np
 
 __all__ = [
     "E4M3", "E4M3_MAX", "E4M3_EMAX", "E8M0_BIAS", "E8M0_NAN", "FP8_BLOCK", "MX_BLOCK", "FORMATS",
-    "QTensor", "quantize", "dequantize", "fake_quantize", "quantize_fp8_block", "quantize_mxfp8",
+    "QTensor", "quantize", "dequantize", "fake_quantize", "fake_quantize_columns", "quantize_fp8_block",
+    "quantize_mxfp8",
     "QuantizedExperts", "quantize_experts",
 ]
 
@@ -187,6 +188,20 @@ def dequantize(qt: QTensor) -> np.ndarray:
 def fake_quantize(a, fmt: str, block: tuple | None = None) -> np.ndarray:
     """``dequantize(quantize(a))`` as float64: the value an FP8 GEMM sees for ``a``."""
     return dequantize(quantize(a, fmt, block))
+
+
+def fake_quantize_columns(a, fmt: str) -> np.ndarray:
+    """``fake_quantize`` with the blocks along the FIRST axis of a 2-D ``a``: ``128 × 1`` (or
+    ``32 × 1`` for mxfp8), one scale per column and block of rows.  This is the quantisation of
+    an operand whose GEMM reduces over rows (a weight gradient: K = tokens); the last block of a
+    column is the remainder, which equals zero-padding the rows to a whole block.  Defined as the
+    activation quantiser of the transpose, so the two directions share every rounding rule."""
+    a = np.asarray(a)
+    if a.ndim != 2:
+        raise ValueError(f"fake_quantize_columns needs a 2-D array, got shape {a.shape}")
+    if a.size == 0:                                      # no rows (an expert without routes)
+        return np.zeros(a.shape)
+    return np.ascontiguousarray(fake_quantize(a.T, fmt).T)
 
 
 # ----------------------------------------------------------------------------------------------
