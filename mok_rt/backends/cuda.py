@@ -30,6 +30,7 @@ from mok_rt.interop import dtypes
 from mok_rt.interop.tensor import Tensor
 from mok_rt.kernels import moe_launch as L
 from mok_rt.kernels import moe_params as P
+from mok_rt.kernels.moe_params import GRAD_NAMES
 from mok_rt.kernels import trace as _trace
 from mok_rt.kernels.schedule import (Schedule, build_schedule, build_schedule_ep, output_shapes, poison_schedule,
                                      scratch_words)
@@ -105,7 +106,7 @@ class CudaBackend(Fp8Calls):
         self._poison = bool(ws.poison_outputs)
         self._peak = 0                          # memory_bytes()["peak"]
         self._fp8 = cfg.precision == "fp8_block"   # moe_forward_fp8 / moe_backward_fp8 (one rank; cuda_fp8.py)
-        self._fp8_sizes: dict[tuple, dict] = {}    # ("forward" / "backward", token count) -> buffer bytes
+        self._fp8_sizes: dict[tuple, tuple] = {}   # ("forward" / "backward", T) -> (buffer bytes, scratch's)
 
     # -- lifetime / errors ---------------------------------------------------------------------
     def close(self) -> None:
@@ -453,17 +454,7 @@ class CudaBackend(Fp8Calls):
         dims = state.dims
         T = dims.tokens
         sh = self._shapes_for(T)
-        sizes = sh.backward
-        # dx, d_topk_weights and the weight gradients the caller did not pass: one block.
-        given = tuple(n for n in _GRAD_NAMES if sizes[n] and out[n] is not None) if any(out.values()) else ()
-        kind = ("backward", given, grad_dtype.name)
-        lay = sh.layouts.get(kind) or sh.layout(kind, lambda: self._backward_parts(sh, given, grad_dtype))
-        base, owner = self._results(lay.total, stream, handle, capturing, tag="backward")
-        # The results (fresh Tensors), then the caller's buffers and None for gradients of 0 bytes.
-        grads = lay.tensors(base, self.device_id, owner, None if capturing else stream, handle)
-        for n in _GRAD_NAMES:
-            if n not in grads:
-                grads[n] = out[n] if n in given else None
+        grads, base = self._gradient_results(sh, out, grad_dtype, stream, handle, capturing)
         dx, dtw = grads["dx"], grads["d_topk_weights"]
         # The rank's scratch; with EP the rows that travel (role "heap": dy_routed in, dx_slot back)
         # live in the symmetric heap.
@@ -474,7 +465,7 @@ class CudaBackend(Fp8Calls):
             heap_rows = {"dy_routed": self.ep.routed_ptr(), "dx_slot": self.ep.slot_ptr()}
             scratch, scratch_key = self._scratch_ptrs("backward", sh.backward_scratch_ep, stream, capturing)
         inputs = (dout.ptr,) + _input_ptrs(args)
-        grad_ptrs = tuple([0 if g is None else g.ptr for g in map(grads.__getitem__, _GRAD_NAMES)])
+        grad_ptrs = tuple([0 if g is None else g.ptr for g in map(grads.__getitem__, GRAD_NAMES)])
         cacheable = self._cacheable(capturing)
         grad_bf16 = grad_dtype == dtypes.bfloat16
         key = ("backward", bool(accumulate), grad_bf16, T, handle, base, sched._launch_key, state.bufs_key, inputs,
@@ -484,7 +475,7 @@ class CudaBackend(Fp8Calls):
             bb = L.BackwardBuffers(
                 d_out=inputs[0], x=inputs[1], topk_weights=inputs[2], w_gate=inputs[3], w_up=inputs[4],
                 w_down=inputs[5], shared_gate=inputs[6], shared_up=inputs[7], shared_down=inputs[8], dx=dx.ptr,
-                d_topk_weights=dtw.ptr, **state.bufs, **dict(zip(_GRAD_NAMES, grad_ptrs)), **scratch, **heap_rows)
+                d_topk_weights=dtw.ptr, **state.bufs, **dict(zip(GRAD_NAMES, grad_ptrs)), **scratch, **heap_rows)
             peers = None if self.ep is None else self.ep.peers(T)
             plan = L.backward_plan(dims, push_tasks=0 if peers is None else peers.push_tasks)
             trace = self._trace_buffer("backward", plan, stream, capturing)
@@ -496,6 +487,22 @@ class CudaBackend(Fp8Calls):
         prep()
         dx._owner = (dx._owner, args, dout)   # keep the inputs alive with the result
         return grads
+
+    def _gradient_results(self, sh: _Shapes, out: dict, grad_dtype, stream, handle: int, capturing: bool):
+        """A backward's results by kernel name (dx, d_topk_weights, dw_gate ... d_shared_down) and the
+        base of their block: dx, d_topk_weights and the weight gradients the caller did not pass
+        (``out``: its validated buffers, None where not given) in one block; the caller's buffers;
+        None for gradients of 0 bytes."""
+        sizes = sh.backward
+        given = tuple(n for n in GRAD_NAMES if sizes[n] and out.get(n) is not None) if any(out.values()) else ()
+        kind = ("backward", given, grad_dtype.name)
+        lay = sh.layouts.get(kind) or sh.layout(kind, lambda: self._backward_parts(sh, given, grad_dtype))
+        base, owner = self._results(lay.total, stream, handle, capturing, tag="backward")
+        grads = lay.tensors(base, self.device_id, owner, None if capturing else stream, handle)
+        for n in GRAD_NAMES:
+            if n not in grads:
+                grads[n] = out[n] if n in given else None
+        return grads, base
 
     @staticmethod
     def _backward_parts(sh: _Shapes, given: tuple, grad_dtype) -> dict:
@@ -516,6 +523,5 @@ def _input_ptrs(args) -> tuple:
             device_ptr(args.w_down), args.shared_gate.ptr, args.shared_up.ptr, args.shared_down.ptr)
 
 
-_GRAD_NAMES = tuple(b.name for b in P.BACKWARD_BUFFERS if b.struct == "grads")
 _FORWARD_KINDS = {False: ("forward", False), True: ("forward", True)}   # layout and cache-key tags
 _SCHED_NAMES = tuple(b.name for b in P.FORWARD_BUFFERS if b.role == "schedule")

@@ -30,24 +30,28 @@ __all__ = ["Fp8Calls"]
 _QPARTS = ("gate", "up", "down")
 _FP8_FORWARD = {b.name: b for b in M8.F.FP8_FORWARD_BUFFERS}
 _FP8_BACKWARD = {b.name: b for b in MB.FP8_BACKWARD_TABLE}
-_GRAD_NAMES = tuple(b.name for b in P.BACKWARD_BUFFERS if b.struct == "grads")
 _SIZES_KEPT = 64   # token counts whose buffer sizes are kept
 
 
 class Fp8Calls:
     """The "fp8_block" methods of CudaBackend (module doc)."""
 
-    def _fp8_bytes(self, kind: str, dims) -> dict:
+    def _fp8_bytes(self, kind: str, dims) -> tuple[dict, dict]:
         """Byte sizes of moe_forward_fp8's ("forward") or moe_backward_fp8's ("backward") buffers
-        at ``dims``, cached per token count."""
+        at ``dims``, and those of the rank's scratch among them (roles "scratch", "counters"),
+        cached per token count: the same scratch dict every call lets _scratch_ptrs answer from
+        its last result."""
         key = (kind, dims.tokens)
-        sizes = self._fp8_sizes.get(key)
-        if sizes is None:
+        hit = self._fp8_sizes.get(key)
+        if hit is None:
             if len(self._fp8_sizes) > _SIZES_KEPT:
                 self._fp8_sizes.clear()
-            fn = M8.forward_buffer_bytes if kind == "forward" else MB.backward_buffer_bytes
-            sizes = self._fp8_sizes[key] = fn(dims)
-        return sizes
+            fn, table = ((M8.forward_buffer_bytes, _FP8_FORWARD) if kind == "forward"
+                         else (MB.backward_buffer_bytes, _FP8_BACKWARD))
+            sizes = fn(dims)
+            scratch = {n: nb for n, nb in sizes.items() if table[n].role in ("scratch", "counters")}
+            hit = self._fp8_sizes[key] = (sizes, scratch)
+        return hit
 
     # -- quantize_weights -------------------------------------------------------------------------
     def quantize(self, groups, *, stream, for_backward: bool = True) -> dict:
@@ -92,7 +96,7 @@ class Fp8Calls:
         capturing, _ = self._begin(stream)
         T = sched.tokens
         dims = self._shapes_for(T).dims
-        sizes = self._fp8_bytes("forward", dims)
+        sizes, scratch_sizes = self._fp8_bytes("forward", dims)
         if args.quantized is not None:
             routed, shared = args.quantized.experts, args.quantized.shared
         else:
@@ -108,9 +112,7 @@ class Fp8Calls:
             parts["out"] = ((T, dims.hidden), dtypes.bfloat16)
         block = self._block(parts, stream, capturing, poison=True)
         out = block.pop("out", None)
-        scratch, _ = self._scratch_ptrs("forward_fp8", {n: nb for n, nb in sizes.items()
-                                                     if _FP8_FORWARD[n].role in ("scratch", "counters")},
-                                     stream, capturing)
+        scratch, _ = self._scratch_ptrs("forward_fp8", scratch_sizes, stream, capturing)
         wq = {}
         for prefix, g in (("", routed), ("shared_", shared)):
             for part in _QPARTS:
@@ -176,21 +178,14 @@ class Fp8Calls:
         dims = state.dims
         T = dims.tokens
         sh = self._shapes_for(T)
-        sizes = self._fp8_bytes("backward", dims)
-        # dx, d_topk_weights and the weight gradients the caller did not pass: one block, as in bf16.
-        given = tuple(n for n in _GRAD_NAMES if sizes[n] and out.get(n) is not None)
-        lay = sh.layout(("backward", given, grad_dtype.name), lambda: self._backward_parts(sh, given, grad_dtype))
-        base, owner = self._results(lay.total, stream, handle, capturing, tag="backward")
-        results = lay.tensors(base, self.device_id, owner, None if capturing else stream, handle)
-        grads = {n: (None if not sizes[n] else out[n] if n in given else results[n]) for n in _GRAD_NAMES}
-        dx, dtw = results["dx"], results["d_topk_weights"]
-        scratch, scratch_key = self._scratch_ptrs("backward_fp8", {n: nb for n, nb in sizes.items()
-                                                      if _FP8_BACKWARD[n].role in ("scratch", "counters")},
-                                     stream, capturing)
+        scratch_sizes = self._fp8_bytes("backward", dims)[1]
+        grads, base = self._gradient_results(sh, out, grad_dtype, stream, handle, capturing)
+        dx, dtw = grads["dx"], grads["d_topk_weights"]
+        scratch, scratch_key = self._scratch_ptrs("backward_fp8", scratch_sizes, stream, capturing)
         wt, copies = self._transposed_weights(state, args, stream, capturing)
-        fwd = self._fp8_bytes("forward", dims)
+        fwd = self._fp8_bytes("forward", dims)[0]
         ctx = {n: (t.ptr if fwd[n] else 0) for n, t in state.bufs.items()}
-        grad_ptrs = tuple(device_ptr(grads[n]) for n in _GRAD_NAMES)
+        grad_ptrs = tuple(device_ptr(grads[n]) for n in P.GRAD_NAMES)
         grad_bf16 = grad_dtype == dtypes.bfloat16
         cacheable = self._cacheable(capturing)
         key = ("backward_fp8", bool(accumulate), grad_bf16, T, handle, base, sched._launch_key,
@@ -199,7 +194,7 @@ class Fp8Calls:
         prep = self._calls.get(key) if cacheable else None
         if prep is None:
             bb = MB.Fp8BackwardBuffers(d_out=dout.ptr, topk_weights=args.topk_weights.ptr, dx=dx.ptr,
-                                       d_topk_weights=dtw.ptr, **ctx, **wt, **dict(zip(_GRAD_NAMES, grad_ptrs)),
+                                       d_topk_weights=dtw.ptr, **ctx, **wt, **dict(zip(P.GRAD_NAMES, grad_ptrs)),
                                        **scratch)
             plan = MB.backward_plan(dims)
             trace = self._trace_buffer("backward", plan, stream, capturing)
@@ -213,5 +208,5 @@ class Fp8Calls:
         # later call on this stream (after this launch in stream order) or freed on it.
         del copies
         dx._owner = (dx._owner, args, dout)   # keep the inputs alive with the result
-        return dict(dx=dx, d_topk_weights=dtw, **{n: grads[n] for n in _GRAD_NAMES})
+        return grads
 

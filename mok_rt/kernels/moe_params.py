@@ -20,7 +20,7 @@ from mok_rt.runtime.tensormap import TENSOR_MAP_BYTES, TensorMapBytes
 
 __all__ = [
     "BLOCK_M", "combine_parts", "THREADS", "TILE_N", "GATE_UP_COLS", "SMEM_BYTES", "FORWARD_MAP_NAMES", "BACKWARD_MAP_NAMES",
-    "Buffer", "FORWARD_BUFFERS", "BACKWARD_BUFFERS", "ROLES",
+    "Buffer", "FORWARD_BUFFERS", "BACKWARD_BUFFERS", "GRAD_NAMES", "ROLES",
     "MoEForwardMaps", "MoEBackwardMaps", "MoEForwardTmaParams", "MoEBackwardTmaParams",
     "MoESchedule", "MoEDims", "MoEWeights", "MoEContext", "MoEForwardCounters", "MoEForwardParams",
     "MoEBackwardCounters", "MoEWeightGrads", "MoEBackwardParams", "MoEPeers", "MAX_EP_RANKS", "NUM_PEER_FLAGS",
@@ -135,6 +135,7 @@ BACKWARD_BUFFERS: tuple[Buffer, ...] = (
     _COUNTERS,
 )
 assert all(b.role in ROLES for b in FORWARD_BUFFERS + BACKWARD_BUFFERS)
+GRAD_NAMES = tuple(b.name for b in BACKWARD_BUFFERS if b.struct == "grads")   # the weight gradients
 
 
 def _names(table, struct: str) -> tuple[str, ...]:
