@@ -3,13 +3,13 @@
   python scripts/sass_mainloop.py [-v] [file.cubin | file.sass ...]
   (default: the forward and backward FP8 cubins in mok_rt/cubins; a .cubin goes through nvdisasm -c)
 
-A mainloop is found as two batches of QGMMAs (each up to the one that sets gsb0) and their
-WARPGROUP.DEPBARs.  Counted on the common path (the stage ready at the first try_wait, the rows not
+A mainloop is found as the batches of QGMMAs (each up to the one that sets gsb0) inside one loop,
+two (sub-tiles 0 and 1) or one (a copy for one sub-tile), and their WARPGROUP.DEPBARs.  Counted on the common path (the stage ready at the first try_wait, the rows not
 idle, two sub-tiles), as shortest paths through the control-flow graph with BRA.DIV not diverging:
   c1   after sub-tile 0's DEPBAR up to sub-tile 1's first QGMMA (the t0 promotion, descriptors)
-  c2   after sub-tile 1's DEPBAR, round the loop (through the t1 promotion's 64th FFMA and the
+  c2   after sub-tile 1's (the last) DEPBAR, round the loop (through the t1 promotion's 64th FFMA and the
        stage wait's first try_wait) up to the next K block's first QGMMA
-  mma  each batch from its first QGMMA to its DEPBAR (what issues under the MMAs)
+  mma  the batches, each from its first QGMMA to its DEPBAR (what issues under the MMAs)
 c1 and c2 are a warpgroup's turnaround between its MMA batches (docs/FP8_DESIGN.md, "Mainloop
 turnaround"); -v breaks them down by opcode."""
 import collections, heapq, os, re, subprocess, sys
@@ -85,21 +85,30 @@ def report(name, text, verbose):
                 batches[-1].append(i)
             else:
                 batches.append([i])
-    print(f'{name}: {len(rows)} instructions, {len(batches) // 2} FP8 mainloops')
+    def loop_of(b):  # the innermost loop around batch b: its back branch
+        for j in range(b[-1], len(rows)):
+            m = re.search(r'`\((\.L_x_\d+)\)', rows[j])
+            if m and op(rows[j]) == 'BRA' and labels[m.group(1)] < b[0]:
+                return j
+    loops = collections.defaultdict(list)
+    for b in batches:
+        loops[loop_of(b)].append(b)
+    print(f'{name}: {len(rows)} instructions, {len(loops)} FP8 mainloops')
     depbar = lambda b: next(j for j in range(b[-1], len(rows)) if op(rows[j]).startswith('WARPGROUP.DEPBAR'))
-    for n in range(0, len(batches) - 1, 2):
-        b1, b2 = batches[n], batches[n + 1]
+    for n, bs in enumerate(loops.values()):
+        b1, b2 = bs[0], bs[-1]  # one batch: a loop for one sub-tile, c1 empty
         d1, d2 = depbar(b1), depbar(b2)
-        c1 = path(rows, labels, d1, b2[0])[1:-1]
+        c1 = path(rows, labels, d1, b2[0])[1:-1] if len(bs) == 2 else []
         ffma = [j for j in range(d2, len(rows)) if op(rows[j]) == 'FFMA'][63]
         wait = [j for j in range(b1[0]) if 'TRYWAIT' in rows[j]][-2]
         c2 = (path(rows, labels, d2, ffma)[1:-1] + path(rows, labels, ffma, wait)[:-1] +
               path(rows, labels, wait, b1[0])[:-1])
-        m1, m2 = range(b1[0], d1 + 1), range(b2[0], d2 + 1)
-        total = len(c1) + len(c2) + len(m1) + len(m2)
-        print(f'  mainloop {n // 2 + 1}: per K block {total}: c1 {len(c1)}, c2 {len(c2)}, mma {len(m1)} + {len(m2)}')
+        mma = sorted(set(j for b in bs for j in range(b[0], depbar(b) + 1)))
+        total = len(c1) + len(c2) + len(mma)
+        kind = 'two sub-tiles' if len(bs) == 2 else 'one sub-tile'
+        print(f'  mainloop {n + 1} ({kind}): per K block {total}: c1 {len(c1)}, c2 {len(c2)}, mma {len(mma)}')
         if verbose:
-            print(f'    c1: {count(rows, c1)}\n    c2: {count(rows, c2)}\n    mma: {count(rows, list(m1) + list(m2))}')
+            print(f'    c1: {count(rows, c1)}\n    c2: {count(rows, c2)}\n    mma: {count(rows, mma)}')
 
 
 def main(argv):

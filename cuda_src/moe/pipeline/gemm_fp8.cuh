@@ -138,20 +138,18 @@ __device__ __forceinline__ void release(const pipe::Shared& s, int slot) {
   if ((threadIdx.x & 31) == 0) mbar_arrive(s.ring.empty(slot));
 }
 
-// t0 (+)= this warpgroup's 64 rows of sub-tile 0 over `k_blocks` stages, t1 of sub-tile 1 when
-// `two` (otherwise t1 stays as it is).  `idle`: the rows are all padding; the stages are still
-// waited for and released, the tensor cores skipped.  Every thread of the warpgroup calls it; true
-// when no wait failed, for both warpgroups (one vote of the workers).
-//
-// What lies between a wait for this warpgroup's MMAs and its next MMAs decides how long the tensor
-// cores wait for it (docs/FP8_DESIGN.md, "Mainloop turnaround"), so that path is kept to the
-// promotion, the release and the next descriptors: the scale products are formed while the first
-// MMAs run (a gate|up tile's sub-tile 1 reuses them), and nothing is set up for the idle case.
-// Registers decide the rest: at ~225 live, any value kept across a wait costs a spill elsewhere.
-template <bool kGateUp, class SB = BScales>
-__device__ __forceinline__ bool mainloop(const pipe::Shared& s, wg::PipeState& ps, float (&t0)[kRegs],
-                                         float (&t1)[kRegs], int k_blocks, int consumer, const MbarWaitCtx& w,
-                                         bool idle, bool two, SB sb) {
+// One copy of the K loop per (kTwo, kIdle), see mainloop().  What lies between a wait for this
+// warpgroup's MMAs and its next MMAs decides how long the tensor cores wait for it
+// (docs/FP8_DESIGN.md, "Mainloop turnaround"), so that path is kept to the promotion, the release
+// and the next descriptors: the scale products are formed while the first MMAs run (a gate|up
+// tile's sub-tile 1 reuses them), and with kTwo a compile-time constant sub-tile 1's MMAs share a
+// basic block with sub-tile 0's, so ptxas builds their descriptors under the first MMAs instead of
+// after the promotion (ptxas moves no code across blocks).  Registers decide the rest: at ~225
+// live, a value kept across a wait costs a spill elsewhere.
+template <bool kGateUp, bool kTwo, bool kIdle, class SB>
+__device__ __forceinline__ bool mainloop_copy(const pipe::Shared& s, wg::PipeState& ps, float (&t0)[kRegs],
+                                              float (&t1)[kRegs], int k_blocks, int consumer, const MbarWaitCtx& w,
+                                              SB sb) {
   const uint32_t row_off =
       4u * static_cast<uint32_t>(64 * consumer + WgmmaAccCoord::of_thread(threadIdx.x & 127).row0);
   bool failed = false;
@@ -160,7 +158,7 @@ __device__ __forceinline__ bool mainloop(const pipe::Shared& s, wg::PipeState& p
   for (int i = 0; i < kRegs; ++i) partial[i] = 0.f;
   for (int kb = k_blocks; kb > 0; --kb) {
     if (!failed) failed = !mbar_wait(s.ring.full(ps.slot), ps.phase, w);
-    if (!idle) {
+    if constexpr (!kIdle) {
       // B scales: global loads, A scales: the side ring; both consumed after the first MMAs issue.
       const float s_lo0 = __ldg(sb.lo), s_hi0 = kGateUp ? __ldg(sb.hi) : s_lo0;
       const float s_1 = kGateUp ? 0.f : __ldg(sb.lo + sb.step);  // down: sub-tile 1's B scale
@@ -176,7 +174,7 @@ __device__ __forceinline__ bool mainloop(const pipe::Shared& s, wg::PipeState& p
       wgmma_wait<0>();
       wgmma_fence_operand(partial);
       promote(t0, partial, p0);
-      if (two) {
+      if constexpr (kTwo) {
         wgmma_fence();
         wgmma_e4m3_kblock<kBN>(partial, smem_desc_kmajor_sw128(base + consumer * 64 * kBK),
                                smem_desc_kmajor_sw128(b_tile(base, 1)));
@@ -185,7 +183,7 @@ __device__ __forceinline__ bool mainloop(const pipe::Shared& s, wg::PipeState& p
         wgmma_fence_operand(partial);
       }
       release(s, ps.slot);  // before sub-tile 1's promotion, so the refill overlaps it
-      if (two) promote(t1, partial, p1);
+      if constexpr (kTwo) promote(t1, partial, p1);
     } else {
       release(s, ps.slot);
     }
@@ -193,6 +191,22 @@ __device__ __forceinline__ bool mainloop(const pipe::Shared& s, wg::PipeState& p
     ps.advance(pipe::kStages);
   }
   return !workers_any(failed);
+}
+
+// t0 (+)= this warpgroup's 64 rows of sub-tile 0 over `k_blocks` stages, t1 of sub-tile 1 when
+// `two` (otherwise t1 stays as it is).  `idle`: the rows are all padding; the stages are still
+// waited for and released, the tensor cores skipped.  Every thread of the warpgroup calls it; true
+// when no wait failed, for both warpgroups (one vote of the workers).  Three copies of the loop
+// (the idle one has no MMA; ~5 % more code in the forward cubin): `two` is the same for both
+// warpgroups of a task and false only at the end of N, so both run one copy, except where one is
+// idle.
+template <bool kGateUp, class SB = BScales>
+__device__ __forceinline__ bool mainloop(const pipe::Shared& s, wg::PipeState& ps, float (&t0)[kRegs],
+                                         float (&t1)[kRegs], int k_blocks, int consumer, const MbarWaitCtx& w,
+                                         bool idle, bool two, SB sb) {
+  if (idle) return mainloop_copy<kGateUp, false, true>(s, ps, t0, t1, k_blocks, consumer, w, sb);
+  if (two) return mainloop_copy<kGateUp, true, false>(s, ps, t0, t1, k_blocks, consumer, w, sb);
+  return mainloop_copy<kGateUp, false, false>(s, ps, t0, t1, k_blocks, consumer, w, sb);
 }
 
 // ---- epilogue helpers (64-register fragments: the accumulator layout of common/wgmma.cuh) ---------
