@@ -115,57 +115,66 @@ struct BScales {
 };
 
 // One K block's promotion of a sub-tile: register 4j + 2h + e belongs to row half h and chunk j;
-// chunks j < 8 take s_lo, the others s_hi (fp32 products, one rounding each; two live at a time).
-__device__ __forceinline__ void promote(float (&total)[kRegs], const float (&partial)[kRegs], float sa0, float sa1,
-                                        float s_lo, float s_hi) {
-  {
-    const float p0 = sa0 * s_lo, p1 = sa1 * s_lo;
-#pragma unroll
-    for (int i = 0; i < kRegs / 2; ++i) total[i] = __fmaf_rn(partial[i], (i & 2) ? p1 : p0, total[i]);
+// chunks j < 8 take the products with s_lo, the others those with s_hi.  The products are fp32,
+// one rounding each (s_a[row] * s_b), computed once per K block by Products::of: a gate|up tile's
+// two sub-tiles share them, and they are ready before the MMAs complete.
+struct Products {
+  float lo0, lo1, hi0, hi1;  // s_a[row g] * s_lo, s_a[row g + 8] * s_lo, the same with s_hi
+  __device__ __forceinline__ static Products of(float sa0, float sa1, float s_lo, float s_hi) {
+    return Products{sa0 * s_lo, sa1 * s_lo, sa0 * s_hi, sa1 * s_hi};
   }
-  {
-    const float p0 = sa0 * s_hi, p1 = sa1 * s_hi;
+};
+__device__ __forceinline__ void promote(float (&total)[kRegs], const float (&partial)[kRegs], const Products& p) {
 #pragma unroll
-    for (int i = kRegs / 2; i < kRegs; ++i) total[i] = __fmaf_rn(partial[i], (i & 2) ? p1 : p0, total[i]);
-  }
+  for (int i = 0; i < kRegs / 2; ++i) total[i] = __fmaf_rn(partial[i], (i & 2) ? p.lo1 : p.lo0, total[i]);
+#pragma unroll
+  for (int i = kRegs / 2; i < kRegs; ++i) total[i] = __fmaf_rn(partial[i], (i & 2) ? p.hi1 : p.hi0, total[i]);
 }
 
-// t0 (+)= this warpgroup's 64 rows of sub-tile 0 over `k_blocks` stages, t1 of sub-tile 1 when
-// `two` (otherwise t1 stays as it is).  `idle`: the rows are all padding; the stages are still
-// waited for and released, the tensor cores skipped.  Every thread of the warpgroup calls it; true
-// when no wait failed, for both warpgroups (one vote of the workers).
-template <bool kGateUp, class SB = BScales>
-__device__ __forceinline__ bool mainloop(const pipe::Shared& s, wg::PipeState& ps, float (&t0)[kRegs],
-                                         float (&t1)[kRegs], int k_blocks, int consumer, const MbarWaitCtx& w,
-                                         bool idle, bool two, SB sb) {
+// The slot is consumed: the MMAs that read it are complete, and the arrive (release) orders the
+// scale loads before it.
+__device__ __forceinline__ void release(const pipe::Shared& s, int slot) {
+  __syncwarp();
+  if ((threadIdx.x & 31) == 0) mbar_arrive(s.ring.empty(slot));
+}
+
+// One copy of the K loop per (kTwo, kIdle), see mainloop().  What lies between a wait for this
+// warpgroup's MMAs and its next MMAs decides how long the tensor cores wait for it
+// (docs/FP8_DESIGN.md, "Mainloop turnaround"), so that path is kept to the promotion, the release
+// and the next descriptors: the scale products are formed while the first MMAs run (a gate|up
+// tile's sub-tile 1 reuses them), and with kTwo a compile-time constant sub-tile 1's MMAs share a
+// basic block with sub-tile 0's, so ptxas builds their descriptors under the first MMAs instead of
+// after the promotion (ptxas moves no code across blocks).  Registers decide the rest: at ~225
+// live, a value kept across a wait costs a spill elsewhere.
+template <bool kGateUp, bool kTwo, bool kIdle, class SB>
+__device__ __forceinline__ bool mainloop_copy(const pipe::Shared& s, wg::PipeState& ps, float (&t0)[kRegs],
+                                              float (&t1)[kRegs], int k_blocks, int consumer, const MbarWaitCtx& w,
+                                              SB sb) {
   const uint32_t row_off =
       4u * static_cast<uint32_t>(64 * consumer + WgmmaAccCoord::of_thread(threadIdx.x & 127).row0);
   bool failed = false;
   float partial[kRegs];
 #pragma unroll
   for (int i = 0; i < kRegs; ++i) partial[i] = 0.f;
-  for (int kb = 0; kb < k_blocks; ++kb) {
+  for (int kb = k_blocks; kb > 0; --kb) {
     if (!failed) failed = !mbar_wait(s.ring.full(ps.slot), ps.phase, w);
-    float sa0 = 0.f, sa1 = 0.f, s_lo1 = 0.f, s_hi1 = 0.f;
-    if (!idle) {
-      // B scales: global loads, their latency hidden by the first MMAs; A scales: the side ring.
+    if constexpr (!kIdle) {
+      // B scales: global loads, A scales: the side ring; both consumed after the first MMAs issue.
       const float s_lo0 = __ldg(sb.lo), s_hi0 = kGateUp ? __ldg(sb.hi) : s_lo0;
-      if (kGateUp) {
-        s_lo1 = s_lo0, s_hi1 = s_hi0;
-      } else {
-        s_lo1 = s_hi1 = __ldg(sb.lo + sb.step);
-      }
+      const float s_1 = kGateUp ? 0.f : __ldg(sb.lo + sb.step);  // down: sub-tile 1's B scale
       const uint32_t sa = a_scales(ps.slot) + row_off;
-      sa0 = ld_shared_f32(sa), sa1 = ld_shared_f32(sa + 32u);
+      const float sa0 = ld_shared_f32(sa), sa1 = ld_shared_f32(sa + 32u);
       const uint32_t base = a_tile(s, ps.slot);
       wgmma_fence();  // partial was read by the last promotion
       wgmma_e4m3_kblock<kBN>(partial, smem_desc_kmajor_sw128(base + consumer * 64 * kBK),
                              smem_desc_kmajor_sw128(b_tile(base, 0)));
       wgmma_commit();
+      const Products p0 = Products::of(sa0, sa1, s_lo0, s_hi0);
+      const Products p1 = kGateUp ? p0 : Products::of(sa0, sa1, s_1, s_1);
       wgmma_wait<0>();
       wgmma_fence_operand(partial);
-      promote(t0, partial, sa0, sa1, s_lo0, s_hi0);
-      if (two) {
+      promote(t0, partial, p0);
+      if constexpr (kTwo) {
         wgmma_fence();
         wgmma_e4m3_kblock<kBN>(partial, smem_desc_kmajor_sw128(base + consumer * 64 * kBK),
                                smem_desc_kmajor_sw128(b_tile(base, 1)));
@@ -173,16 +182,31 @@ __device__ __forceinline__ bool mainloop(const pipe::Shared& s, wg::PipeState& p
         wgmma_wait<0>();
         wgmma_fence_operand(partial);
       }
+      release(s, ps.slot);  // before sub-tile 1's promotion, so the refill overlaps it
+      if constexpr (kTwo) promote(t1, partial, p1);
+    } else {
+      release(s, ps.slot);
     }
     sb.advance();
-    // The slot is consumed: the MMAs that read it are complete, and the arrive (release) orders the
-    // scale loads before it.  Released before sub-tile 1's promotion, so the refill overlaps it.
-    __syncwarp();
-    if ((threadIdx.x & 31) == 0) mbar_arrive(s.ring.empty(ps.slot));
     ps.advance(pipe::kStages);
-    if (!idle && two) promote(t1, partial, sa0, sa1, s_lo1, s_hi1);
   }
   return !workers_any(failed);
+}
+
+// t0 (+)= this warpgroup's 64 rows of sub-tile 0 over `k_blocks` stages, t1 of sub-tile 1 when
+// `two` (otherwise t1 stays as it is).  `idle`: the rows are all padding; the stages are still
+// waited for and released, the tensor cores skipped.  Every thread of the warpgroup calls it; true
+// when no wait failed, for both warpgroups (one vote of the workers).  Three copies of the loop
+// (the idle one has no MMA; ~5 % more code in the forward cubin): `two` is the same for both
+// warpgroups of a task and false only at the end of N, so both run one copy, except where one is
+// idle.
+template <bool kGateUp, class SB = BScales>
+__device__ __forceinline__ bool mainloop(const pipe::Shared& s, wg::PipeState& ps, float (&t0)[kRegs],
+                                         float (&t1)[kRegs], int k_blocks, int consumer, const MbarWaitCtx& w,
+                                         bool idle, bool two, SB sb) {
+  if (idle) return mainloop_copy<kGateUp, false, true>(s, ps, t0, t1, k_blocks, consumer, w, sb);
+  if (two) return mainloop_copy<kGateUp, true, false>(s, ps, t0, t1, k_blocks, consumer, w, sb);
+  return mainloop_copy<kGateUp, false, false>(s, ps, t0, t1, k_blocks, consumer, w, sb);
 }
 
 // ---- epilogue helpers (64-register fragments: the accumulator layout of common/wgmma.cuh) ---------
