@@ -7,7 +7,7 @@ import weakref
 import numpy as np
 import pytest
 
-from mok_rt.interop import dlpack
+from mok_rt.interop import dlpack, dlpack_export
 
 from mok_rt.interop import dtypes
 from mok_rt.interop.dlpack import check, from_dlpack
@@ -169,7 +169,7 @@ def test_bf16_export_recognised_by_cupy(device):
 
 
 def test_export_keeps_tensor_alive(device):
-    base = dlpack._live_exports()
+    base = dlpack_export._live_exports()
     t = Tensor.empty((16,), "float32", device_id=0, stream=1)
     t.fill_bytes(0)
     ref = weakref.ref(t)
@@ -181,7 +181,7 @@ def test_export_keeps_tensor_alive(device):
     cp.cuda.Device(0).synchronize()
     del x
     gc.collect()
-    assert ref() is None and dlpack._live_exports() == base
+    assert ref() is None and dlpack_export._live_exports() == base
 
 
 class _NoSync:

@@ -7,7 +7,7 @@ device, plus a private keep-alive that calls the producer's deleter once when th
 :func:`check` validates a view and raises :class:`~mok_rt.errors.ArgumentError` naming the
 argument.
 
-Export: :func:`_export_capsule` builds a (versioned or legacy) capsule for a mok_rt tensor; the
+Export (:mod:`mok_rt.interop.dlpack_export`): :func:`_export_capsule` builds a (versioned or legacy) capsule for a mok_rt tensor; the
 capsule keeps its owner alive until the consumer's call to the deleter, or until the capsule
 itself is destroyed unconsumed.
 
@@ -26,13 +26,17 @@ import atexit
 import ctypes
 import math
 import struct
-import weakref
 from dataclasses import dataclass, field
 from typing import Union
 
 import numpy as np
 
 from mok_rt.interop import dtypes as _dt
+from mok_rt.interop.dlpack_abi import (  # noqa: F401  (the ABI names are part of this module's API)
+    _CALL_DELETER, _NAME_LEGACY, _NAME_LEGACY_USED, _NAME_V, _NAME_V_USED, DLPACK_FLAG_BITMASK_IS_COPIED,
+    DLPACK_FLAG_BITMASK_READ_ONLY, DLPACK_VERSION, DLDataType, DLDevice, DLManagedTensor,
+    DLManagedTensorVersioned, DLPackVersion, DLTensor, _PyCapsule_GetPointer, _PyCapsule_IsValid,
+    _PyCapsule_SetName, kDLCPU, kDLCUDA, kDLCUDAHost, kDLCUDAManaged)
 from mok_rt.interop.dtypes import DType
 from mok_rt.interop.producers import current_stream_framework
 from mok_rt.errors import ArgumentError
@@ -43,258 +47,6 @@ __all__ = [
     "kDLCPU", "kDLCUDA", "kDLCUDAHost", "kDLCUDAManaged",
     "DLPACK_FLAG_BITMASK_READ_ONLY", "DLPACK_FLAG_BITMASK_IS_COPIED", "DLPACK_VERSION",
 ]
-
-kDLCPU = 1
-kDLCUDA = 2
-kDLCUDAHost = 3
-kDLCUDAManaged = 13
-
-DLPACK_FLAG_BITMASK_READ_ONLY = 1 << 0
-DLPACK_FLAG_BITMASK_IS_COPIED = 1 << 1
-DLPACK_VERSION = (1, 1)  # the newest DLPack this module reads and writes
-
-# Capsule names.  PyCapsule keeps the char* it is given, so these bytes must live forever.
-_NAME_V = b"dltensor_versioned"
-_NAME_V_USED = b"used_dltensor_versioned"
-_NAME_LEGACY = b"dltensor"
-_NAME_LEGACY_USED = b"used_dltensor"
-
-
-# --------------------------------------------------------------------------- struct mirrors
-class DLDevice(ctypes.Structure):
-    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
-
-
-class DLDataType(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-
-class DLTensor(ctypes.Structure):
-    _fields_ = [
-        ("data", ctypes.c_void_p),
-        ("device", DLDevice),
-        ("ndim", ctypes.c_int32),
-        ("dtype", DLDataType),
-        ("shape", ctypes.POINTER(ctypes.c_int64)),
-        ("strides", ctypes.POINTER(ctypes.c_int64)),
-        ("byte_offset", ctypes.c_uint64),
-    ]
-
-
-class DLManagedTensor(ctypes.Structure):
-    # deleter is a plain pointer here: reading it must not build a ctypes callback object.
-    _fields_ = [("dl_tensor", DLTensor), ("manager_ctx", ctypes.c_void_p),
-                ("deleter", ctypes.c_void_p)]
-
-
-class DLPackVersion(ctypes.Structure):
-    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32)]
-
-
-class DLManagedTensorVersioned(ctypes.Structure):
-    _fields_ = [("version", DLPackVersion), ("manager_ctx", ctypes.c_void_p),
-                ("deleter", ctypes.c_void_p), ("flags", ctypes.c_uint64),
-                ("dl_tensor", DLTensor)]
-
-
-assert ctypes.sizeof(DLTensor) == 48
-assert ctypes.sizeof(DLManagedTensor) == 64
-assert ctypes.sizeof(DLManagedTensorVersioned) == 80
-
-
-# --------------------------------------------------------------------------- Python C API
-# Private function objects (not the shared ctypes.pythonapi attributes, whose argtypes other
-# code may change).  PYFUNCTYPE keeps the GIL and turns a set Python error into an exception.
-def _capi(name, restype, *argtypes):
-    return ctypes.PYFUNCTYPE(restype, *argtypes)((name, ctypes.pythonapi))
-
-
-_PyCapsule_New = _capi("PyCapsule_New", ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p,
-                       ctypes.c_void_p)
-_PyCapsule_IsValid = _capi("PyCapsule_IsValid", ctypes.c_int, ctypes.py_object, ctypes.c_char_p)
-_PyCapsule_GetPointer = _capi("PyCapsule_GetPointer", ctypes.c_void_p, ctypes.py_object,
-                              ctypes.c_char_p)
-_PyCapsule_SetName = _capi("PyCapsule_SetName", ctypes.c_int, ctypes.py_object, ctypes.c_char_p)
-# Inside a capsule destructor the capsule is being freed: pass it as a raw address so that no
-# reference is ever taken to it.
-_PyCapsule_IsValid_raw = _capi("PyCapsule_IsValid", ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p)
-_PyCapsule_GetPointer_raw = _capi("PyCapsule_GetPointer", ctypes.c_void_p, ctypes.c_void_p,
-                                  ctypes.c_char_p)
-
-# PyErr_Fetch without argtypes: with an exception pending, ctypes must not call any Python-level
-# argument converter before the fetch has cleared it (that call would fail with SystemError).
-_PyErr_Fetch = ctypes.pythonapi._FuncPtr(("PyErr_Fetch", ctypes.pythonapi))
-_PyErr_Fetch.restype = None
-_PyErr_Restore = ctypes.pythonapi._FuncPtr(("PyErr_Restore", ctypes.pythonapi))
-_PyErr_Restore.restype = None
-_ERR_SLOTS = (ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p())
-_ERR_REFS = tuple(ctypes.byref(s) for s in _ERR_SLOTS)
-
-_DELETER_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)        # void (*)(DLManagedTensor*)
-_CAPSULE_DTOR_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)   # void (*)(PyObject*)
-_CALL_DELETER = ctypes.PYFUNCTYPE(None, ctypes.c_void_p)     # calling a producer's deleter
-
-
-# --------------------------------------------------------------------------- export side
-class _Export:
-    """What a consumer's DLManagedTensor pointer refers to; dropping it frees all of it."""
-
-    __slots__ = ("managed", "shape", "strides", "owner")
-
-    def __init__(self, managed, shape, strides, owner):
-        self.managed, self.shape, self.strides, self.owner = managed, shape, strides, owner
-
-
-_EXPORTS: dict[int, _Export] = {}  # managed-struct address -> record
-
-
-def _callback_prologue():
-    """Take (and clear) an exception the caller may have pending; see the module caveat."""
-    # Must stay the first thing a callback does, before any other call.
-    _PyErr_Fetch(_ERR_REFS[0], _ERR_REFS[1], _ERR_REFS[2])
-    saved = (_ERR_SLOTS[0].value, _ERR_SLOTS[1].value, _ERR_SLOTS[2].value)
-    _ERR_SLOTS[0].value = _ERR_SLOTS[1].value = _ERR_SLOTS[2].value = None
-    return saved
-
-
-def _callback_epilogue(saved):
-    if saved[0]:
-        # Hands the references back; the re-raised error is then reported by ctypes.
-        _PyErr_Restore(ctypes.c_void_p(saved[0]), ctypes.c_void_p(saved[1]),
-                       ctypes.c_void_p(saved[2]))
-
-
-def _export_deleter(managed_addr):
-    saved = _callback_prologue()
-    try:
-        _EXPORTS.pop(managed_addr, None)
-    except BaseException:  # interpreter shutdown: nothing sensible left to do
-        pass
-    _callback_epilogue(saved)
-
-
-def _capsule_destructor(capsule_addr):
-    saved = _callback_prologue()
-    try:
-        for name in (_NAME_V, _NAME_LEGACY):
-            # A renamed ("used_...") capsule was consumed: its consumer calls the deleter.
-            if _PyCapsule_IsValid_raw(capsule_addr, name):
-                _EXPORTS.pop(_PyCapsule_GetPointer_raw(capsule_addr, name), None)
-                break
-    except BaseException:
-        pass
-    _callback_epilogue(saved)
-
-
-# The C function pointers must outlive every capsule: module-level references.
-_EXPORT_DELETER = _DELETER_FN(_export_deleter)
-_CAPSULE_DESTRUCTOR = _CAPSULE_DTOR_FN(_capsule_destructor)
-_EXPORT_DELETER_ADDR = ctypes.cast(_EXPORT_DELETER, ctypes.c_void_p).value
-_CAPSULE_DESTRUCTOR_ADDR = ctypes.cast(_CAPSULE_DESTRUCTOR, ctypes.c_void_p).value
-
-
-def _fill_dltensor(t: DLTensor, ptr, shape_arr, strides_arr, ndim, dtype: DType, device):
-    t.data = ptr or None
-    t.device = DLDevice(device[0], device[1])
-    t.ndim = ndim
-    t.dtype = DLDataType(dtype.code, dtype.bits, dtype.lanes)
-    t.shape = ctypes.cast(shape_arr, ctypes.POINTER(ctypes.c_int64))
-    t.strides = ctypes.cast(strides_arr, ctypes.POINTER(ctypes.c_int64))
-    t.byte_offset = 0
-
-
-_CARRIER_TYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-_CARRIERS: dict[int, weakref.ref] = {}  # id -> carrier arrays of exports not yet released
-
-
-def _carrier(ptr: int, shape, strides, itemsize: int, owner) -> np.ndarray:
-    """An unsigned-integer array over the tensor's bytes whose base keeps ``owner`` alive.
-
-    Nothing reads through it (the pointer may be device memory): it only carries the lifetime.
-    """
-    carrier = np.dtype(_CARRIER_TYPES[itemsize])
-    byte_strides = tuple(s * itemsize for s in strides)
-    if any(n == 0 for n in shape) or not ptr:
-        buf = (ctypes.c_char * 1)()
-        offset = 0
-    else:
-        lo = sum((n - 1) * s for n, s in zip(shape, strides) if s < 0)
-        hi = sum((n - 1) * s for n, s in zip(shape, strides) if s > 0)
-        buf = (ctypes.c_char * ((hi - lo + 1) * itemsize)).from_address(ptr + lo * itemsize)
-        offset = -lo * itemsize
-    buf._mok_keepalive = owner
-    return np.ndarray(shape, carrier, buffer=buf, offset=offset, strides=byte_strides)
-
-
-def _export_capsule(*, ptr: int, shape, strides, dtype: DType, device: tuple[int, int],
-                    owner, versioned: bool, version: tuple[int, int] = DLPACK_VERSION,
-                    readonly: bool = False, copied: bool = False):
-    """A new ``dltensor_versioned`` (or legacy ``dltensor``) capsule that keeps ``owner`` alive.
-
-    ``device`` is the DLPack ``(device_type, device_id)``; ``strides`` are in elements.
-    """
-    kwargs = dict(ptr=ptr, shape=shape, strides=strides, dtype=dtype, device=device,
-                  owner=owner, versioned=versioned, version=version, readonly=readonly,
-                  copied=copied)
-    if dtype.itemsize not in _CARRIER_TYPES:
-        return _export_capsule_ctypes(**kwargs)
-    arr = _carrier(ptr, shape, strides, dtype.itemsize, owner)
-    try:
-        cap = arr.__dlpack__(max_version=(1, 0)) if versioned else arr.__dlpack__()
-    except TypeError:  # NumPy < 2.1: no versioned capsules
-        return _export_capsule_ctypes(**kwargs)
-    name = _NAME_V if versioned else _NAME_LEGACY
-    if not _PyCapsule_IsValid(cap, name):
-        return _export_capsule_ctypes(**kwargs)
-    addr = _PyCapsule_GetPointer(cap, name)
-    if versioned:
-        managed = DLManagedTensorVersioned.from_address(addr)
-        managed.version = DLPackVersion(*version)
-        managed.flags = ((DLPACK_FLAG_BITMASK_READ_ONLY if readonly else 0)
-                         | (DLPACK_FLAG_BITMASK_IS_COPIED if copied else 0))
-    else:
-        managed = DLManagedTensor.from_address(addr)
-    t = managed.dl_tensor
-    t.data = ptr or None
-    t.byte_offset = 0
-    t.device = DLDevice(device[0], device[1])
-    t.dtype = DLDataType(dtype.code, dtype.bits, dtype.lanes)
-    key = id(arr)
-    _CARRIERS[key] = weakref.ref(arr, lambda _, key=key: _CARRIERS.pop(key, None))
-    return cap
-
-
-def _export_capsule_ctypes(*, ptr: int, shape, strides, dtype: DType, device: tuple[int, int],
-                    owner, versioned: bool, version: tuple[int, int] = DLPACK_VERSION,
-                    readonly: bool = False, copied: bool = False):
-    """:func:`_export_capsule` with ctypes callbacks as deleter and capsule destructor."""
-    ndim = len(shape)
-    shape_arr = (ctypes.c_int64 * max(ndim, 1))(*shape)
-    strides_arr = (ctypes.c_int64 * max(ndim, 1))(*strides)
-    if versioned:
-        managed = DLManagedTensorVersioned()
-        managed.version = DLPackVersion(*version)
-        managed.flags = ((DLPACK_FLAG_BITMASK_READ_ONLY if readonly else 0)
-                         | (DLPACK_FLAG_BITMASK_IS_COPIED if copied else 0))
-        name = _NAME_V
-    else:
-        managed = DLManagedTensor()
-        name = _NAME_LEGACY
-    _fill_dltensor(managed.dl_tensor, ptr, shape_arr, strides_arr, ndim, dtype, device)
-    managed.manager_ctx = None
-    managed.deleter = _EXPORT_DELETER_ADDR
-    addr = ctypes.addressof(managed)
-    _EXPORTS[addr] = _Export(managed, shape_arr, strides_arr, owner)
-    try:
-        return _PyCapsule_New(addr, name, _CAPSULE_DESTRUCTOR_ADDR)
-    except BaseException:
-        _EXPORTS.pop(addr, None)
-        raise
-
-
-def _live_exports() -> int:
-    """Number of exported tensors not yet released (for leak tests)."""
-    return len(_EXPORTS) + len(_CARRIERS)
 
 
 # --------------------------------------------------------------------------- import side

@@ -19,9 +19,9 @@ import numpy as np
 from mok_rt.interop import dtypes as _dt
 from mok_rt.runtime.driver import call, driver
 from mok_rt.interop.dlpack import (
-    DLPACK_VERSION, TensorView, kDLCPU, kDLCUDA, _c_strides, _export_capsule, _is_c_contiguous,
-    _stream_handle,
+    DLPACK_VERSION, TensorView, kDLCPU, kDLCUDA, _c_strides, _is_c_contiguous, _stream_handle,
 )
+from mok_rt.interop.dlpack_export import _export_capsule
 from mok_rt.interop.dtypes import DType
 from mok_rt.errors import ArgumentError
 
