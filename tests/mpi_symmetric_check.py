@@ -22,7 +22,8 @@ from mok_rt.runtime import driver as _driver  # noqa: E402
 from mok_rt.runtime.cubins import get_kernel  # noqa: E402
 from mok_rt.runtime.device import activate  # noqa: E402
 from mok_rt.runtime.launch import launch, stream_handle  # noqa: E402
-from mok_rt.dist.symmetric import SymmetricHeap, device_barrier  # noqa: E402
+from mok_rt.dist.barrier import device_barrier
+from mok_rt.dist.symmetric import SymmetricHeap  # noqa: E402
 
 POISON = 0xFFFFFFFF
 

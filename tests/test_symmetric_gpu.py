@@ -22,7 +22,8 @@ from mok_rt.runtime import driver as _driver
 from mok_rt.runtime.device import activate
 from mok_rt.errors import PeerTimeoutError
 from mok_rt.dist.group import SingleProcessGroup
-from mok_rt.dist.symmetric import SymmetricHeap, device_barrier
+from mok_rt.dist.barrier import device_barrier
+from mok_rt.dist.symmetric import SymmetricHeap
 
 pytestmark = pytest.mark.gpu
 
