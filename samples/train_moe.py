@@ -7,6 +7,7 @@ student's error on data it has not trained on yet: it falls as the student learn
 
     python samples/train_moe.py                      # CUDA + CuPy when a GPU is present
     python samples/train_moe.py --backend reference  # NumPy reference, any machine (default without a GPU)
+    python samples/train_moe.py --precision fp8_block  # the GEMMs in block-scaled FP8 (E4M3)
 """
 from __future__ import annotations
 
@@ -29,6 +30,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", choices=("cuda", "reference"), default=None,
                     help="default: cuda when a GPU is present, else reference")
+    ap.add_argument("--precision", choices=("bf16", "fp8_block"), default="bf16",
+                    help="fp8_block: E4M3 GEMMs, the weights quantised once per step (the reference "
+                         "backend emulates them)")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seed", type=int, default=0)
@@ -43,9 +47,10 @@ def main() -> int:
         H, I, E, k, Is, T = 128, 64, 8, 2, 64, 512
         if args.backend is None:
             print("no GPU found: running on the NumPy reference backend (pass --backend cuda on a GPU machine)")
-    print(f"backend={backend}  H={H} I={I} experts={E} top_k={k} shared={Is} tokens={T}")
+    print(f"backend={backend}  precision={args.precision}  H={H} I={I} experts={E} top_k={k} shared={Is} tokens={T}")
 
-    cfg = mok.MoEConfig(hidden=H, intermediate=I, num_experts=E, top_k=k, shared_intermediate=Is)
+    cfg = mok.MoEConfig(hidden=H, intermediate=I, num_experts=E, top_k=k, shared_intermediate=Is,
+                        precision=args.precision)
     rng = np.random.default_rng(args.seed)
 
     def param(*shape, scale):
@@ -63,6 +68,12 @@ def main() -> int:
     def experts(p):  # (routed, shared) mok.ExpertWeights of a parameter dict
         return (mok.ExpertWeights(gate=p["w_gate"], up=p["w_up"], down=p["w_down"]),
                 mok.ExpertWeights(gate=p["ws_gate"], up=p["ws_up"], down=p["ws_down"]))
+
+    def run_forward(ws, sched, x, w, p):  # with FP8, quantise the bf16 weights once (per optimizer step)
+        routed, shared = experts(p)
+        if args.precision == "bf16":
+            return mok.forward(ws, sched, x, w, routed, shared=shared)
+        return mok.forward(ws, sched, x, w, mok.quantize_weights(ws, routed, shared))
 
     def grad_of(g, n):  # the gradient of parameter n in mok.Gradients g
         part = n.split("_")[1]
@@ -88,10 +99,8 @@ def main() -> int:
             t0 = time.perf_counter()
             x, ids, w = batch(step)
             sched = mok.schedule(ws, ids)
-            routed, shared = experts(bf)
-            target, _ = mok.forward(ws, sched, x, w, routed, shared=shared)
-            routed, shared = experts({n: v.astype(BF16) for n, v in student.items()})
-            out, ctx = mok.forward(ws, sched, x, w, routed, shared=shared)
+            target, _ = run_forward(ws, sched, x, w, bf)
+            out, ctx = run_forward(ws, sched, x, w, {n: v.astype(BF16) for n, v in student.items()})
             diff = as_array(out).astype(np.float32) - as_array(target).astype(np.float32)
             loss = float((diff * diff).mean())
             d_out = (2.0 / diff.size * diff).astype(BF16)

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,3 +36,12 @@ def test_train_sample_draws_fresh_batches_and_summarises():
     assert re.fullmatch(r"done: loss \S+ -> \S+ over 3 steps \(backend=reference\)", lines[-1]), lines[-1]
     source = (REPO / "samples" / "train_moe.py").read_text()
     assert "step % " not in source  # no cycling through a fixed set of batches
+
+
+def test_train_sample_runs_fp8_on_the_reference_backend():
+    res = subprocess.run([sys.executable, str(REPO / "samples" / "train_moe.py"), "--backend", "reference",
+                          "--precision", "fp8_block", "--steps", "2"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "precision=fp8_block" in res.stdout.splitlines()[0]
+    losses = [float(ln.split()[3]) for ln in res.stdout.splitlines() if ln.startswith("step ")]
+    assert len(losses) == 2 and all(np.isfinite(losses)), res.stdout
