@@ -5,6 +5,9 @@
     python bench/profile_layer.py --shape deepseek-v3 --iters 3 --trace ds.json   # per-task timeline
     python bench/profile_layer.py --shape qwen3-30b-a3b --precision fp8_block --trace fp8.json   # forward only
     python bench/profile_layer.py --shape qwen3-30b-a3b --precision fp8_block --fp8-backward    # and moe_backward_fp8
+    python bench/profile_layer.py --shape qwen3-30b-a3b --ep 2 --tokens 4096 --trace ep.json
+        # expert parallelism, 2 ranks sharing GPU 0 (one process): per-rank timelines on one clock,
+        # and per rank how long its GEMM tiles ran under its own push (trace.LaunchTrace.push_overlap)
 
 Kernel durations come from ncu (or from the device-time column when the host is not the limit).
 """
@@ -38,7 +41,13 @@ def main() -> int:
                          "mok.quantize_weights")
     ap.add_argument("--fp8-backward", action="store_true",
                     help="fp8_block: the backward too (moe_backward_fp8; its kernel may still be incomplete)")
+    ap.add_argument("--ep", type=int, default=1, metavar="P",
+                    help="P > 1: P expert-parallel ranks sharing GPU 0 in this process (bf16; --tokens per "
+                         "rank); with --trace, the ranks' timelines on one clock and the push/GEMM overlap")
+    ap.add_argument("--comm-sms", type=int, default=None, help="--ep: MoEConfig.comm_sms (push tasks)")
     args = ap.parse_args()
+    if args.ep > 1:
+        return run_ep(args)
     import cupy as cp
     import mok_rt as mok
     H, I, E, k, T, Is = SHAPES[args.shape]
@@ -106,6 +115,61 @@ def main() -> int:
             print(t.summary())
         write_chrome_trace(args.trace, last)
         print(f"chrome trace: {args.trace}")
+    return 0
+
+
+def run_ep(args) -> int:
+    """``--ep P``: P ranks of one group sharing GPU 0, each with its own tokens and E / P experts."""
+    import cupy as cp
+    import mok_rt as mok
+    from mok_rt.kernels.trace import write_chrome_trace
+    H, I, E, k, T, Is = SHAPES[args.shape]
+    T = args.tokens if args.tokens is not None else T
+    P = args.ep
+    if E % P or args.precision != "bf16":
+        raise SystemExit(f"--ep {P}: needs bf16 and experts ({E}) divisible by the ranks")
+    rng = np.random.default_rng(0)
+    cp.random.seed(0)
+
+    def randn(shape, scale=1.0):
+        f = cp.random.standard_normal(shape, dtype=cp.float32) * cp.float32(scale)
+        return (f.view(cp.uint32) >> 16).astype(cp.uint16).view(ml_dtypes.bfloat16)
+
+    extra = {} if args.comm_sms is None else {"comm_sms": args.comm_sms}
+    cfg = mok.MoEConfig(hidden=H, intermediate=I, num_experts=E, top_k=k, shared_intermediate=Is, **extra)
+    el = E // P
+    per = [dict(x=randn((T, H)), dout=randn((T, H)),
+                ids=cp.asarray(np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)),
+                tw=cp.asarray(rng.random((T, k)).astype(np.float32)),
+                w=mok.ExpertWeights(randn((el, I, H), H ** -0.5), randn((el, I, H), H ** -0.5),
+                                    randn((el, H, I), I ** -0.5))) for _ in range(P)]
+    flops = cfg.forward_flops(T)   # per rank (its tokens' routes); the GPU runs P of them
+    last = []
+    with mok.Workspace(cfg, mok.SingleProcessGroup(devices=[0] * P), max_tokens=T, trace=bool(args.trace)) as ws:
+        ranks = [ws.rank(r) for r in range(P)]
+        for it in range(args.iters):
+            ws.synchronize()
+            t0 = time.perf_counter()
+            scheds = [mok.schedule(ranks[r], d["ids"]) for r, d in enumerate(per)]   # every rank's, then
+            fw = [mok.forward(ranks[r], scheds[r], d["x"], d["tw"], d["w"]) for r, d in enumerate(per)]
+            ws.synchronize()
+            t1 = time.perf_counter()
+            gs = [mok.backward(ranks[r], fw[r][1], d["dout"]) for r, d in enumerate(per)]
+            ws.synchronize()
+            t2 = time.perf_counter()
+            print(f"iter {it}: {P} ranks on one GPU: sched+forward {1e3 * (t1 - t0):.3f} ms "
+                  f"({P * flops / (t1 - t0) / 1e12:.1f} TF/s for the GPU), backward {1e3 * (t2 - t1):.3f} ms "
+                  f"({2 * P * flops / (t2 - t1) / 1e12:.1f} TF/s)", flush=True)
+            del fw, gs, scheds
+            if args.trace:
+                last = ws.take_traces()
+    if args.trace:
+        for t in sorted(last, key=lambda t: (t.kind, t.rank)):
+            print(t.summary())
+        for t in sorted(last, key=lambda t: (t.kind, t.rank)):
+            print(t.overlap_summary())
+        write_chrome_trace(args.trace, sorted(last, key=lambda t: (t.kind, t.rank)), aligned=True)
+        print(f"chrome trace (the ranks' launches on one clock): {args.trace}")
     return 0
 
 

@@ -12,7 +12,9 @@ import pytest
 import mok_rt as mok
 from mok_rt.dist import ep as _ep
 from mok_rt.kernels.moe_launch import LayerDims, PeerSpec, backward_task_count, forward_task_count
+from mok_rt.kernels import moe_params as P
 from mok_rt.kernels.moe_params import combine_parts
+from mok_rt.kernels.moe_plan import readiness_chunks
 from mok_rt.errors import ArgumentError
 from mok_rt.dist.group import ProcessGroup
 from mok_rt.reference.schedule import schedule_reference, schedule_reference_all_ranks
@@ -71,6 +73,71 @@ def test_push_compute_return_combine(num_ranks, tokens):
         assert np.isfinite(y).all(), f"rank {s}: a route's row never came back"
         want = np.einsum("tk,tkh->th", ws[s], (ids[s][:, :, None] + 1) * xs[s][:, None, :])
         np.testing.assert_allclose(np.einsum("tk,tkh->th", ws[s], y), want, rtol=1e-12, atol=1e-12)
+
+
+def _block_chunk_waits(row_src_rank, row_slot, b, bm, chunk_tokens, k):
+    """Twin of ep::wait_block_rows_thread: the (source, chunk) flags row block b waits on, found
+    the device's way (per source: its first row, its last row by binary search), and the rows
+    it read to find them."""
+    src, slot = row_src_rank[b * bm:(b + 1) * bm], row_slot[b * bm:(b + 1) * bm]
+    waits, reads, r = [], 0, 0
+    while r < bm:
+        s = src[r]
+        reads += 1
+        if s < 0:
+            break
+        end = bm - 1
+        reads += 1
+        if src[end] != s:
+            hi, end = end, r
+            while hi - end > 1:
+                mid = (end + hi) // 2
+                reads += 1
+                if src[mid] == s:
+                    end = mid
+                else:
+                    hi = mid
+        first, last = slot[r] // (chunk_tokens * k), slot[end] // (chunk_tokens * k)
+        assert first <= last
+        waits += [(int(s), c) for c in range(last, first - 1, -1)]
+        r = end + 1
+    return waits, reads
+
+
+@pytest.mark.parametrize("num_ranks,tokens,push_tasks", [(8, (50, 0, 300, 1, 77, 128, 129, 3), 3),
+                                                         (6, (1000, 37, 0, 5, 256, 64), 32), (2, (777, 1000), 1)])
+def test_readiness_chunks_cover_every_row(num_ranks, tokens, push_tasks):
+    """The push's chunks (push task i: chunks i, i + P, ...) store every route exactly once, each
+    chunk's flag after all of its rows; a row block's dispatch waits on the chunk of every row it
+    holds (and only on chunks some source releases), finding them with a few reads per source."""
+    rng = np.random.default_rng(num_ranks + push_tasks)
+    k, el, bm = 4, 3, 8
+    E = el * num_ranks
+    max_tokens = max(tokens)
+    chunk_tokens, chunks = readiness_chunks(max_tokens, push_tasks)
+    assert chunks <= 4 * push_tasks and chunk_tokens * chunks >= max_tokens
+    ids = _routing(rng, num_ranks, tokens, E, k)
+    scheds = schedule_reference_all_ranks(ids, num_experts=E, num_ranks=num_ranks, block_m=bm)
+    # the push: which chunk carries each route, and which chunks each source releases
+    released = set()
+    for s, t in enumerate(tokens):
+        seen = np.zeros(t, int)
+        for task in range(max(1, min(push_tasks, t))):
+            for c in range(task, -(-t // chunk_tokens), max(1, min(push_tasks, t))):
+                seen[c * chunk_tokens:min(t, (c + 1) * chunk_tokens)] += 1
+                released.add((s, c))
+        np.testing.assert_array_equal(seen, 1)
+        assert all(c < chunks for (_, c) in released)
+    for d, sc in enumerate(scheds):
+        for b in range(sc.num_rows // bm):
+            waits, reads = _block_chunk_waits(sc.row_src_rank, sc.row_slot, b, bm, chunk_tokens, k)
+            assert set(waits) <= released, "a wait no source ever releases (a hang)"
+            rows = range(b * bm, (b + 1) * bm)
+            need = {(int(sc.row_src_rank[r]), int(sc.row_slot[r]) // (chunk_tokens * k)) for r in rows
+                    if sc.row_slot[r] >= 0}
+            assert need <= set(waits), f"rank {d} block {b}: a row's chunk is not awaited"
+            sources = len({s for s, _ in need})
+            assert reads <= 1 + sources * (2 + (bm - 1).bit_length())
 
 
 @pytest.mark.parametrize("num_ranks", [8, 6])
@@ -194,22 +261,29 @@ def test_single_rank_workspace_stands_for_its_rank():
 
 def test_peer_spec_validation():
     good = dict(peer_bases=(1 << 20, 2 << 20), peer_array=4096, routed_offset=4096, slot_offset=8192,
-                flags_offset=0, end_pad_offset=512, rank=1, epoch=1, push_tasks=8, slot_rows=64)
-    PeerSpec(**good)
+                flags_offset=0, end_pad_offset=512, rank=1, epoch=1, push_tasks=8, slot_rows=64, chunk_tokens=16)
+    s = PeerSpec(**good)._struct()   # what the kernels get (MoEPeers mirror)
+    assert (s.chunk_tokens, s.push_tasks, s.num_ranks) == (16, 8, 2) and P.MoEPeers.chunk_tokens.offset == 572
     for field, value in [("peer_bases", (1,)), ("rank", 2), ("epoch", 0), ("push_tasks", 0),
-                         ("routed_offset", 4100)]:
+                         ("routed_offset", 4100), ("chunk_tokens", 0)]:
         with pytest.raises(ArgumentError) as e:
             PeerSpec(**{**good, field: value})
         assert e.value.argument == field
 
 
 def test_heap_layout_is_aligned_and_disjoint():
-    lay = _ep.HeapLayout.make(max_tokens=1000, top_k=3, hidden=1024, capacity_rows=6528)
-    spans = [(lay.flags, lay.exchange_pad), (lay.exchange_pad, lay.end_pad), (lay.end_pad, lay.control_bytes),
+    lay = _ep.HeapLayout.make(max_tokens=1000, top_k=3, hidden=1024, capacity_rows=6528, push_tasks=8)
+    spans = [(lay.flags, lay.chunk_flags), (lay.chunk_flags, lay.exchange_pad), (lay.exchange_pad, lay.end_pad),
+             (lay.end_pad, lay.control_bytes),
              (lay.routing[0], lay.routing[1]), (lay.routing[1], lay.routed), (lay.routed, lay.slot),
              (lay.slot, lay.nbytes)]
     for a, b in spans:
         assert a % 256 == 0 and a < b
+    # the kernels find the chunk flags right after the per-rank flags (kChunkFlagsOffset), and the
+    # region holds [chunks][kinds][MAX_EP_RANKS] int32 for every chunk of max_tokens
+    assert lay.chunk_flags - lay.flags == 4 * P.NUM_PEER_FLAGS * P.MAX_EP_RANKS == P.CHUNK_FLAGS_OFFSET
+    assert (lay.chunk_tokens, lay.chunks) == (32, 32)  # ceil(1000 / (4 * 8)), ceil(1000 / 32)
+    assert lay.exchange_pad - lay.chunk_flags >= 4 * lay.chunks * P.CHUNK_KINDS * P.MAX_EP_RANKS
     assert lay.routing[1] - lay.routing[0] >= 16 + 4 * 1000 * 3
     assert lay.slot - lay.routed >= 6528 * 1024 * 2
     assert lay.nbytes - lay.slot >= 1000 * 3 * 1024 * 2 and lay.slot_rows == 3000

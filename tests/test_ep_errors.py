@@ -111,9 +111,9 @@ def _read(*parts):
 
 @pytest.mark.parametrize("name", ["tasks/forward.cuh", "tasks/backward.cuh"])
 def test_peer_waits_use_the_peer_deadline_and_local_waits_the_longer_one(name):
-    # The producer's one-thread waits.
+    # The producer's one-thread waits: the rows' readiness chunks (dispatch) and the returns.
     src = _read("moe", name)
-    peer_waits = re.findall(r"ep::wait_all(?:_thread)?\(([^;]*)\)", src)
+    peer_waits = re.findall(r"ep::wait_(?:all|block_rows)(?:_thread)?\(([^;]*)\)", src)
     assert len(peer_waits) == 2
     for call in peer_waits:
         assert "peer_wait_ctx()" in call, call
@@ -143,6 +143,11 @@ def test_local_deadline_outlasts_the_peer_deadline():
     body = src[src.index("bool wait_all_thread("):src.index("// Push this rank's token rows")]
     assert body.count("set_error(w.err, kErrTimeout, pe.rank, -1, stage)") == 1
     assert "peer_to_blame(pe, kind, earlier)" in body
+    # A readiness chunk: this rank's own gets the local deadline and reports -1, a peer's the peer
+    # deadline and names that peer (the chunk's source: its push waits on nothing).
+    chunk = src[src.index("bool wait_chunk_thread("):src.index("bool wait_block_rows_thread(")]
+    assert "own ? local_timeout_ns(pe, w.timeout_ns) : w.timeout_ns" in chunk
+    assert "set_error(w.err, kErrTimeout, pe.rank, own ? -1 : src, stage)" in chunk
 
 
 def test_scan_shared_memory_fits_every_supported_expert_count():

@@ -90,6 +90,10 @@ static_assert(offsetof(MoEForwardCounters, ctas_done) == 56, "MoEForwardCounters
 // Flags hold epochs (host-counted per launch, the same on every rank): flags[kind][s] = e means
 // "rank s finished its part of `kind` for epoch e" (st.release.sys by s, ld.acquire.sys here);
 // they only grow, so nothing peers signal is ever reset.
+// Right after them (flags_offset + kChunkFlagsOffset) come the readiness chunks' flags, int32
+// [chunks][kChunkKinds][kMaxEpRanks]: chunk_flag[c][kind][s] = e means "rank s stored every row
+// of its tokens [c * chunk_tokens, (c + 1) * chunk_tokens) for `kind` in epoch e" (ep.cuh); the
+// host sizes the region (mok_rt/dist/ep.py HeapLayout: chunks = ceil(max_tokens / chunk_tokens)).
 constexpr int kMaxEpRanks = 64;
 enum PeerFlag : int {
   kFlagFwdRows = 0,     // forward: the source pushed its token rows
@@ -98,6 +102,8 @@ enum PeerFlag : int {
   kFlagBwdReturn = 3,   // backward: the destination returned its input gradients
   kNumPeerFlags = 4,
 };
+constexpr int kChunkKinds = 2;  // readiness chunks of kFlagFwdRows (0) and kFlagBwdRows (1)
+constexpr unsigned long long kChunkFlagsOffset = kNumPeerFlags * kMaxEpRanks * 4;  // bytes after flags_offset
 
 struct MoEPeers {
   unsigned long long base[kMaxEpRanks];  // every rank's block base, in this rank's address space
@@ -111,10 +117,11 @@ struct MoEPeers {
   int epoch;
   int push_tasks;                        // tasks that push this rank's token rows (>= 1 with EP)
   int slot_rows;                         // max_tokens * top_k
-  int pad_;
+  int chunk_tokens;                      // source tokens per readiness chunk (the same on every rank, >= 1)
 };
 static_assert(sizeof(MoEPeers) == kMaxEpRanks * 8 + 5 * 8 + 6 * 4, "MoEPeers layout: update mok_rt/kernels/moe_params.py");
-static_assert(sizeof(MoEPeers) == 576 && offsetof(MoEPeers, base_array) == 512 && offsetof(MoEPeers, num_ranks) == 552,
+static_assert(sizeof(MoEPeers) == 576 && offsetof(MoEPeers, base_array) == 512 && offsetof(MoEPeers, num_ranks) == 552 &&
+                  offsetof(MoEPeers, chunk_tokens) == 572,
               "MoEPeers layout");
 
 // ---- the task plan (built by the host: mok_rt/kernels/moe_plan.py) ------------------------------------

@@ -36,7 +36,9 @@ class MoEConfig:
                     to their experts' ranks (forward and backward), hence at most how many CTAs
                     (about one per SM) move rows at the start of a launch while the others
                     already run shared-expert and local work.  Rows returning to their source
-                    ride the down / dgrad GEMM epilogues.  Any CTA may take a push task.
+                    ride the down / dgrad GEMM epilogues.  Any CTA may take a push task.  The
+                    push releases its rows in 4 x comm_sms chunks of tokens, so a row block's
+                    GEMMs start once the chunks holding its rows are in.
       timeout_s     how long a kernel waits for a dependency or a peer before it gives up and
                     reports a timeout (the error names what was missing).
       capacity_factor  None: every rank can hold the worst case (all routed rows of all ranks);

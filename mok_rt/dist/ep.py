@@ -3,8 +3,10 @@
 One :class:`~mok_rt.dist.symmetric.SymmetricHeap` per workspace holds, in every rank's block, what
 peers write there (docs/ARCHITECTURE.md: dispatch and combine)::
 
-    [0, CONTROL)     int32 flags [NUM_PEER_FLAGS][MAX_EP_RANKS] (epochs, see params.cuh), the
-                     routing exchange's barrier pad, the end-of-launch barrier's pad
+    [0, CONTROL)     int32 flags [NUM_PEER_FLAGS][MAX_EP_RANKS] (epochs, see params.cuh), right
+                     after them int32 chunk flags [chunks][CHUNK_KINDS][MAX_EP_RANKS] (the push's
+                     readiness chunks, ep.cuh), the routing exchange's barrier pad, the
+                     end-of-launch barrier's pad
     routing[0], [1]  two routing areas (int32 token count, int32 ids [max_tokens, k]); consecutive
                      schedules alternate, so a peer still reading the previous one is never overwritten
     routed           [capacity_rows, H] bf16: rows pushed to this rank (x forward, weighted d_out backward)
@@ -31,7 +33,8 @@ from dataclasses import dataclass
 from mok_rt.runtime import driver as _driver
 from mok_rt.runtime.errorword import ERR_CAPACITY, ERR_EXPERT_ID
 from mok_rt.kernels.moe_launch import PeerSpec
-from mok_rt.kernels.moe_params import MAX_EP_RANKS, NUM_PEER_FLAGS
+from mok_rt.kernels.moe_params import CHUNK_FLAGS_OFFSET, CHUNK_KINDS, MAX_EP_RANKS, NUM_PEER_FLAGS
+from mok_rt.kernels.moe_plan import readiness_chunks
 from mok_rt.errors import ArgumentError, MokError
 from mok_rt.dist.group import ProcessGroup, collective_step
 from mok_rt.kernels.schedule import RoutingExchange, routing_area_bytes
@@ -51,6 +54,9 @@ class HeapLayout:
     """Byte offsets inside every rank's block (the same on every rank)."""
 
     flags: int
+    chunk_flags: int
+    chunk_tokens: int
+    chunks: int
     exchange_pad: int
     end_pad: int
     control_bytes: int
@@ -61,9 +67,13 @@ class HeapLayout:
     nbytes: int
 
     @classmethod
-    def make(cls, *, max_tokens: int, top_k: int, hidden: int, capacity_rows: int) -> "HeapLayout":
+    def make(cls, *, max_tokens: int, top_k: int, hidden: int, capacity_rows: int,
+             push_tasks: int) -> "HeapLayout":
         flags = 0
-        exchange_pad = _up(flags + 4 * NUM_PEER_FLAGS * MAX_EP_RANKS)
+        chunk_flags = flags + CHUNK_FLAGS_OFFSET  # where the kernels find them (kChunkFlagsOffset)
+        assert CHUNK_FLAGS_OFFSET == 4 * NUM_PEER_FLAGS * MAX_EP_RANKS
+        chunk_tokens, chunks = readiness_chunks(max(1, max_tokens), push_tasks)
+        exchange_pad = _up(chunk_flags + 4 * chunks * CHUNK_KINDS * MAX_EP_RANKS)
         end_pad = _up(exchange_pad + _PAD_BYTES)
         control = _up(end_pad + _PAD_BYTES)
         area = _up(routing_area_bytes(max_tokens, top_k))
@@ -72,7 +82,8 @@ class HeapLayout:
         slot = _up(routed + capacity_rows * hidden * 2)
         slot_rows = max_tokens * top_k
         nbytes = _up(slot + slot_rows * hidden * 2)
-        return cls(flags=flags, exchange_pad=exchange_pad, end_pad=end_pad, control_bytes=control,
+        return cls(flags=flags, chunk_flags=chunk_flags, chunk_tokens=chunk_tokens, chunks=chunks,
+                   exchange_pad=exchange_pad, end_pad=end_pad, control_bytes=control,
                    routing=routing, routed=routed, slot=slot, slot_rows=slot_rows, nbytes=nbytes)
 
 
@@ -146,7 +157,7 @@ class EPShared:
             raise ArgumentError("group", f"at most {MAX_EP_RANKS} ranks are supported, got {group.size}")
         self.group = group
         self.layout = HeapLayout.make(max_tokens=max_tokens, top_k=config.top_k, hidden=config.hidden,
-                                      capacity_rows=capacity_rows)
+                                      capacity_rows=capacity_rows, push_tasks=config.comm_sms)
         self.health = EPHealth()
         self.heap = SymmetricHeap(group, self.layout.nbytes)
         try:
@@ -205,7 +216,7 @@ class EPRank:
         return PeerSpec(peer_bases=self.peer_bases, peer_array=self.peer_array, routed_offset=lay.routed,
                         slot_offset=lay.slot, flags_offset=lay.flags, end_pad_offset=lay.end_pad, rank=self.rank,
                         epoch=self._epoch, push_tasks=max(1, min(self.push_tasks_max, tokens)),
-                        slot_rows=lay.slot_rows)
+                        slot_rows=lay.slot_rows, chunk_tokens=lay.chunk_tokens)
 
     def routed_ptr(self) -> int:
         return self.peer_bases[self.rank] + self.shared.layout.routed

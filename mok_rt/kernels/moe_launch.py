@@ -160,6 +160,10 @@ class PeerSpec:
     ``end_pad_offset`` the end-of-launch barrier's signal pad.  ``epoch``: this launch's number,
     the same on every rank and larger than any earlier launch's.  ``push_tasks``: how many tasks
     push this rank's rows (at most that many CTAs move rows while the others start GEMM tiles).
+    ``chunk_tokens``: source tokens per readiness chunk, the same on every rank
+    (:func:`~mok_rt.kernels.moe_plan.readiness_chunks`); the chunk flags, int32
+    [ceil(max_tokens / chunk_tokens)][CHUNK_KINDS][MAX_EP_RANKS], follow the flags at
+    ``flags_offset + CHUNK_FLAGS_OFFSET`` (zeroed once too).
     """
 
     peer_bases: tuple
@@ -172,6 +176,7 @@ class PeerSpec:
     epoch: int
     push_tasks: int
     slot_rows: int
+    chunk_tokens: int
 
     def __post_init__(self):
         n = len(self.peer_bases)
@@ -181,6 +186,7 @@ class PeerSpec:
             raise ArgumentError("rank", f"expected a rank in [0, {n}), got {self.rank}")
         _int("push_tasks", self.push_tasks, minimum=1)
         _int("slot_rows", self.slot_rows)
+        _int("chunk_tokens", self.chunk_tokens, minimum=1)
         if not 0 < self.epoch < 2 ** 31:
             raise ArgumentError("epoch", f"expected an epoch in [1, 2**31), got {self.epoch}")
         for name in ("routed_offset", "slot_offset"):
@@ -199,6 +205,7 @@ class PeerSpec:
         s.flags_offset, s.end_pad_offset = self.flags_offset, self.end_pad_offset
         s.num_ranks, s.rank, s.epoch, s.push_tasks, s.slot_rows = (self.num_ranks, self.rank, self.epoch,
                                                                    self.push_tasks, self.slot_rows)
+        s.chunk_tokens = self.chunk_tokens
         return s
 
 

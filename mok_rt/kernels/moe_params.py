@@ -24,6 +24,7 @@ __all__ = [
     "MoEForwardMaps", "MoEBackwardMaps", "MoEForwardTmaParams", "MoEBackwardTmaParams",
     "MoESchedule", "MoEDims", "MoEWeights", "MoEContext", "MoEForwardCounters", "MoEForwardParams",
     "MoEBackwardCounters", "MoEWeightGrads", "MoEBackwardParams", "MoEPeers", "MAX_EP_RANKS", "NUM_PEER_FLAGS",
+    "CHUNK_KINDS", "CHUNK_FLAGS_OFFSET",
     "PhaseRange", "MoEForwardPlan", "MoEBackwardPlan",
 ]
 
@@ -222,6 +223,8 @@ class MoEForwardCounters(ctypes.Structure):
 
 MAX_EP_RANKS = 64      # kMaxEpRanks
 NUM_PEER_FLAGS = 4     # kNumPeerFlags: forward rows, forward return, backward rows, backward return
+CHUNK_KINDS = 2        # kChunkKinds: readiness chunks of the forward rows and the backward rows
+CHUNK_FLAGS_OFFSET = 4 * NUM_PEER_FLAGS * MAX_EP_RANKS  # kChunkFlagsOffset: bytes after flags_offset
 
 
 class MoEPeers(ctypes.Structure):
@@ -235,7 +238,7 @@ class MoEPeers(ctypes.Structure):
         ("epoch", ctypes.c_int32),
         ("push_tasks", ctypes.c_int32),
         ("slot_rows", ctypes.c_int32),
-        ("pad_", ctypes.c_int32),
+        ("chunk_tokens", ctypes.c_int32),
     ]
 
 
@@ -326,7 +329,7 @@ LAYOUT = {
     MoEForwardCounters: (64, {"ctas_done": 56}),
     MoEBackwardCounters: (88, {"ctas_done": 80}),
     MoEWeightGrads: (48, {"d_shared_gate": 24}),
-    MoEPeers: (576, {"base_array": 512, "num_ranks": 552}),
+    MoEPeers: (576, {"base_array": 512, "num_ranks": 552, "chunk_tokens": 572}),
     MoEForwardPlan: (120, {"total": 72, "wait_block_ready": 96, "wait_push_done": 116}),
     MoEBackwardPlan: (176, {"total": 104, "wait_block_dy_ready": 140, "wait_push_done": 172}),
     MoEForwardParams: (1032, {"w": 64, "ctx": 112, "cnt": 160, "x": 224, "err": 256, "dims": 272, "plan": 328,

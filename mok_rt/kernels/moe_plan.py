@@ -27,11 +27,31 @@ from dataclasses import dataclass
 from mok_rt.kernels import moe_params as P
 from mok_rt.kernels.moe_params_fp8 import FP8_TILE_N, token_ld
 
-__all__ = ["Phase", "Counter", "Wait", "Plan", "forward_plan", "backward_plan", "combine_parts"]
+__all__ = ["Phase", "Counter", "Wait", "Plan", "forward_plan", "backward_plan", "combine_parts",
+           "CHUNKS_PER_PUSH_TASK", "readiness_chunks"]
 
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+# Expert parallelism: the push releases its rows in readiness chunks of source tokens
+# (cuda_src/moe/tasks/ep.cuh), push task i pushing chunks i, i + P, i + 2P, ... (P push tasks).
+# Four chunks per push task: the first quarter of every rank's tokens is released after about a
+# quarter of the push, so the blocks made of early tokens start their GEMMs then; more chunks
+# would cost a dispatch more flag loads (a 128-row block spans 128 / (k / E) source tokens).
+CHUNKS_PER_PUSH_TASK = 4
+
+
+def readiness_chunks(max_tokens: int, push_tasks: int) -> tuple[int, int]:
+    """``(chunk_tokens, chunks)``: source tokens per readiness chunk and the chunk flags a rank's
+    block holds per source.  Computed from what every rank of a group shares (max_tokens and the
+    configuration's push tasks), so every rank cuts its tokens at the same places; a rank with
+    fewer tokens simply has fewer chunks."""
+    if max_tokens < 1 or push_tasks < 1:
+        raise AssertionError(f"readiness_chunks({max_tokens}, {push_tasks})")
+    chunk_tokens = _ceil_div(max_tokens, CHUNKS_PER_PUSH_TASK * push_tasks)
+    return chunk_tokens, _ceil_div(max_tokens, chunk_tokens)
 
 
 combine_parts = P.combine_parts

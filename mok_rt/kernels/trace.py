@@ -24,9 +24,46 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["TaskSpan", "PhaseStats", "LaunchTrace", "write_chrome_trace"]
+__all__ = ["TaskSpan", "PhaseStats", "LaunchTrace", "write_chrome_trace", "PUSH_PHASES", "GEMM_PHASES",
+           "ROUTED_GEMM_PHASES", "union_us", "overlap_us"]
 
 RECORD_BYTES = 32
+
+# Phase names (mok_rt/kernels/moe_plan.py) by what their tasks do: the expert-parallel push, and
+# the GEMM tiles (routed: on the rows that the push delivers).
+PUSH_PHASES = frozenset({"push"})
+ROUTED_GEMM_PHASES = frozenset({"routed_gu", "routed_down", "routed_da", "routed_dx", "wgrad_down", "wgrad_gate_up"})
+GEMM_PHASES = ROUTED_GEMM_PHASES | {"shared_gu", "shared_down", "shared_da", "shared_dx", "shared_wgrad"}
+
+
+def _merged(intervals) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        elif b > a:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def union_us(intervals) -> float:
+    """Length of the union of [a, b) intervals."""
+    return sum(b - a for a, b in _merged(intervals))
+
+
+def overlap_us(xs, ys) -> float:
+    """Length of (union of xs) intersected with (union of ys)."""
+    mx, my = _merged(xs), _merged(ys)
+    i = j = 0
+    total = 0.0
+    while i < len(mx) and j < len(my):
+        lo, hi = max(mx[i][0], my[j][0]), min(mx[i][1], my[j][1])
+        total += max(0.0, hi - lo)
+        if mx[i][1] < my[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
 
 
 @dataclass(frozen=True)
@@ -60,6 +97,7 @@ class LaunchTrace:
     phases: tuple[tuple[str, int], ...]
     spans: list[TaskSpan] = field(default_factory=list)
     unfinished: int = 0
+    t0_ns: int = 0                  # %globaltimer of the first grab: aligns launches of one GPU
 
     @classmethod
     def decode(cls, raw: np.ndarray, *, kind: str, phases, rank: int = 0,
@@ -81,6 +119,7 @@ class LaunchTrace:
         if not grabbed.any():
             return out
         t0 = int(rec[grabbed, 0].min())
+        out.t0_ns = t0
         for g in np.flatnonzero(grabbed):
             grab, ready, end, info = (int(v) for v in rec[g])
             task, sm = info >> 32, info & 0xFFFFFFFF
@@ -146,6 +185,33 @@ class LaunchTrace:
                          f"{self.tail_idle_us() / max(len(frac), 1):.1f} us on average")
         return "\n".join(lines)
 
+    def busy(self, phases) -> list[tuple[float, float]]:
+        """[ready, end] of every task of the given phases."""
+        return [(s.ready_us, s.end_us) for s in self.spans if s.phase in phases]
+
+    def push_overlap(self) -> dict:
+        """Expert parallelism: how far this rank's GEMM tiles ran under its own push.
+        ``push_us``: union of the push tasks' work; ``gemm_under_push_us``: time during which a
+        GEMM tile of this launch ran while one of its push tasks was still running;
+        ``first_routed_gemm_us`` / ``last_push_end_us``: when the first routed GEMM tile started
+        and when the last push task ended (from the launch's first grab; None without them)."""
+        push, gemm = self.busy(PUSH_PHASES), self.busy(GEMM_PHASES)
+        routed = self.busy(ROUTED_GEMM_PHASES)
+        return {"push_us": union_us(push), "gemm_us": union_us(gemm), "gemm_under_push_us": overlap_us(gemm, push),
+                "routed_gemm_under_push_us": overlap_us(routed, push),
+                "first_routed_gemm_us": min((a for a, _ in routed), default=None),
+                "last_push_end_us": max((b for _, b in push), default=None)}
+
+    def overlap_summary(self) -> str:
+        o = self.push_overlap()
+        if o["last_push_end_us"] is None:
+            return f"{self.kind} (rank {self.rank}): no push tasks"
+        first = o["first_routed_gemm_us"]
+        return (f"{self.kind} (rank {self.rank}): push {o['push_us']:.1f} us (last push ends at "
+                f"{o['last_push_end_us']:.1f}), GEMM tiles {o['gemm_us']:.1f} us, of which under the push "
+                f"{o['gemm_under_push_us']:.1f} us (routed {o['routed_gemm_under_push_us']:.1f}); first routed "
+                f"GEMM tile at " + ("-" if first is None else f"{first:.1f}") + " us")
+
     WAIT_ROW = 100_000   # the Chrome row of SM n's waits: WAIT_ROW + n
 
     def chrome_events(self, *, pid: int = 0, offset_us: float = 0.0) -> list[dict]:
@@ -166,13 +232,16 @@ class LaunchTrace:
         return ev
 
 
-def write_chrome_trace(path, traces: list[LaunchTrace]) -> None:
-    """One file for several launches: each launch is a process row, laid end to end."""
+def write_chrome_trace(path, traces: list[LaunchTrace], *, aligned: bool = False) -> None:
+    """One file for several launches: each launch is a process row, laid end to end; or, with
+    ``aligned``, at their own times (launches of one GPU, e.g. expert-parallel ranks sharing it:
+    %globaltimer is one clock per GPU), so the ranks' rows show what ran side by side."""
     events, offset = [], 0.0
+    base = min((t.t0_ns for t in traces if t.spans), default=0)
     for i, t in enumerate(traces):
         events.append({"name": "process_name", "ph": "M", "pid": i,
                        "args": {"name": f"{i}: {t.kind} (rank {t.rank})"}})
-        events.extend(t.chrome_events(pid=i, offset_us=offset))
+        events.extend(t.chrome_events(pid=i, offset_us=(t.t0_ns - base) / 1e3 if aligned else offset))
         offset += t.span_us + 10.0
     with open(path, "w") as f:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)

@@ -110,7 +110,10 @@ struct TmaBackward {
       if (blk >= num_blocks) return 0;
       const int e = p.sched.block_expert[blk];
       if (!valid_expert(e, blk, d, p.err)) return -1;
-      if (ep_on() && !ep::wait_all_thread(p.peers, kFlagBwdRows, -1, peer_wait_ctx(), ep::kStageBwdRows)) return -1;
+      // EP: only the readiness chunks that hold this block's rows (ep.cuh), not every source's whole push.
+      if (ep_on() && !ep::wait_block_rows_thread(p.sched, d, p.peers, blk, kFlagBwdRows, peer_wait_ctx(),
+                                                 ep::kStageBwdRows))
+        return -1;
       job = pipe::Job{kBwdDispatch, pipe::kLoadNone, 0, blk, e};
       rows::use_ring(job, ep_on() ? 0 : rows::Stages::of(d.hidden).count);  // one GPU: staged_rows.cuh
       return 1;

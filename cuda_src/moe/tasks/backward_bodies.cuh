@@ -46,9 +46,9 @@ struct BackwardTasks {
     signal_counters(p.cnt.block_dy_ready + b, p.cnt.expert_dy_ready + e);
   }
 
-  // Bp: push this rank's weighted d_out rows to their destinations.
+  // Bp: push this rank's weighted d_out rows to their destinations, chunk by chunk (ep::push_chunks).
   __device__ void push(int q) const {
-    ep::push_rows(p.sched, p.dims, p.peers, q, p.d_out, p.topk_weights, p.err);
+    ep::push_chunks(p.sched, p.dims, p.peers, q, p.d_out, p.topk_weights, p.err, kFlagBwdRows);
     ep::signal_counter_sys(p.cnt.push_done);
   }
 

@@ -126,14 +126,12 @@ __device__ __forceinline__ bool wait_all_thread(const MoEPeers& pe, int kind, in
   return true;
 }
 
-// Push this rank's token rows [t0, t1) of push task `task` to the routed buffers of their
-// destinations: route (t, j) goes to rank route_rank[t*k+j], row route_row[t*k+j], scaled by
-// weights[t*k+j] in fp32 when given (as the one-GPU gather does).  16-byte stores, a token's
-// chunks on adjacent threads; each source row is read once for its k routes.
-__device__ __forceinline__ void push_rows(const MoESchedule& s, const MoEDims& d, const MoEPeers& pe, int task,
-                                          const bf16* src, const float* weights, int* err) {
-  const long long T = d.tokens;
-  const int t0 = static_cast<int>(T * task / pe.push_tasks), t1 = static_cast<int>(T * (task + 1) / pe.push_tasks);
+// Push this rank's token rows [t0, t1) to the routed buffers of their destinations: route
+// (t, j) goes to rank route_rank[t*k+j], row route_row[t*k+j], scaled by weights[t*k+j] in fp32
+// when given (as the one-GPU gather does).  16-byte stores, a token's chunks on adjacent threads;
+// each source row is read once for its k routes.
+__device__ __forceinline__ void push_token_rows(const MoESchedule& s, const MoEDims& d, const MoEPeers& pe, int t0,
+                                                int t1, const bf16* src, const float* weights, int* err) {
   const int chunks = d.hidden / 8;
   const long long n = static_cast<long long>(t1 - t0) * chunks;
   // Source chunks in batches (row_copy.cuh); per chunk, its token's routes kCopyBatch at a time
@@ -175,6 +173,114 @@ __device__ __forceinline__ void push_rows(const MoESchedule& s, const MoEDims& d
           }
         }
       });
+}
+
+// Push task `task`'s share of this rank's token rows (an even split of the tokens over the push
+// tasks), released as a whole by push_notify (kFlagFwdRows / kFlagBwdRows).
+__device__ __forceinline__ void push_rows(const MoESchedule& s, const MoEDims& d, const MoEPeers& pe, int task,
+                                          const bf16* src, const float* weights, int* err) {
+  const long long T = d.tokens;
+  const int t0 = static_cast<int>(T * task / pe.push_tasks), t1 = static_cast<int>(T * (task + 1) / pe.push_tasks);
+  push_token_rows(s, d, pe, t0, t1, src, weights, err);
+}
+
+// ---- readiness chunks -------------------------------------------------------------------------
+// The push is cut into chunks of chunk_tokens source tokens (the same constant on every rank, so
+// a destination computes a row's chunk from its slot alone: slot / (chunk_tokens * k)).  Once a
+// chunk's rows are stored, its source releases the chunk's flag in every rank's block (epochs,
+// like the other flags); a row block's dispatch waits only on the chunks of its own rows.  The
+// schedule lays a block's rows out in global route order (source rank, token, k), so its rows
+// from one source are a contiguous token range: a few consecutive chunks.
+
+// Flag of chunk `chunk` of source `src` for `kind` (kFlagFwdRows or kFlagBwdRows) in rank r's block.
+__device__ __forceinline__ int* chunk_flag(const MoEPeers& pe, int r, int kind, int chunk, int src) {
+  int* base = reinterpret_cast<int*>(pe.base[r] + pe.flags_offset + kChunkFlagsOffset);
+  return base + (static_cast<size_t>(chunk) * kChunkKinds + (kind == kFlagBwdRows ? 1 : 0)) * kMaxEpRanks + src;
+}
+
+// All workers, after their stores of chunk `chunk`: release it to every rank (this one included).
+// Each thread orders its peer stores before the barrier (system scope, and for the TMA readers
+// of the backward's routed rows), then worker r stores the epoch into rank r's flag.
+__device__ __forceinline__ void release_chunk(const MoEPeers& pe, int kind, int chunk) {
+  fence_acq_rel_sys();
+  proxy_fence_for_tma();
+  workers_sync();
+  for (int r = worker_tid(); r < pe.num_ranks; r += kThreads) st_release_sys(chunk_flag(pe, r, kind, chunk, pe.rank), pe.epoch);
+}
+
+// Push task `task`: chunks task, task + push_tasks, task + 2 push_tasks, ... of this rank's
+// tokens, each released as soon as it is stored.  The push tasks run side by side, so chunks
+// complete roughly in token order: a destination block that needs only early tokens of every
+// source starts first.  Tokens past d.tokens (a rank with fewer tokens) have no chunk.
+__device__ __forceinline__ void push_chunks(const MoESchedule& s, const MoEDims& d, const MoEPeers& pe, int task,
+                                            const bf16* src, const float* weights, int* err, int kind) {
+  const int n = ceil_div(d.tokens, pe.chunk_tokens);
+  for (int c = task; c < n; c += pe.push_tasks) {
+    const int t0 = c * pe.chunk_tokens;
+    push_token_rows(s, d, pe, t0, min_int(d.tokens, t0 + pe.chunk_tokens), src, weights, err);
+    release_chunk(pe, kind, c);
+  }
+}
+
+// One thread: until *f reaches the epoch (relaxed polls; the caller fences once after all its
+// flags: relaxed read + fence.acq_rel = acquire).  A peer's chunk gives up after the peer deadline
+// and names that peer (its push waits on nothing, so a missing chunk means that peer is missing
+// or stuck); this rank's own chunk after the local deadline (peer -1, see local_timeout_ns).
+__device__ __forceinline__ bool wait_chunk_thread(const MoEPeers& pe, const int* f, int src, uint64_t start,
+                                                  const WaitCtx& w, int stage) {
+  if (epoch_reached(ld_relaxed_sys(f), pe.epoch)) return true;
+  const bool own = src == pe.rank;
+  const uint64_t limit = static_cast<uint64_t>(own ? local_timeout_ns(pe, w.timeout_ns) : w.timeout_ns);
+  unsigned backoff = 32;
+  while (!epoch_reached(ld_relaxed_sys(f), pe.epoch)) {
+    if (error_set(w.err)) return false;
+    if (globaltimer_ns() - start > limit) {
+      set_error(w.err, kErrTimeout, pe.rank, own ? -1 : src, stage);
+      return false;
+    }
+    nanosleep(backoff);
+    backoff = backoff < 1024 ? backoff * 2 : 1024;
+  }
+  return true;
+}
+
+// One thread (a dispatch's producer): true once every row of row block `b` arrived, i.e. for
+// each source with rows in the block, the chunks from its first row's token to its last row's
+// (the chunks between hold no row of the block or are awaited anyway: a source releases all of
+// its chunks whatever they hold).  A source's last row is found by binary search (rows ascend by
+// source, padding rows -1 last), so the scan costs a few loads per source, not one per row.
+// `w`: the peer wait context (this rank's own chunks get the local deadline).
+__device__ __forceinline__ bool wait_block_rows_thread(const MoESchedule& sc, const MoEDims& d, const MoEPeers& pe,
+                                                       int b, int kind, const WaitCtx& w, int stage) {
+  const int* src = sc.row_src_rank + static_cast<size_t>(b) * kBlockM;
+  const int* slot = sc.row_slot + static_cast<size_t>(b) * kBlockM;
+  const int per_chunk = pe.chunk_tokens * d.top_k;  // route slots per chunk
+  const uint64_t start = globaltimer_ns();
+  int r = 0;
+  while (r < kBlockM) {
+    const int s = src[r];
+    if (s < 0) break;  // padding rows: the rest of the block
+    int end = kBlockM - 1;
+    if (src[end] != s) {
+      int hi = end;  // src[r] == s, src[hi] != s
+      end = r;
+      while (hi - end > 1) {
+        const int mid = (end + hi) >> 1;
+        if (src[mid] == s) end = mid; else hi = mid;
+      }
+    }
+    const int first = slot[r], last = slot[end];
+    if (s >= pe.num_ranks || first < 0 || last < first || last >= pe.slot_rows) {
+      set_error(w.err, kErrInternal, __LINE__, b, r);  // corrupt schedule: never index past the flags
+      return false;
+    }
+    // The latest chunk first: the others were pushed earlier and are then usually in.
+    for (int c = last / per_chunk; c >= first / per_chunk; --c)
+      if (!wait_chunk_thread(pe, chunk_flag(pe, pe.rank, kind, c, s), s, start, w, stage)) return false;
+    r = end + 1;
+  }
+  fence_acq_rel_sys();
+  return true;
 }
 
 // Where a row block's output row goes with EP: the slot of its route on its source rank

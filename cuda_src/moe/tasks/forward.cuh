@@ -128,7 +128,10 @@ struct TmaForward {
     if (plan.dispatch.has(task)) {
       const int blk = plan.dispatch.local(task);
       if (blk >= num_blocks) return 0;
-      if (ep_on() && !ep::wait_all_thread(p.peers, kFlagFwdRows, -1, peer_wait_ctx(), ep::kStageFwdRows)) return -1;
+      // EP: only the readiness chunks that hold this block's rows (ep.cuh), not every source's whole push.
+      if (ep_on() && !ep::wait_block_rows_thread(p.sched, d, p.peers, blk, kFlagFwdRows, peer_wait_ctx(),
+                                                 ep::kStageFwdRows))
+        return -1;
       job.kind = kFwdDispatch;
       job.a = blk;
       rows::use_ring(job, ep_on() ? 0 : rows::Stages::of(d.hidden).count);

@@ -154,9 +154,9 @@ struct ForwardTasks {
     signal_counter(p.cnt.block_ready + b);
   }
 
-  // Fp: push this rank's token rows to their destinations.
+  // Fp: push this rank's token rows to their destinations, chunk by chunk (ep::push_chunks).
   __device__ void push(int q) const {
-    ep::push_rows(p.sched, p.dims, p.peers, q, p.x, nullptr, p.err);
+    ep::push_chunks(p.sched, p.dims, p.peers, q, p.x, nullptr, p.err, kFlagFwdRows);
     ep::signal_counter_sys(p.cnt.push_done);
   }
 
