@@ -140,6 +140,27 @@ def test_readiness_chunks_cover_every_row(num_ranks, tokens, push_tasks):
             assert reads <= 1 + sources * (2 + (bm - 1).bit_length())
 
 
+def test_block_order_is_a_stable_sort_by_arrival_wave():
+    """The EP block order's twin (schedule_block_order): a permutation of the blocks in use, by
+    the wave of readiness chunks bringing each block's last row, equal waves in block order (an
+    expert's blocks stay adjacent), unused positions in place."""
+    from mok_rt.reference.schedule import block_order_reference
+    rng = np.random.default_rng(5)
+    P_, k, el, bm, T = 2, 4, 4, 8, 400
+    ids = _routing(rng, P_, (T, T), el * P_, k)
+    sc = schedule_reference_all_ranks(ids, num_experts=el * P_, num_ranks=P_, block_m=bm)[1]
+    chunk_tokens, _ = readiness_chunks(T, 5)
+    wave = chunk_tokens * 5 * k
+    nb = sc.num_rows // bm
+    order = block_order_reference(sc.row_slot, num_blocks=nb, max_blocks=nb + 3, block_m=bm, wave_routes=wave)
+    assert sorted(order[:nb]) == list(range(nb)) and list(order[nb:]) == [nb, nb + 1, nb + 2]
+    keys = [max(int(sc.row_slot[b * bm:(b + 1) * bm].max()), 0) // wave for b in order[:nb]]
+    assert keys == sorted(keys) and len(set(keys)) > 1
+    for a, b in zip(order[:nb - 1], order[1:nb]):
+        ka, kb = (max(int(sc.row_slot[x * bm:(x + 1) * bm].max()), 0) // wave for x in (a, b))
+        assert ka < kb or a < b
+
+
 @pytest.mark.parametrize("num_ranks", [8, 6])
 def test_every_rank_sees_any_rank_overflow(num_ranks):
     rng = np.random.default_rng(1)

@@ -58,6 +58,14 @@ def check_schedule_matches_twin(devices, tokens, num_experts: int, k: int) -> No
                           "route_rank"):
                     np.testing.assert_array_equal(got[n], getattr(ref, n), err_msg=f"rank {r} {n}")
                 assert got["num_rows"] == ref.num_rows
+                if P > 1:   # the EP block order (schedule_block_order) against its twin
+                    from mok_rt.kernels.moe_plan import readiness_chunks
+                    from mok_rt.reference.schedule import block_order_reference
+                    chunk_tokens, _ = readiness_chunks(max(max(tokens), 1), cfg.comm_sms)
+                    want = block_order_reference(ref.row_slot, num_blocks=ref.num_rows // 128,
+                                                 max_blocks=len(got["block_order"]), block_m=128,
+                                                 wave_routes=chunk_tokens * cfg.comm_sms * k)
+                    np.testing.assert_array_equal(got["block_order"], want, err_msg=f"rank {r} block_order")
 
 
 def check_one_process_matches_reference(case: str, devices) -> list[dict]:

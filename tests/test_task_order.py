@@ -126,3 +126,82 @@ def test_tile_counts():
     for n in range(1, 300):   # at least 256 combine tasks where 32 parts allow; a power of two (divides 128)
         parts = _moe_plan.combine_parts(n)
         assert 128 % parts == 0 and (n * parts >= 256 or parts == 32) and (parts == 1 or n * parts // 2 < 256)
+
+
+# ---- the grab order with expert parallelism (cuda_src/moe/pipeline/task_order.cuh) --------------
+
+def _ahead_map(plan, names, *, per_block, tiled_per_block, grid, num_blocks, order):
+    """Python twin of pipe::AheadOrder::map with a block order (the expert walk is then off):
+    grab position -> plan task."""
+    lead, dispatch, gemm, tiled = (plan.phase(n) for n in names)
+    trail_count = 0
+    begin = min(lead.begin, dispatch.begin)
+    end = begin + lead.count + dispatch.count + gemm.count + trail_count
+    ahead = min(dispatch.count, -(-2 * grid // (per_block + 1)))
+    order_blocks = min(num_blocks, dispatch.count)
+
+    def block_at(i):
+        return order[i] if i < order_blocks and 0 <= order[i] < order_blocks else i
+
+    def permuted(q, per):
+        return block_at(q // per) * per + q % per
+
+    def groups(j, blocks, per, group=8):
+        span = group * per
+        gi, w = divmod(j, span)
+        first = gi * group
+        size = min(group, blocks - first)
+        tile = w // size
+        return (first + (w - tile * size)) * per + tile
+
+    def f(t):
+        if tiled.begin <= t < tiled.begin + tiled.count:
+            return tiled.begin + permuted(groups(t - tiled.begin, tiled.count // tiled_per_block, tiled_per_block),
+                                          tiled_per_block)
+        if t < begin or t >= end:
+            return t
+        u = t - begin
+        if u < lead.count:
+            return lead.begin + u
+        u -= lead.count
+        blocks, g, d = dispatch.count, per_block, ahead
+        if u < d:
+            return dispatch.begin + block_at(u)
+        u -= d
+        mid = (blocks - d) * (g + 1)
+        if u < mid:
+            b, r = divmod(u, g + 1)
+            return dispatch.begin + block_at(b + d) if r == 0 else gemm.begin + permuted(b * g + r - 1, g)
+        u -= mid
+        return gemm.begin + permuted((blocks - d) * g + u, g)
+    return f
+
+
+@pytest.mark.parametrize("grid,used", [(132, 1.0), (66, 0.6), (8, 0.3)])
+def test_block_order_keeps_every_task_after_what_it_waits_on(grid, used):
+    """With the schedule's block order (EP), the grab order is still a permutation of the plan in
+    which a block's gate|up tiles come after its dispatch and its down tiles after all of its
+    gate|up tiles (the kernels' tasks wait only on tasks grabbed earlier)."""
+    import numpy as np
+    d = _dims(4096, 2048, 768, 0, 16)
+    plan = _moe_plan.forward_plan(d, push_tasks=7)
+    st = plan.struct()
+    gu, hd = st.gu_tiles, st.h_tiles
+    mb = d.max_blocks
+    nb = int(mb * used)
+    order = np.concatenate([np.random.default_rng(grid).permutation(nb), np.arange(nb, mb)])
+    f = _ahead_map(plan, ("shared_gu", "dispatch", "routed_gu", "routed_down"), per_block=gu, tiled_per_block=hd,
+                   grid=grid, num_blocks=nb, order=order)
+    where = {}
+    for t in range(plan.total):
+        task = f(t)
+        assert task not in where and 0 <= task < plan.total
+        where[task] = t
+    disp, rgu, rdown = plan.phase("dispatch"), plan.phase("routed_gu"), plan.phase("routed_down")
+    for b in range(nb):
+        at_dispatch = where[disp.begin + b]
+        gu_at = [where[rgu.begin + b * gu + n] for n in range(gu)]
+        assert min(gu_at) > at_dispatch
+        assert min(where[rdown.begin + b * hd + h] for h in range(hd)) > max(gu_at)
+    # the dispatches come in the schedule's order
+    assert sorted(range(nb), key=lambda b: where[disp.begin + b]) == list(order[:nb])

@@ -38,7 +38,7 @@ __device__ __forceinline__ void run_megakernel(const Params& p, const Maps& maps
   const int num_blocks = p.sched.num_blocks[0];
   const pipe::Shared s = pipe::layout(smem);
   __shared__ Plan plan;
-  __shared__ pipe::AheadOrder order;
+  __shared__ pipe::ScheduledOrder order;
   if (threadIdx.x == 0) {
     plan = p.plan;
     order = Kernel::make_order(plan, p, num_blocks);

@@ -279,3 +279,45 @@ schedule_place(const __grid_constant__ ScheduleParams p) {
     __syncthreads();
   }
 }
+
+// Expert parallelism: the blocks' dispatch order (BlockOrderParams, schedule_params.cuh).  One CTA:
+// a key per block (from its rows' largest slot, 16-byte loads), a histogram of the keys, then warp w
+// places the blocks of keys w, w + 32, ... in block order (ballot + popc: stable, no
+// order-dependent atomics, so the order is a function of the schedule alone).
+extern "C" __global__ void __launch_bounds__(kScheduleThreads, 1)
+schedule_block_order(const __grid_constant__ BlockOrderParams p) {
+  extern __shared__ int key[];                // [max_blocks]
+  __shared__ int first[kOrderKeys + 1];       // first position of each key
+  const int nb = p.keyed ? min(max(p.totals[0], 0), p.max_blocks) : 0;  // (the passes report a capacity error)
+  for (int i = threadIdx.x; i <= kOrderKeys; i += blockDim.x) first[i] = 0;
+  __syncthreads();
+  for (int b = threadIdx.x; b < nb; b += blockDim.x) {
+    const int4* rows = reinterpret_cast<const int4*>(p.row_slot + (size_t)b * p.block_m);
+    int last = -1;
+    for (int i = 0; i < p.block_m / 4; ++i) {
+      const int4 v = rows[i];
+      last = max(last, max(max(v.x, v.y), max(v.z, v.w)));
+    }
+    const int k = min(max(last, 0) / max(p.wave_routes, 1), kOrderKeys - 1);
+    key[b] = k;
+    atomicAdd(&first[k + 1], 1);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0)
+    for (int k = 0; k < kOrderKeys; ++k) first[k + 1] += first[k];
+  __syncthreads();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const unsigned lanes_below = (1u << lane) - 1u;
+  for (int k = warp; k < kOrderKeys; k += blockDim.x >> 5) {
+    int pos = first[k];
+    const int stop = first[k + 1];
+    for (int b0 = 0; b0 < nb && pos < stop; b0 += 32) {
+      const int b = b0 + lane;
+      const bool mine = b < nb && key[b] == k;
+      const unsigned m = __ballot_sync(0xffffffffu, mine);
+      if (mine) p.block_order[pos + __popc(m & lanes_below)] = b;
+      pos += __popc(m);
+    }
+  }
+  for (int i = nb + threadIdx.x; i < p.max_blocks; i += blockDim.x) p.block_order[i] = i;
+}

@@ -64,4 +64,25 @@ struct ExchangeParams {
 };
 static_assert(sizeof(ExchangeParams) == 6 * 8 + 6 * 4, "ExchangeParams layout changed: update the ctypes mirror");
 
+// Expert parallelism, after the three passes: the order in which a layer launch takes this
+// rank's row blocks (schedule_block_order).  A block's key is the wave of readiness chunks that
+// brings its last row: max over its rows of row_slot / wave_routes, a wave being one chunk per push
+// task (the push tasks push chunks i, i + P, ... side by side, on every rank alike, so the wave
+// stands for an arrival time).  The blocks are sorted by key, stably: within a wave they keep
+// block order, so an expert's blocks stay adjacent and share its weight tiles in L2 (a finer key,
+// the chunk itself, would interleave the experts: every tile would read its weights from HBM).
+// Positions past the blocks in use map to themselves.
+constexpr int kOrderKeys = 256;  // keys are clamped below this (4 waves with moe_plan.CHUNKS_PER_PUSH_TASK)
+
+struct BlockOrderParams {
+  const int* row_slot;   // [max_blocks * block_m] the schedule's row_slot
+  const int* totals;     // [2] the schedule's totals (row blocks in use first)
+  int* block_order;      // out [max_blocks]: position -> row block
+  int max_blocks;
+  int block_m;
+  int wave_routes;       // route slots per wave of readiness chunks: chunk_tokens * push tasks * top_k
+  int keyed;             // 1: sort (key[] fits the dynamic shared memory), 0: identity order
+};
+static_assert(sizeof(BlockOrderParams) == 3 * 8 + 4 * 4, "BlockOrderParams layout changed: update the ctypes mirror");
+
 }  // namespace mok

@@ -350,6 +350,7 @@ class CudaBackend(Fp8Calls):
             return self._scratch_ptrs("schedule", {n: 4 * w for n, w in words.items()}, stream, capturing)[0]
 
         return build_schedule_ep(ids.ptr, T, exchange=self.ep.exchange(), max_tokens=self.ws.max_tokens,
+                                 wave_tokens=self.ep.shared.layout.chunk_tokens * self.ep.push_tasks_max,
                                  **self._schedule_args(ids, stream), outputs=outputs, scratch=scratch)
 
     def _schedule_one(self, ids, T: int, stream, handle: int, capturing: bool):

@@ -18,6 +18,7 @@ from typing import Sequence
 from mok_rt.interop import dtypes
 from mok_rt.runtime.cubins import get_kernel
 from mok_rt.kernels.schedule_params import (MAX_RANKS, ROUTING_IDS_OFFSET, SCHEDULE_CHUNK, SCHEDULE_THREADS, ExchangeParams,
+                                            BlockOrderParams,
                                ScheduleParams)
 from mok_rt.errors import ArgumentError
 from mok_rt.runtime.driver import call, driver
@@ -35,7 +36,10 @@ class Schedule:
     """Device arrays describing one rank's routed rows (int32 :class:`Tensor` s).
 
     expert_count [E_l], expert_offset [E_l+1], totals [2] (row blocks, padded rows),
-    block_expert [max_rows/block_m], row_src_rank/row_slot [max_rows] (-1 on padding rows),
+    block_expert [max_rows/block_m] (with expert parallelism [2 * max_rows/block_m]: then the
+    second half, ``block_order``, is the order in which the layer launches take the row blocks,
+    by the latest readiness chunk each needs: :func:`build_schedule_ep`), row_src_rank/row_slot
+    [max_rows] (-1 on padding rows),
     route_row [T*k] (each of this rank's routes: its row in its destination rank), route_rank
     [T*k] (each of this rank's routes: its destination rank).
     """
@@ -77,6 +81,7 @@ class Schedule:
             "num_blocks": int(totals[0]),
             "num_rows": rows,
             "block_expert": self.block_expert.to_numpy()[: int(totals[0])],
+            **({"block_order": self.block_expert.to_numpy()[self.max_blocks:]} if self.num_ranks > 1 else {}),
             "row_src_rank": self.row_src_rank.to_numpy()[:rows],
             "row_slot": self.row_slot.to_numpy()[:rows],
             "route_row": self.route_row.to_numpy(),
@@ -133,11 +138,15 @@ def build_schedule(ids_ptrs: Sequence[int], tokens: Sequence[int], *, ids_int64:
 
 
 def build_schedule_ep(ids_ptr: int, tokens: int, *, ids_int64: bool, exchange: RoutingExchange, num_experts: int,
-                      top_k: int, rank: int, block_m: int, max_rows: int, max_tokens: int, device_id: int,
-                      stream, err_ptr: int, poison: bool = False, outputs=None, scratch=None) -> Schedule:
+                      top_k: int, rank: int, block_m: int, max_rows: int, max_tokens: int, wave_tokens: int,
+                      device_id: int, stream, err_ptr: int, poison: bool = False, outputs=None,
+                      scratch=None) -> Schedule:
     """Enqueue rank ``rank``'s part of an expert-parallel schedule: publish this rank's
     ``topk_ids`` [tokens, top_k] at ``exchange``, wait for every peer (a peer that never comes
-    is reported as a timeout naming it), then lay out the rows this rank receives from everyone.
+    is reported as a timeout naming it), then lay out the rows this rank receives from everyone,
+    and the order in which the layer launches take the row blocks (the second half of
+    block_expert): by the wave of readiness chunks (``wave_tokens`` source tokens: one chunk per
+    push task) that brings a block's last row, stably (cuda_src/moe/schedule_params.cuh).
     Every rank of the group must call it, in the same order as its other collective calls."""
     num_ranks = len(exchange.peer_bases)
     _check_layout(num_ranks, num_experts, max_rows, block_m)
@@ -156,10 +165,25 @@ def build_schedule_ep(ids_ptr: int, tokens: int, *, ids_int64: bool, exchange: R
         area = int(base) + exchange.area_offset
         p.src_ids[s] = area + ROUTING_IDS_OFFSET
         p.src_tokens_at[s] = area
-    return _enqueue(p, num_ranks=num_ranks, tokens=tokens, num_experts=num_experts, top_k=top_k, rank=rank,
-                    block_m=block_m, max_rows=max_rows, max_total_routes=num_ranks * max_tokens * top_k,
-                    device_id=device_id, stream=stream, err_ptr=err_ptr, poison=poison, outputs=outputs,
-                    scratch=scratch)
+    out = _enqueue(p, num_ranks=num_ranks, tokens=tokens, num_experts=num_experts, top_k=top_k, rank=rank,
+                   block_m=block_m, max_rows=max_rows, max_total_routes=num_ranks * max_tokens * top_k,
+                   device_id=device_id, stream=stream, err_ptr=err_ptr, poison=poison, outputs=outputs,
+                   scratch=scratch)
+    if wave_tokens < 1:
+        raise ArgumentError("wave_tokens", f"expected an int >= 1, got {wave_tokens!r}")
+    mb = max_rows // block_m
+    o = BlockOrderParams()
+    o.row_slot, o.totals, o.block_order = out.row_slot.ptr, out.totals.ptr, out.block_expert.ptr + 4 * mb
+    o.max_blocks, o.block_m, o.wave_routes = mb, block_m, wave_tokens * top_k
+    o.keyed = int(4 * mb <= ORDER_SHARED_BYTES)   # else the identity order (no room for the keys)
+    launch(get_kernel(_CUBIN, "schedule_block_order", device_id), grid=1, block=SCHEDULE_THREADS, params=o,
+           shared_mem=4 * mb if o.keyed else 0, stream=stream, device_id=device_id)
+    return out
+
+
+# schedule_block_order's keys: the dynamic shared memory available without an opt-in (48 KB less
+# its static 1 KB): 11 776 row blocks, 1.5 M rows per rank.
+ORDER_SHARED_BYTES = 47 * 1024
 
 
 def prepare(device_id: int, num_experts: int) -> None:
@@ -193,7 +217,9 @@ def output_shapes(*, num_ranks: int, num_experts: int, top_k: int, block_m: int,
                   tokens: int) -> dict:
     """The schedule's int32 arrays by name and shape (see :class:`Schedule`)."""
     el = num_experts // num_ranks
-    return {"expert_count": (el,), "expert_offset": (el + 1,), "totals": (2,), "block_expert": (max_rows // block_m,),
+    # With EP the kernels find the block order right after block_expert (block_expert + max_blocks).
+    blocks = (max_rows // block_m,) if num_ranks == 1 else (2 * (max_rows // block_m),)
+    return {"expert_count": (el,), "expert_offset": (el + 1,), "totals": (2,), "block_expert": blocks,
             "row_src_rank": (max_rows,), "row_slot": (max_rows,), "route_row": (tokens * top_k,),
             "route_rank": (tokens * top_k,)}
 

@@ -60,5 +60,22 @@ class ExchangeParams(ctypes.Structure):
     ]
 
 
+class BlockOrderParams(ctypes.Structure):
+    """Mirror of mok::BlockOrderParams (schedule_params.cuh)."""
+
+    _fields_ = [
+        ("row_slot", ctypes.c_uint64),
+        ("totals", ctypes.c_uint64),
+        ("block_order", ctypes.c_uint64),
+        ("max_blocks", ctypes.c_int),
+        ("block_m", ctypes.c_int),
+        ("wave_routes", ctypes.c_int),
+        ("keyed", ctypes.c_int),
+    ]
+
+
+ORDER_KEYS = 256   # kOrderKeys
+
 assert ctypes.sizeof(ScheduleParams) == 12 * 8 + 10 * 4 + MAX_RANKS * 20
+assert ctypes.sizeof(BlockOrderParams) == 3 * 8 + 4 * 4
 assert ctypes.sizeof(ExchangeParams) == 6 * 8 + 6 * 4

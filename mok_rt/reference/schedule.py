@@ -179,3 +179,16 @@ def schedule_reference_all_ranks(topk_ids: Sequence, *, num_experts: int, num_ra
     g = _Global(topk_ids, num_experts, num_ranks, block_m)
     cap = _check_capacity(capacity_rows)
     return [g.for_rank(r, cap) for r in range(g.num_ranks)]
+
+
+def block_order_reference(row_slot: np.ndarray, *, num_blocks: int, max_blocks: int, block_m: int,
+                          wave_routes: int, order_keys: int = 256) -> np.ndarray:
+    """Twin of schedule_block_order (cuda_src/moe/schedule.cu): position -> row block, the blocks
+    in use sorted stably by the wave of readiness chunks that brings their last row (max over a
+    block's rows of row_slot // wave_routes, clamped below ``order_keys``), then the unused
+    positions in place."""
+    slots = np.asarray(row_slot, np.int64)[:num_blocks * block_m].reshape(num_blocks, block_m)
+    last = np.maximum(slots.max(axis=1, initial=-1), 0) if num_blocks else np.zeros(0, np.int64)
+    keys = np.minimum(last // max(wave_routes, 1), order_keys - 1)
+    order = np.argsort(keys, kind="stable")
+    return np.concatenate([order, np.arange(num_blocks, max_blocks)]).astype(np.int32)

@@ -67,45 +67,92 @@ struct ExpertWalk {
   }
 };
 
-struct AheadOrder {
+// Expert parallelism: the row blocks are taken in the schedule's block order (block_order:
+// position -> block, sorted by the latest readiness chunk a block needs; schedule_block_order in
+// schedule.cu), so the blocks whose rows arrive first are dispatched first and their GEMM tiles
+// start under the rest of the push.  Block position i stands for block order[i] everywhere: its
+// dispatch, its gate|up / dA tiles and its down / dX tiles (the same permutation of blocks in
+// every phase, so each task still comes after what it waits on).  The sort is stable over a
+// coarse key (the wave of chunks), so an expert's blocks of one wave stay adjacent and share its
+// weight tiles; the expert walk, which reads an expert's block range, is off.
+// Where block position i points: itself (one GPU, the FP8 kernels), or the schedule's block order.
+struct PlanBlocks {
+  static constexpr bool kOrdered = false;
+  __device__ void set_order(const int*, int) {}
+  __device__ int block_at(int i) const { return i; }
+};
+struct ScheduledBlocks {
+  static constexpr bool kOrdered = true;
+  const int* order;  // null: plan order; else [max_blocks] position -> row block
+  int order_blocks;  // positions below it are permuted (the blocks in use)
+  __device__ void set_order(const int* o, int n) { order = o; order_blocks = n; }
+  // The row block at position i (a corrupt entry falls back to i: the tasks then check the block).
+  __device__ int block_at(int i) const {
+    if (order == nullptr || i >= order_blocks) return i;
+    const int b = order[i];
+    return b >= 0 && b < order_blocks ? b : i;
+  }
+};
+
+template <class Blocks>
+struct AheadOrderOf : Blocks {
   int begin, end;                // the reordered index range (contiguous phases)
   PhaseRange lead, dispatch, gemm, trail, tiled;
   int per_block, ahead;
   BlockGroups tiled_walk;
   ExpertWalk gemm_walk;
 
-  __device__ static AheadOrder make(const PhaseRange& lead, const PhaseRange& dispatch, const PhaseRange& gemm,
-                                    const PhaseRange& trail, int per_block, const PhaseRange& tiled,
-                                    int tiled_per_block, const MoESchedule& sc, int experts, int num_blocks) {
-    AheadOrder o{0, 0, lead, dispatch, gemm, trail, tiled, per_block, 0, {}, {}};
+  // block_order: ScheduledBlocks only (null: plan order).
+  __device__ static AheadOrderOf make(const PhaseRange& lead, const PhaseRange& dispatch, const PhaseRange& gemm,
+                                      const PhaseRange& trail, int per_block, const PhaseRange& tiled,
+                                      int tiled_per_block, const MoESchedule& sc, int experts, int num_blocks,
+                                      const int* block_order = nullptr) {
+    AheadOrderOf o{{}, 0, 0, lead, dispatch, gemm, trail, tiled, per_block, 0, {}, {}};
     o.begin = min_int(min_int(lead.begin, dispatch.begin), trail.count > 0 ? trail.begin : dispatch.begin);
     o.end = o.begin + lead.count + dispatch.count + gemm.count + trail.count;
     o.ahead = min_int(dispatch.count, ceil_div(2 * static_cast<int>(gridDim.x), per_block + 1));
     o.tiled_walk = BlockGroups{tiled_per_block > 0 ? tiled.count / tiled_per_block : 0, tiled_per_block, kBlockGroup};
     o.gemm_walk = ExpertWalk{sc.block_expert, sc.expert_offset, sc.expert_count, experts,
                              min_int(num_blocks, dispatch.count), o.ahead + 1};
+    o.set_order(block_order, min_int(num_blocks, dispatch.count));
     return o;
   }
+  __device__ bool ordered() const {
+    if constexpr (Blocks::kOrdered) return this->order != nullptr;
+    return false;
+  }
+  // Index q = position * per + tile of a row-block phase -> the same tile of block_at(position).
+  __device__ int permuted(int q, int per) const {
+    if (!ordered()) return q;
+    const int i = q / per;
+    return this->block_at(i) * per + (q - i * per);
+  }
+  // The gate|up / dA tile at block-major slot q: the expert walk, or with a block order the slot's block.
+  __device__ int gemm_tile(int q, int per) const { return ordered() ? permuted(q, per) : gemm_walk.map(q, per); }
   // The plan index of the task grabbed at position t.
   __device__ int map(int t) const {
-    if (tiled.has(t)) return tiled.begin + tiled_walk.map(tiled.local(t));
+    if (tiled.has(t)) return tiled.begin + permuted(tiled_walk.map(tiled.local(t)), tiled_walk.per_block);
     if (t < begin || t >= end) return t;
     int u = t - begin;
     if (u < lead.count) return lead.begin + u;
     u -= lead.count;
     const int blocks = dispatch.count, g = per_block, d = ahead;
-    if (u < d) return dispatch.begin + u;
+    if (u < d) return dispatch.begin + this->block_at(u);
     u -= d;
     const int mid = (blocks - d) * (g + 1);
     if (u < mid) {
       const int b = u / (g + 1), r = u - b * (g + 1);
-      return r == 0 ? dispatch.begin + b + d : gemm.begin + gemm_walk.map(b * g + (r - 1), g);
+      return r == 0 ? dispatch.begin + this->block_at(b + d) : gemm.begin + gemm_tile(b * g + (r - 1), g);
     }
     u -= mid;
-    if (u < d * g) return gemm.begin + gemm_walk.map((blocks - d) * g + u, g);
+    if (u < d * g) return gemm.begin + gemm_tile((blocks - d) * g + u, g);
     return trail.begin + (u - d * g);
   }
 };
+
+// The FP8 kernels: plan block order.  The bf16 kernels (one GPU or EP): the schedule's with EP.
+using AheadOrder = AheadOrderOf<PlanBlocks>;
+using ScheduledOrder = AheadOrderOf<ScheduledBlocks>;
 
 }  // namespace pipe
 }  // namespace mok

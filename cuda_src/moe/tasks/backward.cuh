@@ -64,20 +64,22 @@ struct TmaBackward {
   const MoEBackwardParams& p;
   const MoEBackwardPlan& plan;
   const BackwardTasks& tasks;  // the non-GEMM bodies
-  const pipe::AheadOrder& order;
+  const pipe::ScheduledOrder& order;
   int num_blocks;
 
   // d_weights (B1) waits on nothing and nothing waits on it: on one GPU it trails, overlapping
   // GEMMs; with EP it stays with the shared dA in front, covering the rows' travel (adjacent
   // phases there).
-  __device__ static pipe::AheadOrder make_order(const MoEBackwardPlan& f, const MoEBackwardParams& p, int num_blocks) {
+  __device__ static pipe::ScheduledOrder make_order(const MoEBackwardPlan& f, const MoEBackwardParams& p,
+                                                    int num_blocks) {
     const int experts = p.dims.local_experts;
-    if (f.push_notify.count > 0)
-      return pipe::AheadOrder::make(PhaseRange{f.d_weights.begin, f.d_weights.count + f.shared_da.count}, f.dispatch,
-                                  f.routed_da, PhaseRange{f.dispatch.begin, 0}, f.i_tiles, f.routed_dx, f.h_tiles,
-                                  p.sched, experts, num_blocks);
-    return pipe::AheadOrder::make(f.shared_da, f.dispatch, f.routed_da, f.d_weights, f.i_tiles, f.routed_dx, f.h_tiles,
-                                p.sched, experts, num_blocks);
+    if (f.push_notify.count > 0)  // EP: the blocks in the schedule's order (block_expert's second half)
+      return pipe::ScheduledOrder::make(PhaseRange{f.d_weights.begin, f.d_weights.count + f.shared_da.count},
+                                        f.dispatch, f.routed_da, PhaseRange{f.dispatch.begin, 0}, f.i_tiles,
+                                        f.routed_dx, f.h_tiles, p.sched, experts, num_blocks,
+                                        p.sched.block_expert + p.dims.max_blocks);
+    return pipe::ScheduledOrder::make(f.shared_da, f.dispatch, f.routed_da, f.d_weights, f.i_tiles, f.routed_dx,
+                                      f.h_tiles, p.sched, experts, num_blocks);
   }
 
   // Local waits (task counters) and peer waits (ep::wait_all_thread): see ep::local_timeout_ns.

@@ -93,12 +93,16 @@ struct TmaForward {
   const MoEForwardParams& p;
   const MoEForwardPlan& plan;
   const ForwardTasks& tasks;  // the non-GEMM bodies
-  const pipe::AheadOrder& order;
+  const pipe::ScheduledOrder& order;
   int num_blocks;
 
-  __device__ static pipe::AheadOrder make_order(const MoEForwardPlan& f, const MoEForwardParams& p, int num_blocks) {
-    return pipe::AheadOrder::make(f.shared_gu, f.dispatch, f.routed_gu, PhaseRange{f.dispatch.begin, 0}, f.gu_tiles,
-                                f.routed_down, f.h_tiles, p.sched, p.dims.local_experts, num_blocks);
+  __device__ static pipe::ScheduledOrder make_order(const MoEForwardPlan& f, const MoEForwardParams& p,
+                                                    int num_blocks) {
+    // EP: the blocks in the schedule's order (block_expert's second half; pipe::ScheduledOrder).
+    const int* block_order = f.push.count > 0 ? p.sched.block_expert + p.dims.max_blocks : nullptr;
+    return pipe::ScheduledOrder::make(f.shared_gu, f.dispatch, f.routed_gu, PhaseRange{f.dispatch.begin, 0},
+                                      f.gu_tiles, f.routed_down, f.h_tiles, p.sched, p.dims.local_experts, num_blocks,
+                                      block_order);
   }
 
   // Local waits (task counters) and peer waits (ep::wait_all_thread): see ep::local_timeout_ns.
