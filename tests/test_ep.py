@@ -318,3 +318,17 @@ def test_task_counts_with_peers():
     assert forward_task_count(d, context_only=True, push_tasks=5) == \
         forward_task_count(d, context_only=True) + 5 + 2 + d.token_blocks * combine_parts(d.token_blocks)
     assert backward_task_count(d, push_tasks=5) == backward_task_count(d) + 5 + 2
+
+
+def test_schedule_prepare_loads_every_schedule_kernel():
+    """With lazy loading a kernel's first launch can wait for the running kernels (a peer wait
+    among them), so prepare() must load every kernel the schedule cubin has before any launch."""
+    import re
+    from pathlib import Path
+    from mok_rt.kernels import schedule
+    root = Path(__file__).resolve().parent.parent
+    defined = set(re.findall(r'__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(',
+                             (root / "cuda_src/moe/schedule.cu").read_text()))
+    launched = set(re.findall(r'get_kernel\(_CUBIN,\s*"(\w+)"', Path(schedule.__file__).read_text()))
+    assert defined and launched <= defined
+    assert sorted(defined - set(schedule.KERNELS)) == []
