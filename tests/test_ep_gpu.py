@@ -6,6 +6,9 @@ same checks across GPUs.
 
 Every output is poisoned with NaN before the kernels run (an unwritten element fails); inputs are
 fresh random bf16 values; errors are relative Frobenius norms (mpi_ep_check.compare).
+
+``precision="fp8_block"`` (the FP8 forward with EP, cuda_src/moe/tasks/ep_fp8.cuh; its backward has
+no EP yet): EP = P bitwise equal to EP = 1, ``out`` against the FP8 oracle, and the error paths.
 """
 from __future__ import annotations
 
@@ -110,16 +113,20 @@ def _global_problem(hs: list[dict]) -> dict:
             "w_up": cat("w_up"), "w_down": cat("w_down"), "shared": hs[0]["shared"]}
 
 
-def check_ep_against_one_rank(case: str, devices) -> dict:
-    """The same global problem on P ranks and on one rank; returns the relative differences."""
+def check_ep_against_one_rank(case: str, devices, *, precision: str = "bf16", hs=None) -> dict:
+    """The same global problem on P ranks and on one rank; returns the relative differences.
+    fp8_block: the forward only, and every result must be bitwise equal (the quantisation is
+    row-local, each GEMM row depends only on its own row; ``hs``: the ranks' inputs)."""
     P = len(devices)
-    hs = [rank_inputs(case, SEED, r, P) for r in range(P)]
-    ep = run_one_process(case, SEED, devices, recompute=False, inputs=hs)
+    fp8 = precision != "bf16"
+    cfg = config(case, precision=precision)
+    hs = hs or [rank_inputs(case, SEED, r, P) for r in range(P)]
+    ep = run_one_process(case, SEED, devices, recompute=False, inputs=hs, cfg=cfg, backward=not fp8)
     glob = _global_problem(hs)
     T = [h["x"].shape[0] for h in hs]
-    with mok.Workspace(config(case), mok.SingleProcessGroup([devices[0]]), max_tokens=max(sum(T), 1),
+    with mok.Workspace(cfg, mok.SingleProcessGroup([devices[0]]), max_tokens=max(sum(T), 1),
                        poison_outputs=True) as ws:
-        pending = enqueue(ws, to_device(glob, devices[0]), recompute=False)
+        pending = enqueue(ws, to_device(glob, devices[0]), recompute=False, backward=not fp8)
         ws.synchronize()
         one = to_numpy(pending)
     diffs, identical = {}, {}
@@ -135,19 +142,58 @@ def check_ep_against_one_rank(case: str, devices) -> dict:
         diffs[n] = rel_err(a, b)
         identical[n] = a.dtype == b.dtype and np.array_equal(np.asarray(a).view(np.uint8), b.view(np.uint8))
         assert diffs[n] <= 1e-2, (n, diffs[n])
-    REPORT.append(f"{case} EP={P} vs EP=1 on the same global problem: "
+        assert identical[n] or not fp8, (n, diffs[n])
+    REPORT.append(f"{case} {precision} EP={P} vs EP=1 on the same global problem: "
                   + " ".join(f"{n}={'bitwise' if identical[n] else f'{diffs[n]:.1e}'}" for n in diffs))
     print(REPORT[-1])
     return diffs
 
 
-def check_capacity_error_on_every_rank(devices) -> None:
+def _skewed_inputs(case: str, devices) -> list[dict]:
+    """Every rank's inputs with routing skewed onto experts 0-3 (0 most popular) of the case's 6:
+    experts 4 and 5 get no rows, expert 3 few."""
+    P = len(devices)
+    hs = []
+    for r in range(P):
+        T = CASES[case][1][r % len(CASES[case][1])]
+        rng = np.random.default_rng([SEED, 77, r])
+        ids = np.stack([rng.choice(4, size=3, replace=False, p=[0.55, 0.25, 0.15, 0.05]) for _ in range(T)]) \
+            if T else np.zeros((0, 3))
+        hs.append(rank_inputs(case, SEED, r, P, ids=ids.astype(np.int32)))
+    return hs
+
+
+def check_fp8_ep_against_the_oracle(case: str, devices, *, skewed: bool = False) -> None:
+    """fp8_block forward on P ranks: ``out`` of the global problem within 5e-3 of the FP8 oracle
+    (mok_rt.reference fp8 emulation, as tests/test_fp8_forward_gpu.py), and bitwise equal to the
+    same problem on one rank."""
+    from mok_rt import reference
+    P = len(devices)
+    hs = _skewed_inputs(case, devices) if skewed else [rank_inputs(case, SEED, r, P) for r in range(P)]
+    check_ep_against_one_rank(case, devices, precision="fp8_block", hs=hs)   # bitwise vs EP = 1
+    got = run_one_process(case, SEED, devices, recompute=False, inputs=hs, cfg=config(case, precision="fp8_block"),
+                          backward=False)
+    g = _global_problem(hs)
+    f = lambda a: None if a is None else a.astype(np.float64)  # noqa: E731
+    ref_out, _ = reference.forward(f(g["x"]), g["ids"], g["tw"].astype(np.float64), f(g["w_gate"]), f(g["w_up"]),
+                                   f(g["w_down"]), ws_gate=f(g["shared"][0]), ws_up=f(g["shared"][1]),
+                                   ws_down=f(g["shared"][2]), swiglu_limit=config(case).swiglu_limit,
+                                   precision="fp8_block")
+    out = np.concatenate([got[r]["out"] for r in range(P)]).astype(np.float64)
+    err = rel_err(out, ref_out)
+    REPORT.append(f"{case}{' skewed' if skewed else ''} fp8_block EP={P} out vs the FP8 oracle: {err:.2e}")
+    print(REPORT[-1])
+    assert np.isfinite(out).all() and err <= 5e-3, err
+
+
+def check_capacity_error_on_every_rank(devices, *, precision: str = "bf16") -> None:
     """Every rank raises CapacityError naming the overflowing rank (the forward and backward
     enqueued behind the overflowing schedule are skipped alike on every rank), then the same
-    workspace runs correct steps again."""
+    workspace runs correct steps again (fp8_block: forwards only, the same bits twice)."""
     P = len(devices)
     case = "e6_1000_37"
-    cfg = config(case, capacity_factor=0.75)
+    fp8 = precision != "bf16"
+    cfg = config(case, capacity_factor=0.75, precision=precision)
     T = CASES[case][1]
     hs = [rank_inputs(case, SEED, r, P, ids=np.tile([0, 1, 2], (T[r % len(T)], 1))) for r in range(P)]  # all on rank 0
     # Every input is on the device before the first call: to_device synchronises the device, which
@@ -157,19 +203,27 @@ def check_capacity_error_on_every_rank(devices) -> None:
     with mok.Workspace(cfg, mok.SingleProcessGroup(devices), max_tokens=max(T)) as ws:
         assert ws.capacity_rows < sum(T) * 3
         for r in range(P):
-            enqueue(ws.rank(r), ds[r], recompute=False)
+            enqueue(ws.rank(r), ds[r], recompute=False, backward=not fp8)
         for r in range(P):
             with pytest.raises(mok.CapacityError) as e:
                 ws.rank(r).synchronize()
             assert e.value.info[0] == 0, f"rank {r} blames rank {e.value.info[0]}, not the overflowing rank 0"
         # the workspace works again once every rank has reported it (twice: the epochs stay in step)
-        ref = reference_results(case, SEED, P)
+        ref = None if fp8 else reference_results(case, SEED, P)
+        runs = []
         for _ in range(2):
-            pending = [enqueue(ws.rank(r), ok[r], recompute=False) for r in range(P)]
+            pending = [enqueue(ws.rank(r), ok[r], recompute=False, backward=not fp8) for r in range(P)]
             ws.synchronize()
+            runs.append([to_numpy(p) for p in pending])
             for r in range(P):
-                _, bad = compare(to_numpy(pending[r]), ref[r])
-                assert not bad, (r, bad)
+                if fp8:
+                    assert np.isfinite(runs[-1][r]["out"].astype(np.float32)).all(), r
+                else:
+                    _, bad = compare(runs[-1][r], ref[r])
+                    assert not bad, (r, bad)
+        for r in range(P):
+            for n in runs[0][r]:
+                np.testing.assert_array_equal(runs[0][r][n].view(np.uint8), runs[1][r][n].view(np.uint8))
 
 
 def _assert_refuses_calls(ws, rank: int, ids) -> None:
@@ -178,18 +232,18 @@ def _assert_refuses_calls(ws, rank: int, ids) -> None:
         mok.schedule(ws.rank(rank), ids)
 
 
-def _short_timeout_inputs(case: str, devices):
+def _short_timeout_inputs(case: str, devices, precision: str = "bf16"):
     """A 1 s timeout config and every rank's inputs on its device (the dead-peer checks)."""
     hs = [rank_inputs(case, SEED, r, len(devices)) for r in range(len(devices))]
-    return config(case, timeout_s=1.0), [to_device(h, dev) for h, dev in zip(hs, devices)]
+    return config(case, timeout_s=1.0, precision=precision), [to_device(h, dev) for h, dev in zip(hs, devices)]
 
 
-def check_dead_peer_times_out(devices) -> None:
+def check_dead_peer_times_out(devices, *, precision: str = "bf16") -> None:
     """One rank (the last) skips the forward: the others raise PeerTimeoutError naming it, within
     bounds (with P = 3 a live rank behind on its return because it waits for the dead one is not
     the one named)."""
     P = len(devices)
-    cfg, ds = _short_timeout_inputs("e6_1000_37", devices)
+    cfg, ds = _short_timeout_inputs("e6_1000_37", devices, precision)
     missing = P - 1
     with mok.Workspace(cfg, mok.SingleProcessGroup(devices), max_tokens=1000) as ws:
         scheds = [mok.schedule(ws.rank(r), ds[r]["ids"]) for r in range(P)]
@@ -318,6 +372,44 @@ def test_capacity_error_on_every_rank():
 
 def test_dead_peer_times_out_naming_it():
     check_dead_peer_times_out([0, 0])
+
+
+# ---- fp8_block: the forward with EP ----------------------------------------------------------------
+
+def test_fp8_ep2_against_ep1_on_the_same_problem():
+    check_ep_against_one_rank("e6_shared_limit", [0, 0], precision="fp8_block")   # shared expert, clamp, T = 1000 / 37
+    check_ep_against_one_rank("empty_rank", [0, 0], precision="fp8_block")        # a rank with T = 0
+    check_ep_against_one_rank("qwen3_4096x2", [0, 0], precision="fp8_block")
+
+
+def test_fp8_ep3_against_ep1_on_the_same_problem():
+    check_ep_against_one_rank("e6_shared_limit", [0, 0, 0], precision="fp8_block")
+
+
+@pytest.mark.parametrize("case,skewed", [("e6_1000_37", False), ("e6_shared_limit", True)])
+def test_fp8_ep2_against_the_oracle(case, skewed):
+    check_fp8_ep_against_the_oracle(case, [0, 0], skewed=skewed)
+
+
+def test_fp8_capacity_error_on_every_rank():
+    check_capacity_error_on_every_rank([0, 0], precision="fp8_block")
+
+
+def test_fp8_dead_peer_times_out_naming_it():
+    check_dead_peer_times_out([0, 0], precision="fp8_block")
+
+
+def test_fp8_backward_with_ep_is_refused():
+    cfg, ds = _short_timeout_inputs("e6_1000_37", [0, 0], "fp8_block")
+    with mok.Workspace(cfg, mok.SingleProcessGroup([0, 0]), max_tokens=1000) as ws:
+        ctxs = []
+        for r in range(2):
+            sched = mok.schedule(ws.rank(r), ds[r]["ids"])
+            ctxs.append(forward(ws.rank(r), sched, ds[r])[1])
+        ws.synchronize()
+        for r in range(2):
+            with pytest.raises(mok.ArgumentError, match="one rank only"):
+                mok.backward(ws.rank(r), ctxs[r], ds[r]["d_out"])
 
 
 def test_dead_peer_among_three_ranks_is_the_one_named():

@@ -75,7 +75,7 @@ def test_bf16_plan_is_unchanged_by_the_precision_argument():
     assert a.tiles["h_tiles"] == -(-d.hidden // 256)
     with pytest.raises(AssertionError):
         a.fp8_struct()
-    with pytest.raises(AssertionError):   # no FP8 plan with expert parallelism
+    with pytest.raises(AssertionError):   # FP8 with EP: one push task per token block (tests/test_fp8_ep_host.py)
         from mok_rt.kernels import moe_plan
         moe_plan.forward_plan(d, push_tasks=4, precision="fp8_block")
 
@@ -224,7 +224,8 @@ def test_backend_precision_rules():
     check_backend_precision("cuda", "fp8_block")
     check_backend_precision("cuda", "bf16", 4)
     check_backend_precision("reference", "mxfp8")
-    for args in (("cuda", "mxfp8"), ("cuda", "fp8_block", 2)):
+    check_backend_precision("cuda", "fp8_block", 2)   # the forward with EP (the backward refuses: below)
+    for args in (("cuda", "mxfp8"), ("cuda", "mxfp8", 2)):
         with pytest.raises(mok.ArgumentError) as ei:
             check_backend_precision(*args)
         assert ei.value.argument == "precision"

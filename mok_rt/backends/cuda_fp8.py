@@ -1,6 +1,6 @@
-"""The CUDA backend's "fp8_block" calls (docs/FP8_DESIGN.md), one rank: ``mok.quantize_weights``,
-the FP8 forward (moe_forward_fp8, kernels/moe_fp8.py) and the FP8 backward (moe_backward_fp8,
-kernels/moe_fp8_bwd.py).
+"""The CUDA backend's "fp8_block" calls (docs/FP8_DESIGN.md): ``mok.quantize_weights``, the FP8
+forward (moe_forward_fp8, kernels/moe_fp8.py; one rank or a rank of an expert-parallel group) and
+the FP8 backward (moe_backward_fp8, kernels/moe_fp8_bwd.py; one rank only, so far).
 
 A mixin of :class:`mok_rt.backends.cuda.CudaBackend`, which owns what these use: the result blocks,
 the rank's scratch, the graph arena, the prepared-call cache, the error word and the streams.
@@ -46,9 +46,10 @@ class Fp8Calls:
         if hit is None:
             if len(self._fp8_sizes) > _SIZES_KEPT:
                 self._fp8_sizes.clear()
-            fn, table = ((M8.forward_buffer_bytes, _FP8_FORWARD) if kind == "forward"
-                         else (MB.backward_buffer_bytes, _FP8_BACKWARD))
-            sizes = fn(dims)
+            if kind == "forward":   # with EP the push tasks need xq (kernels/moe_fp8.py)
+                sizes, table = M8.forward_buffer_bytes(dims, expert_parallel=self.ep is not None), _FP8_FORWARD
+            else:
+                sizes, table = MB.backward_buffer_bytes(dims), _FP8_BACKWARD
             scratch = {n: nb for n, nb in sizes.items() if table[n].role in ("scratch", "counters")}
             hit = self._fp8_sizes[key] = (sizes, scratch)
         return hit
@@ -120,11 +121,13 @@ class Fp8Calls:
                 wq[f"{prefix}{part}_s"] = 0 if g is None else getattr(g, f"{part}_scale").ptr
         fb = M8.Fp8ForwardBuffers(x=args.x.ptr, topk_weights=device_ptr(args.topk_weights), out=device_ptr(out),
                                   **wq, **{n: (v.ptr if sizes[n] else 0) for n, v in block.items()}, **scratch)
-        plan = M8.forward_plan(dims, context_only=context_only)
+        # Only now the EP epoch advances: an allocation that failed above leaves the ranks in step.
+        peers = None if self.ep is None else M8.fp8_peers(self.ep.peers(T), dims)
+        plan = M8.forward_plan(dims, context_only=context_only, push_tasks=0 if peers is None else peers.push_tasks)
         trace = self._trace_buffer("recompute" if context_only else "forward", plan, stream, capturing)
         M8.launch_forward_fp8(fb, sched._launch_bufs, dims, stream=stream, err_ptr=self.error.device_ptr,
                               device_id=self.device_id, knobs=self.knobs, context_only=context_only,
-                              trace_ptr=trace, plan=plan)
+                              trace_ptr=trace, plan=plan, peers=peers)
         return out, ForwardState(dims=dims, bufs=block, keep=(args, sched, routed, shared),
                                  weights=(routed, shared))
 
@@ -170,8 +173,9 @@ class Fp8Calls:
         """The "fp8_block" backward (moe_backward_fp8) of a context of the FP8 forward or of
         recompute_context; the same results as the bf16 backward (CudaBackend.backward)."""
         if self.ep is not None:
-            raise ArgumentError("precision", "the 'fp8_block' backward runs on one rank only (expert parallelism "
-                                             "is not built for FP8: its E4M3 rows do not travel yet)")
+            raise ArgumentError("precision", "the 'fp8_block' backward runs on one rank only: with expert "
+                                             "parallelism the FP8 forward and recompute_context are built, the "
+                                             "FP8 backward is not yet (use precision='bf16' to train with EP)")
         if not state.weights:
             raise ArgumentError("ctx", "is not the context of an 'fp8_block' forward or recompute_context")
         capturing, handle = self._begin(stream)

@@ -155,7 +155,7 @@ class PeerSpec:
 
     ``peer_bases[r]``: rank r's symmetric block, valid on this rank's device (``peer_array``: the
     same as a device uint64 array).  Offsets are bytes into every block: ``routed_offset``
-    [capacity_rows, H] bf16, ``slot_offset`` [slot_rows, H] bf16 (slot_rows = max_tokens * k),
+    [capacity_rows, H] bf16 (the FP8 forward's E4M3 rows + scales inside it: ep_fp8.cuh), ``slot_offset`` [slot_rows, H] bf16 (slot_rows = max_tokens * k),
     ``flags_offset`` int32 [NUM_PEER_FLAGS][MAX_EP_RANKS] (zeroed once, never reset),
     ``end_pad_offset`` the end-of-launch barrier's signal pad.  ``epoch``: this launch's number,
     the same on every rank and larger than any earlier launch's.  ``push_tasks``: how many tasks
