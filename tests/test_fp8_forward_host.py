@@ -249,12 +249,3 @@ def test_quantized_weights_must_come_from_the_backend_that_runs_them():
     check_quantized(ref_rank, QuantizedWeights("fp8_block", shapes, ref_q), None)
     check_quantized(cuda_rank, QuantizedWeights("fp8_block", shapes, Q8.DeviceQuantized(*([None] * 6), device_id=0)),
                     None)
-
-
-def test_cuda_fp8_backward_with_expert_parallelism_is_refused():
-    # (A workspace refuses fp8_block with EP first; the backward says so again before anything runs.)
-    from mok_rt.backends.cuda import CudaBackend
-    with pytest.raises(mok.ArgumentError) as ei:
-        CudaBackend._run_backward_fp8(SimpleNamespace(ep=object()), None, None, None, None, out={}, grad_dtype=None,
-                                      accumulate=False, stream=None)
-    assert ei.value.argument == "precision" and "one rank only" in str(ei.value)

@@ -1,7 +1,7 @@
 // The "fp8_block" forward megakernel (docs/FP8_DESIGN.md): one persistent launch per forward or
-// recompute_context on one GPU, on the bf16 kernels' pipeline (roles, ring, Job queue, task order)
-// with the FP8 task set of tasks/forward_fp8.cuh.  A cubin of its own, so the bf16 kernels
-// (moe_layer.cu) are built exactly as before.
+// recompute_context on one GPU or one rank of an EP group, on the bf16 kernels' pipeline (roles,
+// ring, Job queue, task order) with the FP8 task set of tasks/forward_fp8.cuh.  A cubin of its
+// own, so the bf16 kernels (moe_layer.cu) are built exactly as before.
 // Launch: 384 threads (pipe::kCtaThreads), pipe::kSmemBytes of dynamic shared memory, a grid of
 // about one CTA per SM; parameters: MoEFp8ForwardTmaParams (moe/params_fp8.cuh).
 #define MOK_ZERO_FILL_ROUTES 1  // moe/tasks/row_copy.cuh: keeps the combine's route registers from spilling here

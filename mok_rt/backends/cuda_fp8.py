@@ -1,6 +1,6 @@
 """The CUDA backend's "fp8_block" calls (docs/FP8_DESIGN.md): ``mok.quantize_weights``, the FP8
-forward (moe_forward_fp8, kernels/moe_fp8.py; one rank or a rank of an expert-parallel group) and
-the FP8 backward (moe_backward_fp8, kernels/moe_fp8_bwd.py; one rank only, so far).
+forward (moe_forward_fp8, kernels/moe_fp8.py) and the FP8 backward (moe_backward_fp8,
+kernels/moe_fp8_bwd.py), on one rank or a rank of an expert-parallel group.
 
 A mixin of :class:`mok_rt.backends.cuda.CudaBackend`, which owns what these use: the result blocks,
 the rank's scratch, the graph arena, the prepared-call cache, the error word and the streams.
@@ -46,11 +46,12 @@ class Fp8Calls:
         if hit is None:
             if len(self._fp8_sizes) > _SIZES_KEPT:
                 self._fp8_sizes.clear()
-            if kind == "forward":   # with EP the push tasks need xq (kernels/moe_fp8.py)
-                sizes, table = M8.forward_buffer_bytes(dims, expert_parallel=self.ep is not None), _FP8_FORWARD
-            else:
-                sizes, table = MB.backward_buffer_bytes(dims), _FP8_BACKWARD
-            scratch = {n: nb for n, nb in sizes.items() if table[n].role in ("scratch", "counters")}
+            fn, table = ((M8.forward_buffer_bytes, _FP8_FORWARD) if kind == "forward"
+                         else (MB.backward_buffer_bytes, _FP8_BACKWARD))
+            sizes = fn(dims)
+            # With EP the backward's dx_slot is the symmetric block's slot rows, not scratch.
+            scratch = {n: nb for n, nb in sizes.items() if table[n].role in ("scratch", "counters")
+                       and not (self.ep is not None and n == "dx_slot")}
             hit = self._fp8_sizes[key] = (sizes, scratch)
         return hit
 
@@ -172,10 +173,6 @@ class Fp8Calls:
                           stream):
         """The "fp8_block" backward (moe_backward_fp8) of a context of the FP8 forward or of
         recompute_context; the same results as the bf16 backward (CudaBackend.backward)."""
-        if self.ep is not None:
-            raise ArgumentError("precision", "the 'fp8_block' backward runs on one rank only: with expert "
-                                             "parallelism the FP8 forward and recompute_context are built, the "
-                                             "FP8 backward is not yet (use precision='bf16' to train with EP)")
         if not state.weights:
             raise ArgumentError("ctx", "is not the context of an 'fp8_block' forward or recompute_context")
         capturing, handle = self._begin(stream)
@@ -197,14 +194,18 @@ class Fp8Calls:
                scratch_key)
         prep = self._calls.get(key) if cacheable else None
         if prep is None:
+            # With EP dx returns into the slot rows of the symmetric block (as in the bf16 EP backward).
+            heap = {} if self.ep is None else {"dx_slot": self.ep.slot_ptr()}
             bb = MB.Fp8BackwardBuffers(d_out=dout.ptr, topk_weights=args.topk_weights.ptr, dx=dx.ptr,
                                        d_topk_weights=dtw.ptr, **ctx, **wt, **dict(zip(P.GRAD_NAMES, grad_ptrs)),
-                                       **scratch)
-            plan = MB.backward_plan(dims)
+                                       **scratch, **heap)
+            # Only now the EP epoch advances: an allocation that failed above leaves the ranks in step.
+            peers = None if self.ep is None else M8.fp8_peers(self.ep.peers(T), dims)
+            plan = MB.backward_plan(dims, push_tasks=0 if peers is None else peers.push_tasks)
             trace = self._trace_buffer("backward", plan, stream, capturing)
             prep = MB.prepare_backward_fp8(bb, sched._launch_bufs, dims, stream=stream, err_ptr=self.error.device_ptr,
                                            device_id=self.device_id, knobs=self.knobs, accumulate=accumulate,
-                                           grad_bf16=grad_bf16, trace_ptr=trace, plan=plan)
+                                           grad_bf16=grad_bf16, trace_ptr=trace, plan=plan, peers=peers)
             if cacheable:
                 self._calls.put(key, prep)
         prep()

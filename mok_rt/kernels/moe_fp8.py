@@ -7,8 +7,7 @@ buffer; nothing here synchronises or reads a routing-dependent count), with the 
 FP8 tensor maps (:func:`map_specs`: e4m3 operands with 128-byte K boxes, fp32 scale rows).
 With expert parallelism (cuda_src/moe/tasks/ep_fp8.cuh) the push tasks are one per token block
 (:func:`push_tasks`) and quantise x in token order into ``xq`` / ``xq_s`` before pushing the E4M3
-rows, so those two are allocated with or without a shared expert (``forward_buffer_bytes(...,
-expert_parallel=True)``).
+rows, so those two are allocated with or without a shared expert (``LayerDims.expert_parallel``).
 """
 from __future__ import annotations
 
@@ -47,16 +46,12 @@ def fp8_peers(peers: L.PeerSpec, dims: L.LayerDims) -> L.PeerSpec:
     return dataclasses.replace(peers, push_tasks=push_tasks(dims))
 
 
-def forward_buffer_bytes(dims: L.LayerDims, *, expert_parallel: bool = False) -> dict[str, int]:
+def forward_buffer_bytes(dims: L.LayerDims) -> dict[str, int]:
     """Bytes of every buffer moe_forward_fp8 writes (context, output, scratch, counters).  With
-    ``expert_parallel`` the token-order ``xq`` / ``xq_s`` exist without a shared expert too (the
-    push tasks quantise into them), and the counters are those of the EP plan."""
-    plan = forward_plan(dims, push_tasks=push_tasks(dims) if expert_parallel else 0)
-    sizes = L._written_bytes(_TABLE, dims, plan.counter_words)
-    if expert_parallel:
-        sizes["xq"] = dims.tokens * dims.hidden
-        sizes["xq_s"] = 4 * F._kb(dims.hidden) * F.token_ld(dims)
-    return sizes
+    ``dims.expert_parallel`` the token-order ``xq`` / ``xq_s`` exist without a shared expert too
+    (the push tasks quantise into them), and the counters are those of the EP plan."""
+    plan = forward_plan(dims, push_tasks=push_tasks(dims) if dims.expert_parallel else 0)
+    return L._written_bytes(_TABLE, dims, plan.counter_words)
 
 
 # ---- tensor maps ---------------------------------------------------------------------------------
@@ -150,12 +145,14 @@ def launch_forward_fp8(bufs, sched: L.ScheduleBuffers, dims: L.LayerDims, *, str
     unless ``context_only``, ``out``.  ``bufs``: :data:`Fp8ForwardBuffers` (the E4M3 weights of
     ``mok.quantize_weights``).  With ``peers`` (expert parallelism; ``peers.push_tasks`` must be
     :func:`push_tasks`, see :func:`fp8_peers`) every rank of the group must launch its forward, and
-    ``xq`` / ``xq_s`` must be given (``forward_buffer_bytes(..., expert_parallel=True)``)."""
+    ``xq`` / ``xq_s`` must be given (``dims.expert_parallel``)."""
     if not isinstance(bufs, Fp8ForwardBuffers):
         raise ArgumentError("bufs", f"expected Fp8ForwardBuffers, got {type(bufs).__name__}")
     L._check_launch(bufs, _TABLE, sched, dims, peers, err_ptr,
                     unused=frozenset({"out", "topk_weights", "shared_y"}) if context_only else frozenset())
     if peers is not None:
+        if not dims.expert_parallel:
+            raise ArgumentError("dims", "expert_parallel must be True with peers (the token-order xq it sizes)")
         if peers.push_tasks != push_tasks(dims):
             raise ArgumentError("peers", f"the FP8 forward pushes one token block per task: push_tasks must be "
                                          f"{push_tasks(dims)}, got {peers.push_tasks} (see fp8_peers)")

@@ -76,6 +76,9 @@ class LayerDims:
     shared_intermediate: int = 0  # I_s: 0 = no shared expert, else multiple of 64
     swiglu_limit: float | None = None
     rank: int = 0               # reported in error words
+    # A rank of an expert-parallel group.  Only the FP8 buffer tables read it: their push tasks
+    # quantise the rank's token rows in token order (kernels/moe_params_fp8.py token_order_rows).
+    expert_parallel: bool = False
 
     def __post_init__(self):
         _int("tokens", self.tokens)

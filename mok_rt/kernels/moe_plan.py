@@ -248,16 +248,19 @@ def backward_plan(dims, *, push_tasks: int = 0, precision: str = "bf16") -> Plan
     """The backward's plan; ``push_tasks`` > 0 with expert parallelism (then the local work, d
     weights and shared dA, runs while the rows travel).
 
-    ``precision="fp8_block"`` (one rank only: the FP8 backward has no EP yet; docs/FP8_DESIGN.md
-    "Step 3"; moe_backward_fp8):
+    ``precision="fp8_block"`` (docs/FP8_DESIGN.md "Step 3"; moe_backward_fp8):
     the same phases and tile counts (FP8 dA and dX tiles are 128 x 256 too), plus ``token_prep`` (one
     task per token block with a shared expert, before the dispatch: dq in token order and the
     token-order bf16 wgrad operands; shared dA waits on ``token_dq_ready``, the shared wgrads on
     ``prep_done``) and ``widen`` (one task per row block, after routed dX: bf16 x_routed and act for
-    the routed wgrads, which wait on ``expert_widen_ready``)."""
+    the routed wgrads, which wait on ``expert_widen_ready``).  With expert parallelism
+    (tasks/ep_fp8.cuh) the push tasks are one per token block (``fp8_push_tasks``): each quantises
+    its block of d_out in token order (dq, dq_bf: token_prep's first half), sends the E4M3 rows
+    with their scales and routing weights, then does token_prep's second half (``token_prep`` is
+    empty; ``prep_done`` comes from the push tasks)."""
     d = dims
     fp8 = precision != "bf16"
-    if fp8 and (precision != "fp8_block" or push_tasks):
+    if fp8 and (precision != "fp8_block" or push_tasks not in (0, fp8_push_tasks(d))):
         raise AssertionError(f"no FP8 plan for precision={precision!r}, push_tasks={push_tasks}")
     tb, mb, E = d.token_blocks, d.max_blocks, d.local_experts
     i_t, si_t, h_t = (_ceil_div(v, P.TILE_N) for v in (d.intermediate, d.shared_intermediate, d.hidden))
@@ -268,7 +271,7 @@ def backward_plan(dims, *, push_tasks: int = 0, precision: str = "bf16") -> Plan
     lead = ([("push", push_tasks), ("push_notify", 1), *local, ("dispatch", mb)] if ep
             else [("push", 0), ("push_notify", 0), ("dispatch", mb), *local])
     if fp8:
-        lead.insert(2, ("token_prep", tb if shared else 0))
+        lead.insert(2, ("token_prep", tb if shared and not ep else 0))
     phases = _phases(lead + [
         ("routed_da", mb * i_t),
         ("shared_dx", tb * h_t if shared else 0),
@@ -300,14 +303,18 @@ def backward_plan(dims, *, push_tasks: int = 0, precision: str = "bf16") -> Plan
              "si_rows": si_r, "combine_parts": cparts}
     if fp8:
         from mok_rt.kernels.moe_params_fp8_bwd import token_rows
+        # With EP the push tasks do token_prep's work (one per token block, and one at T = 0, which
+        # signals token_dq_ready but has no block to widen: prep_done's target stays tb).
+        dq_units = fp8_push_tasks(d) if ep else tb
+        prep = "push" if ep and shared else "token_prep"
         waits += (
-            Wait("wait_token_dq_ready", "token_dq_ready", 1 if shared else 0, "token_prep", tb, ("shared_da",)),
+            Wait("wait_token_dq_ready", "token_dq_ready", 1 if shared else 0, prep, dq_units, ("shared_da",)),
             Wait("wait_expert_widen_ready_per_block", "expert_widen_ready", 1, "widen", mb,
                  ("wgrad_down", "wgrad_gate_up"), per_block=True),
-            Wait("wait_prep_done", "prep_done", tb if shared else 0, "token_prep", 1, ("shared_wgrad",)),
+            Wait("wait_prep_done", "prep_done", tb if shared else 0, prep, 1, ("shared_wgrad",)),
         )
         counters = _layout([(c.name, c.length) for c in counters] +
-                           [("token_dq_ready", tb), ("expert_widen_ready", E), ("prep_done", 1)])
+                           [("token_dq_ready", dq_units), ("expert_widen_ready", E), ("prep_done", 1)])
         tiles.update(token_ld=token_ld(d), token_rows=token_rows(d), ip_blocks=_ceil_div(d.intermediate, 128),
                      ips_blocks=_ceil_div(d.shared_intermediate, 128))
     return Plan("backward", phases, tiles, waits, counters, precision)

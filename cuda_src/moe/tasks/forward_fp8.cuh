@@ -318,7 +318,11 @@ struct TmaForwardFp8 {
           return true;
         }
         fp8f::quantize_x(q, job.kind == kF8Dispatch, job.a);
-        if (job.kind == kF8Push) ep8::push_quantized(q, job.a);
+        if (job.kind == kF8Push)
+          ep8::push_quantized(
+              q.p.sched, q.p.dims, q.p.peers, job.a, [&] { return q.qctx.xq; },
+              [&](int kb, int t) { return q.qctx.xq_s + (size_t)kb * q.plan8.token_ld + t; }, nullptr,
+              q.p.cnt.push_done, q.p.err);
         return true;
       case kF8Combine:
         tasks.combine_body(job.a);
