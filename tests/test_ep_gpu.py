@@ -80,23 +80,29 @@ def check_one_process_matches_reference(case: str, devices) -> list[dict]:
     return got
 
 
-def _rank_worker(ctx, case, devices):
+def _rank_worker(ctx, case, devices, precision="bf16"):
     group = ctx.group(device_id=devices[ctx.rank])
-    return digest(run_rank(group, case, SEED))
+    return digest(run_rank(group, case, SEED, cfg=config(case, precision=precision)))
 
 
-def check_two_processes_match_one_process(case: str, devices) -> None:
+def check_two_processes_match_one_process(case: str, devices, *, precision: str = "bf16") -> None:
     """One process per rank (CallableGroup over a test all-gather) gives the same bits as one
-    process driving every rank, which is checked against the reference."""
-    got = assert_ok(run_ranks(_rank_worker, len(devices), case, devices, timeout=900))
+    process driving every rank, which is checked against the reference (fp8_block: against the
+    FP8 oracle in test_fp8_ep2_against_the_oracle, not here)."""
+    got = assert_ok(run_ranks(_rank_worker, len(devices), case, devices, precision, timeout=900))
     key = (case, tuple(devices))
-    if key not in _DIGESTS:
-        check_one_process_matches_reference(case, devices)
-    want = _DIGESTS[key]
+    if precision != "bf16":
+        want = [digest(g) for g in run_one_process(case, SEED, devices, cfg=config(case, precision=precision))]
+    else:
+        if key not in _DIGESTS:
+            check_one_process_matches_reference(case, devices)
+        want = _DIGESTS[key]
     for r in range(len(devices)):
+        assert set(got[r]) == set(want[r]), (r, sorted(got[r]), sorted(want[r]))
         differ = sorted(n for n in want[r] if got[r].get(n) != want[r][n])
         assert not differ, f"rank {r}: {differ} differ between the two process models"
-    REPORT.append(f"{case} devices={list(devices)}: one process per rank == one process for all ranks (bitwise)")
+    REPORT.append(f"{case} {precision} devices={list(devices)}: one process per rank == one process for all ranks "
+                  "(bitwise)")
 
 
 def check_deterministic(case: str, devices) -> None:
@@ -405,6 +411,10 @@ def test_fp8_ep3_against_ep1_on_the_same_problem():
 @pytest.mark.parametrize("case,skewed", [("e6_1000_37", False), ("e6_shared_limit", True)])
 def test_fp8_ep2_against_the_oracle(case, skewed):
     check_fp8_ep_against_the_oracle(case, [0, 0], skewed=skewed)
+
+
+def test_fp8_two_processes_on_one_gpu_match_one_process():
+    check_two_processes_match_one_process("e6_shared_limit", [0, 0], precision="fp8_block")
 
 
 def test_fp8_capacity_error_on_every_rank():
