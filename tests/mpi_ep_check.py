@@ -126,11 +126,14 @@ def forward(rank_ws, sched, d: dict):
     return mok.forward(rank_ws, sched, d["x"], d["tw"], experts(d), shared=shared(d))
 
 
-def enqueue(rank_ws, d: dict, *, recompute: bool = True) -> dict:
+def enqueue(rank_ws, d: dict, *, recompute: bool = True, backward: bool = True) -> dict:
     """One rank's calls: schedule, forward, backward (and recompute_context + backward).  Returns
-    the result tensors (not yet waited for).  Every rank of the group must make the same calls."""
+    the result tensors (not yet waited for).  Every rank of the group must make the same calls.
+    ``backward=False``: schedule and forward only (the FP8 backward has no EP yet)."""
     sched = mok.schedule(rank_ws, d["ids"])
     out, ctx = forward(rank_ws, sched, d)
+    if not backward:
+        return {"out": out}
     g = mok.backward(rank_ws, ctx, d["d_out"])
     res = {"out": out, **grads_by_name(g)}
     if recompute:
@@ -144,7 +147,8 @@ def to_numpy(res: dict) -> dict:
     return {n: t.to_numpy() for n, t in res.items()}
 
 
-def run_one_process(case: str, seed: int, devices, *, recompute: bool = True, cfg=None, inputs=None) -> list[dict]:
+def run_one_process(case: str, seed: int, devices, *, recompute: bool = True, cfg=None, inputs=None,
+                    backward: bool = True) -> list[dict]:
     """Every rank driven by this process (SingleProcessGroup(devices)); per-rank host results."""
     P = len(devices)
     cfg = cfg or config(case)
@@ -152,7 +156,7 @@ def run_one_process(case: str, seed: int, devices, *, recompute: bool = True, cf
     ds = [to_device(hs[r], devices[r]) for r in range(P)]
     with mok.Workspace(cfg, mok.SingleProcessGroup(devices), max_tokens=max([1] + [h["x"].shape[0] for h in hs]),
                        poison_outputs=True) as ws:
-        pending = [enqueue(ws.rank(r), ds[r], recompute=recompute) for r in range(P)]
+        pending = [enqueue(ws.rank(r), ds[r], recompute=recompute, backward=backward) for r in range(P)]
         ws.synchronize()
         return [to_numpy(p) for p in pending]
 

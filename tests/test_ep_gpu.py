@@ -6,6 +6,9 @@ same checks across GPUs.
 
 Every output is poisoned with NaN before the kernels run (an unwritten element fails); inputs are
 fresh random bf16 values; errors are relative Frobenius norms (mpi_ep_check.compare).
+
+``precision="fp8_block"`` (cuda_src/moe/tasks/ep_fp8.cuh): EP = P bitwise equal to EP = 1 (forward
+and every gradient), against the FP8 oracle, and the error paths.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ pytestmark = pytest.mark.gpu
 from _gpu import cp  # noqa: E402  (CuPy is imported when a test first uses it)
 
 import mok_rt as mok  # noqa: E402
-from mpi_ep_check import (CASES, compare, config, digest, enqueue, experts, forward, rank_inputs,  # noqa: E402
+from mpi_ep_check import (CASES, GRADS, compare, config, digest, enqueue, experts, forward, rank_inputs,  # noqa: E402
                           reference_results, rel_err, run_one_process, run_rank, to_device, to_numpy)
 from mpi_run import run_mpi_script  # noqa: E402
 from test_group import assert_ok, run_ranks  # noqa: E402
@@ -85,23 +88,29 @@ def check_one_process_matches_reference(case: str, devices) -> list[dict]:
     return got
 
 
-def _rank_worker(ctx, case, devices):
+def _rank_worker(ctx, case, devices, precision="bf16"):
     group = ctx.group(device_id=devices[ctx.rank])
-    return digest(run_rank(group, case, SEED))
+    return digest(run_rank(group, case, SEED, cfg=config(case, precision=precision)))
 
 
-def check_two_processes_match_one_process(case: str, devices) -> None:
+def check_two_processes_match_one_process(case: str, devices, *, precision: str = "bf16") -> None:
     """One process per rank (CallableGroup over a test all-gather) gives the same bits as one
-    process driving every rank, which is checked against the reference."""
-    got = assert_ok(run_ranks(_rank_worker, len(devices), case, devices, timeout=900))
+    process driving every rank, which is checked against the reference (fp8_block: against the
+    FP8 oracle in test_fp8_ep2_against_the_oracle, not here)."""
+    got = assert_ok(run_ranks(_rank_worker, len(devices), case, devices, precision, timeout=900))
     key = (case, tuple(devices))
-    if key not in _DIGESTS:
-        check_one_process_matches_reference(case, devices)
-    want = _DIGESTS[key]
+    if precision != "bf16":
+        want = [digest(g) for g in run_one_process(case, SEED, devices, cfg=config(case, precision=precision))]
+    else:
+        if key not in _DIGESTS:
+            check_one_process_matches_reference(case, devices)
+        want = _DIGESTS[key]
     for r in range(len(devices)):
+        assert set(got[r]) == set(want[r]), (r, sorted(got[r]), sorted(want[r]))
         differ = sorted(n for n in want[r] if got[r].get(n) != want[r][n])
         assert not differ, f"rank {r}: {differ} differ between the two process models"
-    REPORT.append(f"{case} devices={list(devices)}: one process per rank == one process for all ranks (bitwise)")
+    REPORT.append(f"{case} {precision} devices={list(devices)}: one process per rank == one process for all ranks "
+                  "(bitwise)")
 
 
 def check_deterministic(case: str, devices) -> None:
@@ -118,14 +127,19 @@ def _global_problem(hs: list[dict]) -> dict:
             "w_up": cat("w_up"), "w_down": cat("w_down"), "shared": hs[0]["shared"]}
 
 
-def check_ep_against_one_rank(case: str, devices) -> dict:
-    """The same global problem on P ranks and on one rank; returns the relative differences."""
+def check_ep_against_one_rank(case: str, devices, *, precision: str = "bf16", hs=None) -> dict:
+    """The same global problem on P ranks and on one rank; returns the relative differences.
+    fp8_block: every result but the shared expert's weight gradients (per-rank partial sums here)
+    must be bitwise equal (the quantisation is row-local, each GEMM row depends only on its own
+    row, the wgrads sum an expert's rows in the same order; ``hs``: the ranks' inputs)."""
     P = len(devices)
-    hs = [rank_inputs(case, SEED, r, P) for r in range(P)]
-    ep = run_one_process(case, SEED, devices, recompute=False, inputs=hs)
+    fp8 = precision != "bf16"
+    cfg = config(case, precision=precision)
+    hs = hs or [rank_inputs(case, SEED, r, P) for r in range(P)]
+    ep = run_one_process(case, SEED, devices, recompute=False, inputs=hs, cfg=cfg)
     glob = _global_problem(hs)
     T = [h["x"].shape[0] for h in hs]
-    with mok.Workspace(config(case), mok.SingleProcessGroup([devices[0]]), max_tokens=max(sum(T), 1),
+    with mok.Workspace(cfg, mok.SingleProcessGroup([devices[0]]), max_tokens=max(sum(T), 1),
                        poison_outputs=True) as ws:
         pending = enqueue(ws, to_device(glob, devices[0]), recompute=False)
         ws.synchronize()
@@ -143,19 +157,70 @@ def check_ep_against_one_rank(case: str, devices) -> dict:
         diffs[n] = rel_err(a, b)
         identical[n] = a.dtype == b.dtype and np.array_equal(np.asarray(a).view(np.uint8), b.view(np.uint8))
         assert diffs[n] <= 1e-2, (n, diffs[n])
-    REPORT.append(f"{case} EP={P} vs EP=1 on the same global problem: "
+        assert identical[n] or not fp8 or n.startswith("dws"), (n, diffs[n])
+    REPORT.append(f"{case} {precision} EP={P} vs EP=1 on the same global problem: "
                   + " ".join(f"{n}={'bitwise' if identical[n] else f'{diffs[n]:.1e}'}" for n in diffs))
     print(REPORT[-1])
     return diffs
 
 
-def check_capacity_error_on_every_rank(devices) -> None:
+def _skewed_inputs(case: str, devices) -> list[dict]:
+    """Every rank's inputs with routing skewed onto experts 0-3 (0 most popular) of the case's 6:
+    experts 4 and 5 get no rows, expert 3 few."""
+    P = len(devices)
+    hs = []
+    for r in range(P):
+        T = CASES[case][1][r % len(CASES[case][1])]
+        rng = np.random.default_rng([SEED, 77, r])
+        ids = np.stack([rng.choice(4, size=3, replace=False, p=[0.55, 0.25, 0.15, 0.05]) for _ in range(T)]) \
+            if T else np.zeros((0, 3))
+        hs.append(rank_inputs(case, SEED, r, P, ids=ids.astype(np.int32)))
+    return hs
+
+
+def check_fp8_ep_against_the_oracle(case: str, devices, *, skewed: bool = False) -> None:
+    """fp8_block on P ranks against the FP8 oracle of the global problem (mok_rt.reference fp8
+    emulation, the tolerances of tests/test_fp8_forward_gpu.py / test_fp8_backward_gpu.py: ``out``
+    5e-3, gradients 1.5e-2), and bitwise equal to the same problem on one rank."""
+    from mok_rt import reference
+    P = len(devices)
+    hs = _skewed_inputs(case, devices) if skewed else [rank_inputs(case, SEED, r, P) for r in range(P)]
+    check_ep_against_one_rank(case, devices, precision="fp8_block", hs=hs)   # bitwise vs EP = 1
+    got = run_one_process(case, SEED, devices, recompute=False, inputs=hs, cfg=config(case, precision="fp8_block"))
+    g = _global_problem(hs)
+    f = lambda a: None if a is None else a.astype(np.float64)  # noqa: E731
+    ref_out, ctx = reference.forward(f(g["x"]), g["ids"], g["tw"].astype(np.float64), f(g["w_gate"]), f(g["w_up"]),
+                                     f(g["w_down"]), ws_gate=f(g["shared"][0]), ws_up=f(g["shared"][1]),
+                                     ws_down=f(g["shared"][2]), swiglu_limit=config(case).swiglu_limit,
+                                     precision="fp8_block")
+    grads = reference.backward(ctx, f(g["d_out"]))
+    ref = {"out": ref_out, **{n: getattr(grads, n) for n in GRADS}}
+    errs = {}
+    for n, want in ref.items():
+        if n not in got[0] or want is None:
+            continue
+        if n.startswith("dws"):
+            have = sum(got[r][n].astype(np.float64) for r in range(P))
+        else:
+            have = np.concatenate([got[r][n] for r in range(P)]).astype(np.float64)
+        assert np.isfinite(have).all(), n
+        errs[n] = rel_err(have, want)
+    REPORT.append(f"{case}{' skewed' if skewed else ''} fp8_block EP={P} vs the FP8 oracle: "
+                  + " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
+    print(REPORT[-1])
+    assert set(errs) >= {"out", "dx", "d_topk_weights", "dw_gate", "dw_up", "dw_down"}, sorted(errs)
+    bad = {n: e for n, e in errs.items() if e > (5e-3 if n == "out" else 1.5e-2)}
+    assert not bad, bad
+
+
+def check_capacity_error_on_every_rank(devices, *, precision: str = "bf16") -> None:
     """Every rank raises CapacityError naming the overflowing rank (the forward and backward
     enqueued behind the overflowing schedule are skipped alike on every rank), then the same
-    workspace runs correct steps again."""
+    workspace runs correct steps again (fp8_block: finite, the same bits twice)."""
     P = len(devices)
     case = "e6_1000_37"
-    cfg = config(case, capacity_factor=0.75)
+    fp8 = precision != "bf16"
+    cfg = config(case, capacity_factor=0.75, precision=precision)
     T = CASES[case][1]
     hs = [rank_inputs(case, SEED, r, P, ids=np.tile([0, 1, 2], (T[r % len(T)], 1))) for r in range(P)]  # all on rank 0
     # Every input is on the device before the first call: to_device synchronises the device, which
@@ -171,13 +236,21 @@ def check_capacity_error_on_every_rank(devices) -> None:
                 ws.rank(r).synchronize()
             assert e.value.info[0] == 0, f"rank {r} blames rank {e.value.info[0]}, not the overflowing rank 0"
         # the workspace works again once every rank has reported it (twice: the epochs stay in step)
-        ref = reference_results(case, SEED, P)
+        ref = None if fp8 else reference_results(case, SEED, P)
+        runs = []
         for _ in range(2):
             pending = [enqueue(ws.rank(r), ok[r], recompute=False) for r in range(P)]
             ws.synchronize()
+            runs.append([to_numpy(p) for p in pending])
             for r in range(P):
-                _, bad = compare(to_numpy(pending[r]), ref[r])
-                assert not bad, (r, bad)
+                if fp8:
+                    assert all(np.isfinite(v.astype(np.float32)).all() for v in runs[-1][r].values()), r
+                else:
+                    _, bad = compare(runs[-1][r], ref[r])
+                    assert not bad, (r, bad)
+        for r in range(P):
+            for n in runs[0][r]:
+                np.testing.assert_array_equal(runs[0][r][n].view(np.uint8), runs[1][r][n].view(np.uint8))
 
 
 def _assert_refuses_calls(ws, rank: int, ids) -> None:
@@ -186,18 +259,18 @@ def _assert_refuses_calls(ws, rank: int, ids) -> None:
         mok.schedule(ws.rank(rank), ids)
 
 
-def _short_timeout_inputs(case: str, devices):
+def _short_timeout_inputs(case: str, devices, precision: str = "bf16"):
     """A 1 s timeout config and every rank's inputs on its device (the dead-peer checks)."""
     hs = [rank_inputs(case, SEED, r, len(devices)) for r in range(len(devices))]
-    return config(case, timeout_s=1.0), [to_device(h, dev) for h, dev in zip(hs, devices)]
+    return config(case, timeout_s=1.0, precision=precision), [to_device(h, dev) for h, dev in zip(hs, devices)]
 
 
-def check_dead_peer_times_out(devices) -> None:
+def check_dead_peer_times_out(devices, *, precision: str = "bf16") -> None:
     """One rank (the last) skips the forward: the others raise PeerTimeoutError naming it, within
     bounds (with P = 3 a live rank behind on its return because it waits for the dead one is not
     the one named)."""
     P = len(devices)
-    cfg, ds = _short_timeout_inputs("e6_1000_37", devices)
+    cfg, ds = _short_timeout_inputs("e6_1000_37", devices, precision)
     missing = P - 1
     with mok.Workspace(cfg, mok.SingleProcessGroup(devices), max_tokens=1000) as ws:
         scheds = [mok.schedule(ws.rank(r), ds[r]["ids"]) for r in range(P)]
@@ -223,10 +296,10 @@ def check_dead_peer_times_out(devices) -> None:
             assert e.value.rank == missing
 
 
-def check_dead_peer_in_backward(devices) -> None:
+def check_dead_peer_in_backward(devices, *, precision: str = "bf16") -> None:
     """Every rank runs the forward, the last one skips the backward: the others name it."""
     P = len(devices)
-    cfg, ds = _short_timeout_inputs("e6_shared_limit", devices)
+    cfg, ds = _short_timeout_inputs("e6_shared_limit", devices, precision)
     missing = P - 1
     with mok.Workspace(cfg, mok.SingleProcessGroup(devices), max_tokens=1000) as ws:
         scheds = [mok.schedule(ws.rank(r), ds[r]["ids"]) for r in range(P)]
@@ -326,6 +399,54 @@ def test_capacity_error_on_every_rank():
 
 def test_dead_peer_times_out_naming_it():
     check_dead_peer_times_out([0, 0])
+
+
+# ---- fp8_block ------------------------------------------------------------------------------------
+
+def test_fp8_ep2_against_ep1_on_the_same_problem():
+    check_ep_against_one_rank("e6_shared_limit", [0, 0], precision="fp8_block")   # shared expert, clamp, T = 1000 / 37
+    check_ep_against_one_rank("empty_rank", [0, 0], precision="fp8_block")        # a rank with T = 0
+
+
+def test_fp8_ep2_against_ep1_at_qwen3():   # the acceptance shape (~2.4 GB of fp32 weight gradients per run)
+    check_ep_against_one_rank("qwen3_4096x2", [0, 0], precision="fp8_block")
+
+
+def test_fp8_ep3_against_ep1_on_the_same_problem():
+    check_ep_against_one_rank("e6_shared_limit", [0, 0, 0], precision="fp8_block")
+
+
+@pytest.mark.parametrize("case,skewed", [("e6_1000_37", False), ("e6_shared_limit", True)])
+def test_fp8_ep2_against_the_oracle(case, skewed):
+    check_fp8_ep_against_the_oracle(case, [0, 0], skewed=skewed)
+
+
+def test_fp8_two_processes_on_one_gpu_match_one_process():
+    check_two_processes_match_one_process("e6_shared_limit", [0, 0], precision="fp8_block")
+
+
+def test_fp8_capacity_error_on_every_rank():
+    check_capacity_error_on_every_rank([0, 0], precision="fp8_block")
+
+
+def test_fp8_dead_peer_times_out_naming_it():
+    check_dead_peer_times_out([0, 0], precision="fp8_block")
+
+
+def test_fp8_dead_peer_in_backward_times_out_naming_it():
+    check_dead_peer_in_backward([0, 0], precision="fp8_block")
+
+
+def test_fp8_one_process_two_ranks_recompute_gives_the_same_gradients():
+    # The backward of recompute_context's context against that of the forward's, bitwise on every
+    # rank (enqueue runs both); accuracy against the FP8 oracle: test_fp8_ep2_against_the_oracle.
+    got = run_one_process("e6_shared_limit", SEED, [0, 0], cfg=config("e6_shared_limit", precision="fp8_block"))
+    for r in range(2):
+        names = [n for n in got[r] if "recomputed_" + n in got[r]]
+        assert {"dx", "dw_gate", "dws_down"} <= set(names), names
+        for n in names:
+            np.testing.assert_array_equal(got[r][n].view(np.uint8), got[r]["recomputed_" + n].view(np.uint8),
+                                          err_msg=f"rank {r} {n}")
 
 
 def test_dead_peer_among_three_ranks_is_the_one_named():

@@ -75,7 +75,7 @@ def test_bf16_plan_is_unchanged_by_the_precision_argument():
     assert a.tiles["h_tiles"] == -(-d.hidden // 256)
     with pytest.raises(AssertionError):
         a.fp8_struct()
-    with pytest.raises(AssertionError):   # no FP8 plan with expert parallelism
+    with pytest.raises(AssertionError):   # FP8 with EP: one push task per token block (tests/test_fp8_ep_host.py)
         from mok_rt.kernels import moe_plan
         moe_plan.forward_plan(d, push_tasks=4, precision="fp8_block")
 
@@ -224,7 +224,8 @@ def test_backend_precision_rules():
     check_backend_precision("cuda", "fp8_block")
     check_backend_precision("cuda", "bf16", 4)
     check_backend_precision("reference", "mxfp8")
-    for args in (("cuda", "mxfp8"), ("cuda", "fp8_block", 2)):
+    check_backend_precision("cuda", "fp8_block", 2)   # the forward with EP (the backward refuses: below)
+    for args in (("cuda", "mxfp8"), ("cuda", "mxfp8", 2)):
         with pytest.raises(mok.ArgumentError) as ei:
             check_backend_precision(*args)
         assert ei.value.argument == "precision"
@@ -248,12 +249,3 @@ def test_quantized_weights_must_come_from_the_backend_that_runs_them():
     check_quantized(ref_rank, QuantizedWeights("fp8_block", shapes, ref_q), None)
     check_quantized(cuda_rank, QuantizedWeights("fp8_block", shapes, Q8.DeviceQuantized(*([None] * 6), device_id=0)),
                     None)
-
-
-def test_cuda_fp8_backward_with_expert_parallelism_is_refused():
-    # (A workspace refuses fp8_block with EP first; the backward says so again before anything runs.)
-    from mok_rt.backends.cuda import CudaBackend
-    with pytest.raises(mok.ArgumentError) as ei:
-        CudaBackend._run_backward_fp8(SimpleNamespace(ep=object()), None, None, None, None, out={}, grad_dtype=None,
-                                      accumulate=False, stream=None)
-    assert ei.value.argument == "precision" and "one rank only" in str(ei.value)

@@ -1,5 +1,5 @@
 // The "fp8_block" backward megakernel (docs/FP8_DESIGN.md "Step 3"): one persistent launch per
-// backward on one GPU, on the bf16 kernels' pipeline (roles, ring, Job queue, task order) with the
+// backward on one GPU or one rank of an EP group, on the bf16 kernels' pipeline (roles, ring, Job queue, task order) with the
 // FP8 task set of tasks/backward_fp8.cuh.  A cubin of its own, so the bf16 kernels (moe_layer.cu)
 // and the FP8 forward (moe_forward_fp8.cu) are built exactly as before.
 // Every phase is built; CudaBackend.backward launches it for fp8_block (backends/cuda_fp8.py).
@@ -18,8 +18,8 @@ constexpr int kFp8ProducerRegs = 40;
 constexpr int kFp8WorkerRegs = 232;
 static_assert(128 * kFp8ProducerRegs + kThreads * kFp8WorkerRegs <= 384 * 168, "the CTA's register pool");
 
-// The start and role split of moe_forward_fp8.cu's run_fp8_forward (kept in step by hand).
-// Expert parallelism is refused: FP8 rows do not travel yet.
+// The start and role split of moe_forward_fp8.cu's run_fp8_forward (kept in step by hand), with EP
+// its end-of-launch group barrier.
 __device__ __forceinline__ void run_fp8_backward(const MoEFp8BackwardTmaParams& tp, unsigned char* smem) {
   const MoEFp8BackwardParams& q = tp.p;
   const MoEBackwardParams& p = q.p;
@@ -33,10 +33,6 @@ __device__ __forceinline__ void run_fp8_backward(const MoEFp8BackwardTmaParams& 
     order = TmaBackwardFp8::make_order(plan.b, p, num_blocks);
   }
   if (__syncthreads_or(threadIdx.x == 0 && error_set(p.err))) return;
-  if (p.peers.num_ranks > 1) {
-    if (blockIdx.x == 0 && threadIdx.x == 0) set_error(p.err, kErrInternal, __LINE__, p.peers.num_ranks, 0);
-    return;
-  }
   if (!check_capacity(num_blocks, p.dims, p.err)) return;
   pipe::init(s);
   __syncthreads();
@@ -55,6 +51,8 @@ __device__ __forceinline__ void run_fp8_backward(const MoEFp8BackwardTmaParams& 
   }
   setmaxnreg_inc<kFp8WorkerRegs>();
   pipe::worker_loop(k, s, wc);
+  if (ep::enabled(p.peers))  // the peer deadline: dims.timeout_ns is the local one (TmaBackwardFp8::wait_ctx)
+    ep::end_of_launch(p.peers, p.cnt.ctas_done, p.err, TmaBackwardFp8::peer_timeout_ns(p));
 }
 
 }  // namespace

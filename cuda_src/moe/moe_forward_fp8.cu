@@ -1,7 +1,7 @@
 // The "fp8_block" forward megakernel (docs/FP8_DESIGN.md): one persistent launch per forward or
-// recompute_context on one GPU, on the bf16 kernels' pipeline (roles, ring, Job queue, task order)
-// with the FP8 task set of tasks/forward_fp8.cuh.  A cubin of its own, so the bf16 kernels
-// (moe_layer.cu) are built exactly as before.
+// recompute_context on one GPU or one rank of an EP group, on the bf16 kernels' pipeline (roles,
+// ring, Job queue, task order) with the FP8 task set of tasks/forward_fp8.cuh.  A cubin of its
+// own, so the bf16 kernels (moe_layer.cu) are built exactly as before.
 // Launch: 384 threads (pipe::kCtaThreads), pipe::kSmemBytes of dynamic shared memory, a grid of
 // about one CTA per SM; parameters: MoEFp8ForwardTmaParams (moe/params_fp8.cuh).
 #define MOK_ZERO_FILL_ROUTES 1  // moe/tasks/row_copy.cuh: keeps the combine's route registers from spilling here
@@ -19,8 +19,7 @@ constexpr int kFp8WorkerRegs = 232;
 static_assert(128 * kFp8ProducerRegs + kThreads * kFp8WorkerRegs <= 384 * 168, "the CTA's register pool");
 
 // The same start and role split as moe_layer.cu's run_megakernel (kept in step by hand: that file
-// is not touched, so the bf16 cubin cannot change).  Expert parallelism is refused (the host
-// never launches it so: FP8 rows do not travel yet).
+// is not touched, so the bf16 cubin cannot change), with EP its end-of-launch group barrier.
 __device__ __forceinline__ void run_fp8_forward(const MoEFp8ForwardTmaParams& tp, unsigned char* smem) {
   const MoEFp8ForwardParams& q = tp.p;
   const MoEForwardParams& p = q.p;
@@ -34,10 +33,6 @@ __device__ __forceinline__ void run_fp8_forward(const MoEFp8ForwardTmaParams& tp
     order = TmaForwardFp8::make_order(plan.f, p, num_blocks);
   }
   if (__syncthreads_or(threadIdx.x == 0 && error_set(p.err))) return;
-  if (p.peers.num_ranks > 1) {
-    if (blockIdx.x == 0 && threadIdx.x == 0) set_error(p.err, kErrInternal, __LINE__, p.peers.num_ranks, 0);
-    return;
-  }
   if (!check_capacity(num_blocks, p.dims, p.err)) return;
   pipe::init(s);
   __syncthreads();
@@ -56,6 +51,7 @@ __device__ __forceinline__ void run_fp8_forward(const MoEFp8ForwardTmaParams& tp
   }
   setmaxnreg_inc<kFp8WorkerRegs>();
   pipe::worker_loop(k, s, wc);
+  if (ep::enabled(p.peers)) ep::end_of_launch(p.peers, p.cnt.ctas_done, p.err, p.dims.timeout_ns);
 }
 
 }  // namespace

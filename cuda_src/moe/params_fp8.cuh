@@ -4,7 +4,7 @@
 //
 // Of the bf16 struct the FP8 forward uses sched, ctx.gu / ctx.y_slot / ctx.sgu (bf16, as the
 // oracle's context keeps g, u and y), cnt, x, topk_weights, out, shared_y, err, trace, dims, plan
-// (h_tiles counts 128-column tiles here), context_only and peers (one rank only).  w, ctx.x_routed,
+// (h_tiles counts 128-column tiles here), context_only and peers (EP: tasks/ep_fp8.cuh).  w, ctx.x_routed,
 // ctx.act and ctx.sact are null: the GEMMs read the E4M3 copies below instead.
 //
 // Scale layouts (common/fp8.cuh): activations fp32 [ceil(K/128), ld] (rows contiguous: one TMA box

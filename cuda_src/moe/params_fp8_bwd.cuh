@@ -1,7 +1,7 @@
 // Parameter struct of the "fp8_block" backward megakernel (docs/FP8_DESIGN.md, "Step 3"): the bf16
 // backward's MoEBackwardParams, unchanged, followed by what FP8 adds.  Mirrored by
 // mok_rt/kernels/moe_params_fp8_bwd.py (sizes and offsets asserted on both sides with the same
-// numbers).  Read by moe_backward_fp8 (compile-only: no host launch fills it yet).
+// numbers).  Read by moe_backward_fp8 (filled by mok_rt/kernels/moe_fp8_bwd.py).
 //
 // Why the bf16 struct stays whole: the phases the FP8 backward keeps (d_weights, the bf16 wgrads,
 // the dX epilogue, combine) are the bf16 bodies or their arithmetic (tasks/backward_bodies.cuh,
@@ -18,7 +18,8 @@
 // Row layouts shared by one tensor map (the 4 KB parameter budget, see the maps below): `dq` holds
 // the token-order rows [0, T) and the routed rows [token_rows, token_rows + R); so do the bf16
 // wgrad operands `dq_bf` (then dy_routed == dq_bf + token_rows * H) and `xq_bf` (then ctx.x_routed
-// == xq_bf + token_rows * H).  token_rows = token_blocks * 128 with a shared expert, else 0.
+// == xq_bf + token_rows * H).  token_rows = token_blocks * 128 with a shared expert or expert
+// parallelism (the push tasks quantise d_out there: tasks/ep_fp8.cuh), else 0.
 //
 // Scale layouts: activations fp32 [K blocks, ld] (rows contiguous, as the forward's): `rs` holds the
 // routed rows' scales, H/128 blocks of dyq then 2 Ip/128 of dguq (ld R); `ts` the token-order rows',

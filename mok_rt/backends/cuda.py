@@ -311,7 +311,7 @@ class CudaBackend(Fp8Calls):
         return L.LayerDims(tokens=tokens, hidden=cfg.hidden, intermediate=cfg.intermediate, top_k=cfg.top_k,
                            local_experts=ws.experts_per_rank, capacity_rows=ws.capacity_rows,
                            shared_intermediate=cfg.shared_intermediate, swiglu_limit=cfg.swiglu_limit,
-                           rank=ws.rank_id)
+                           rank=ws.rank_id, expert_parallel=self.ep is not None)
 
     @staticmethod
     def _sched_bufs(s) -> L.ScheduleBuffers:

@@ -1,6 +1,6 @@
-"""The CUDA backend's "fp8_block" calls (docs/FP8_DESIGN.md), one rank: ``mok.quantize_weights``,
-the FP8 forward (moe_forward_fp8, kernels/moe_fp8.py) and the FP8 backward (moe_backward_fp8,
-kernels/moe_fp8_bwd.py).
+"""The CUDA backend's "fp8_block" calls (docs/FP8_DESIGN.md): ``mok.quantize_weights``, the FP8
+forward (moe_forward_fp8, kernels/moe_fp8.py) and the FP8 backward (moe_backward_fp8,
+kernels/moe_fp8_bwd.py), on one rank or a rank of an expert-parallel group.
 
 A mixin of :class:`mok_rt.backends.cuda.CudaBackend`, which owns what these use: the result blocks,
 the rank's scratch, the graph arena, the prepared-call cache, the error word and the streams.
@@ -49,7 +49,9 @@ class Fp8Calls:
             fn, table = ((M8.forward_buffer_bytes, _FP8_FORWARD) if kind == "forward"
                          else (MB.backward_buffer_bytes, _FP8_BACKWARD))
             sizes = fn(dims)
-            scratch = {n: nb for n, nb in sizes.items() if table[n].role in ("scratch", "counters")}
+            # With EP the backward's dx_slot is the symmetric block's slot rows, not scratch.
+            scratch = {n: nb for n, nb in sizes.items() if table[n].role in ("scratch", "counters")
+                       and not (self.ep is not None and n == "dx_slot")}
             hit = self._fp8_sizes[key] = (sizes, scratch)
         return hit
 
@@ -120,11 +122,13 @@ class Fp8Calls:
                 wq[f"{prefix}{part}_s"] = 0 if g is None else getattr(g, f"{part}_scale").ptr
         fb = M8.Fp8ForwardBuffers(x=args.x.ptr, topk_weights=device_ptr(args.topk_weights), out=device_ptr(out),
                                   **wq, **{n: (v.ptr if sizes[n] else 0) for n, v in block.items()}, **scratch)
-        plan = M8.forward_plan(dims, context_only=context_only)
+        # Only now the EP epoch advances: an allocation that failed above leaves the ranks in step.
+        peers = None if self.ep is None else M8.fp8_peers(self.ep.peers(T), dims)
+        plan = M8.forward_plan(dims, context_only=context_only, push_tasks=0 if peers is None else peers.push_tasks)
         trace = self._trace_buffer("recompute" if context_only else "forward", plan, stream, capturing)
         M8.launch_forward_fp8(fb, sched._launch_bufs, dims, stream=stream, err_ptr=self.error.device_ptr,
                               device_id=self.device_id, knobs=self.knobs, context_only=context_only,
-                              trace_ptr=trace, plan=plan)
+                              trace_ptr=trace, plan=plan, peers=peers)
         return out, ForwardState(dims=dims, bufs=block, keep=(args, sched, routed, shared),
                                  weights=(routed, shared))
 
@@ -169,9 +173,6 @@ class Fp8Calls:
                           stream):
         """The "fp8_block" backward (moe_backward_fp8) of a context of the FP8 forward or of
         recompute_context; the same results as the bf16 backward (CudaBackend.backward)."""
-        if self.ep is not None:
-            raise ArgumentError("precision", "the 'fp8_block' backward runs on one rank only (expert parallelism "
-                                             "is not built for FP8: its E4M3 rows do not travel yet)")
         if not state.weights:
             raise ArgumentError("ctx", "is not the context of an 'fp8_block' forward or recompute_context")
         capturing, handle = self._begin(stream)
@@ -193,14 +194,18 @@ class Fp8Calls:
                scratch_key)
         prep = self._calls.get(key) if cacheable else None
         if prep is None:
+            # With EP dx returns into the slot rows of the symmetric block (as in the bf16 EP backward).
+            heap = {} if self.ep is None else {"dx_slot": self.ep.slot_ptr()}
             bb = MB.Fp8BackwardBuffers(d_out=dout.ptr, topk_weights=args.topk_weights.ptr, dx=dx.ptr,
                                        d_topk_weights=dtw.ptr, **ctx, **wt, **dict(zip(P.GRAD_NAMES, grad_ptrs)),
-                                       **scratch)
-            plan = MB.backward_plan(dims)
+                                       **scratch, **heap)
+            # Only now the EP epoch advances: an allocation that failed above leaves the ranks in step.
+            peers = None if self.ep is None else M8.fp8_peers(self.ep.peers(T), dims)
+            plan = MB.backward_plan(dims, push_tasks=0 if peers is None else peers.push_tasks)
             trace = self._trace_buffer("backward", plan, stream, capturing)
             prep = MB.prepare_backward_fp8(bb, sched._launch_bufs, dims, stream=stream, err_ptr=self.error.device_ptr,
                                            device_id=self.device_id, knobs=self.knobs, accumulate=accumulate,
-                                           grad_bf16=grad_bf16, trace_ptr=trace, plan=plan)
+                                           grad_bf16=grad_bf16, trace_ptr=trace, plan=plan, peers=peers)
             if cacheable:
                 self._calls.put(key, prep)
         prep()

@@ -1,12 +1,17 @@
-"""Launching the "fp8_block" forward megakernel (cuda_src/moe/moe_forward_fp8.cu) on one GPU.
+"""Launching the "fp8_block" forward megakernel (cuda_src/moe/moe_forward_fp8.cu), on one GPU or as
+one rank of an expert-parallel group (``peers``).
 
 The same contract as :func:`mok_rt.kernels.moe_launch.launch_forward` (the caller owns every
 buffer; nothing here synchronises or reads a routing-dependent count), with the FP8 buffer table
 (kernels/moe_params_fp8.py), the FP8 plan (``forward_plan(..., precision="fp8_block")``) and the
 FP8 tensor maps (:func:`map_specs`: e4m3 operands with 128-byte K boxes, fp32 scale rows).
-Expert parallelism is not built for FP8 (the workspace refuses it).
+With expert parallelism (cuda_src/moe/tasks/ep_fp8.cuh) the push tasks are one per token block
+(:func:`push_tasks`) and quantise x in token order into ``xq`` / ``xq_s`` before pushing the E4M3
+rows, so those two are allocated with or without a shared expert (``LayerDims.expert_parallel``).
 """
 from __future__ import annotations
+
+import dataclasses
 
 from mok_rt.errors import ArgumentError
 from mok_rt.kernels import moe_launch as L
@@ -19,7 +24,8 @@ from mok_rt.runtime.driver import call, driver
 from mok_rt.runtime.launch import launch, stream_handle
 from mok_rt.runtime.tensormap import Swizzle, TensorMapSpec
 
-__all__ = ["Fp8ForwardBuffers", "forward_plan", "forward_buffer_bytes", "map_specs", "launch_forward_fp8"]
+__all__ = ["Fp8ForwardBuffers", "forward_plan", "forward_buffer_bytes", "map_specs", "launch_forward_fp8",
+           "push_tasks", "fp8_peers"]
 
 _KERNELS = L._Kernels("moe_forward_fp8", "moe_forward_fp8", "", P.THREADS, P.SMEM_BYTES)
 _TABLE = tuple(b for b in F.FP8_FORWARD_BUFFERS if b.role != "schedule")
@@ -27,13 +33,25 @@ Fp8ForwardBuffers = L._buffers_class("Fp8ForwardBuffers", _TABLE, """Device poin
     buffer of moe_params_fp8.FP8_FORWARD_BUFFERS (shapes and roles there); 0 where the buffer has 0 bytes.""")
 
 
-def forward_plan(dims: L.LayerDims, *, context_only: bool = False) -> _moe_plan.Plan:
-    return _moe_plan.forward_plan(dims, context_only=context_only, precision="fp8_block")
+def forward_plan(dims: L.LayerDims, *, context_only: bool = False, push_tasks: int = 0) -> _moe_plan.Plan:
+    """The FP8 forward's plan; ``push_tasks`` > 0 (then :func:`push_tasks`) with expert parallelism."""
+    return _moe_plan.forward_plan(dims, context_only=context_only, push_tasks=push_tasks, precision="fp8_block")
+
+
+push_tasks = _moe_plan.fp8_push_tasks
+
+
+def fp8_peers(peers: L.PeerSpec, dims: L.LayerDims) -> L.PeerSpec:
+    """``peers`` with the FP8 forward's push tasks (one per token block, :func:`push_tasks`)."""
+    return dataclasses.replace(peers, push_tasks=push_tasks(dims))
 
 
 def forward_buffer_bytes(dims: L.LayerDims) -> dict[str, int]:
-    """Bytes of every buffer moe_forward_fp8 writes (context, output, scratch, counters)."""
-    return L._written_bytes(_TABLE, dims, forward_plan(dims).counter_words)
+    """Bytes of every buffer moe_forward_fp8 writes (context, output, scratch, counters).  With
+    ``dims.expert_parallel`` the token-order ``xq`` / ``xq_s`` exist without a shared expert too
+    (the push tasks quantise into them), and the counters are those of the EP plan."""
+    plan = forward_plan(dims, push_tasks=push_tasks(dims) if dims.expert_parallel else 0)
+    return L._written_bytes(_TABLE, dims, plan.counter_words)
 
 
 # ---- tensor maps ---------------------------------------------------------------------------------
@@ -92,7 +110,7 @@ def map_specs(bufs, dims: L.LayerDims) -> dict[str, TensorMapSpec | None]:
 
 # ---- launching -----------------------------------------------------------------------------------
 def _params(bufs, sched, plan, dims: L.LayerDims, knobs: L.KernelKnobs, err_ptr: int, trace_ptr: int,
-            context_only: bool) -> F.MoEFp8ForwardParams:
+            context_only: bool, peers: L.PeerSpec | None = None) -> F.MoEFp8ForwardParams:
     q = F.MoEFp8ForwardParams()
     p = q.p
     L._fill(p.sched, L._struct_values(sched, L._SCHEDULE_TABLE, "sched"))
@@ -107,7 +125,7 @@ def _params(bufs, sched, plan, dims: L.LayerDims, knobs: L.KernelKnobs, err_ptr:
     p.dims = dims._struct(knobs.timeout_ns)
     p.plan = plan.struct()
     p.context_only = int(bool(context_only))
-    p.peers = L._no_peers()
+    p.peers = L._no_peers() if peers is None else peers._struct()
     L._fill(q.wq, L._struct_values(bufs, _TABLE, "wq"))
     L._fill(q.qctx, L._struct_values(bufs, _TABLE, "qctx"))
     q.plan8 = plan.fp8_struct()
@@ -119,21 +137,35 @@ _maps_cache = _maps.StructCache()   # (dims, buffers) -> the encoded maps struct
 
 def launch_forward_fp8(bufs, sched: L.ScheduleBuffers, dims: L.LayerDims, *, stream, err_ptr: int,
                        device_id: int = 0, knobs: L.KernelKnobs = L.KernelKnobs(), context_only: bool = False,
-                       trace_ptr: int = 0, plan: _moe_plan.Plan | None = None) -> None:
+                       trace_ptr: int = 0, plan: _moe_plan.Plan | None = None,
+                       peers: L.PeerSpec | None = None) -> None:
     """Enqueue the FP8 forward on ``stream``: counters memset, then one persistent launch.
 
     Writes the context (gu, y_slot, sgu in bf16; xq, xrq, aq, saq in E4M3 with their scales) and,
     unless ``context_only``, ``out``.  ``bufs``: :data:`Fp8ForwardBuffers` (the E4M3 weights of
-    ``mok.quantize_weights``)."""
+    ``mok.quantize_weights``).  With ``peers`` (expert parallelism; ``peers.push_tasks`` must be
+    :func:`push_tasks`, see :func:`fp8_peers`) every rank of the group must launch its forward, and
+    ``xq`` / ``xq_s`` must be given (``dims.expert_parallel``)."""
     if not isinstance(bufs, Fp8ForwardBuffers):
         raise ArgumentError("bufs", f"expected Fp8ForwardBuffers, got {type(bufs).__name__}")
-    L._check_launch(bufs, _TABLE, sched, dims, None, err_ptr,
+    L._check_launch(bufs, _TABLE, sched, dims, peers, err_ptr,
                     unused=frozenset({"out", "topk_weights", "shared_y"}) if context_only else frozenset())
+    if peers is not None:
+        if not dims.expert_parallel:
+            raise ArgumentError("dims", "expert_parallel must be True with peers (the token-order xq it sizes)")
+        if peers.push_tasks != push_tasks(dims):
+            raise ArgumentError("peers", f"the FP8 forward pushes one token block per task: push_tasks must be "
+                                         f"{push_tasks(dims)}, got {peers.push_tasks} (see fp8_peers)")
+        for name in ("xq", "xq_s"):
+            if dims.tokens and not getattr(bufs, name):
+                raise ArgumentError(name, "null device pointer (the EP push tasks quantise x into it)")
     if plan is None:
-        plan = forward_plan(dims, context_only=bool(context_only))
+        plan = forward_plan(dims, context_only=bool(context_only), push_tasks=0 if peers is None else peers.push_tasks)
     if plan.precision != "fp8_block":
         raise ArgumentError("plan", "expected the FP8 forward plan")
-    q = _params(bufs, sched, plan, dims, knobs, err_ptr, trace_ptr, context_only)
+    if plan.phase("push").count != (0 if peers is None else peers.push_tasks):
+        raise ArgumentError("plan", "its push tasks do not match peers")
+    q = _params(bufs, sched, plan, dims, knobs, err_ptr, trace_ptr, context_only, peers)
     params = F.MoEFp8ForwardTmaParams()
     params.p = q
     _maps_cache.fill((dims, bufs), params.maps, lambda: map_specs(bufs, dims))

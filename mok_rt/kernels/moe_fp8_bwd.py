@@ -1,4 +1,5 @@
-"""Launching the "fp8_block" backward megakernel (cuda_src/moe/moe_backward_fp8.cu) on one GPU.
+"""Launching the "fp8_block" backward megakernel (cuda_src/moe/moe_backward_fp8.cu), on one GPU or as
+one rank of an expert-parallel group (``peers``).
 
 The contract of :func:`mok_rt.kernels.moe_launch.prepare_backward` (the caller owns every buffer;
 nothing here synchronises or reads a routing-dependent count), with the FP8 backward's buffer table
@@ -16,7 +17,14 @@ and the counters.  Three pointers are views, not buffers of their own: ``q.dyq``
 ``p.dy_routed`` (dq_bf's) and ``p.ctx.x_routed`` (xq_bf's), each ``token_rows`` rows into its
 array, so that one tensor map covers the token-order and the routed rows (the 4 KB parameter
 budget).  The bf16 weights and ``x`` are null: the GEMMs read the E4M3 copies and the widened ones.
-Expert parallelism is not built for FP8 (the plan and the workspace refuse it).
+
+With expert parallelism (cuda_src/moe/tasks/ep_fp8.cuh): one push task per token block
+(``moe_fp8.push_tasks``) quantises d_out into the token-order rows of dq / dq_bf (which
+``dims.expert_parallel`` sizes with or without a shared expert) and sends E4M3 rows, scales and
+routing weights; ``dx_slot`` must be the rank's slot rows of the symmetric block (the destinations
+return dx there, as in the bf16 EP backward); and ``dims.timeout_ns`` goes to the kernel times
+``LOCAL_TIMEOUT_FACTOR`` (its local waits use it as it is, its peer waits divide: see
+TmaBackwardFp8::wait_ctx), so the deadlines are the bf16 EP backward's.
 """
 from __future__ import annotations
 
@@ -73,13 +81,19 @@ _NULL_W = tuple(n for n, _ in P.MoEWeights._fields_)
 _FP8_COUNTERS = ("token_dq_ready", "expert_widen_ready", "prep_done")
 
 
-def backward_plan(dims: L.LayerDims) -> _moe_plan.Plan:
-    return _moe_plan.backward_plan(dims, precision="fp8_block")
+LOCAL_TIMEOUT_FACTOR = 2   # ep::kLocalTimeoutFactor (cuda_src/moe/tasks/ep.cuh)
+
+
+def backward_plan(dims: L.LayerDims, *, push_tasks: int = 0) -> _moe_plan.Plan:
+    """The FP8 backward's plan; ``push_tasks`` > 0 (then ``moe_fp8.push_tasks``) with expert parallelism."""
+    return _moe_plan.backward_plan(dims, push_tasks=push_tasks, precision="fp8_block")
 
 
 def backward_buffer_bytes(dims: L.LayerDims) -> dict[str, int]:
-    """Bytes of every buffer moe_backward_fp8 writes (outputs, scratch, counters); 0 = not needed."""
-    words = backward_plan(dims).counter_words
+    """Bytes of every buffer moe_backward_fp8 writes (outputs, scratch, counters); 0 = not needed.
+    With ``dims.expert_parallel`` the counters are the EP plan's, and dx_slot is the symmetric
+    block's slot rows (listed here all the same: the caller does not allocate it then)."""
+    words = backward_plan(dims, push_tasks=_moe_plan.fp8_push_tasks(dims) if dims.expert_parallel else 0).counter_words
     return {b.name: (words * 4 if b.role == "counters" else b.nbytes(dims))
             for b in FP8_BACKWARD_TABLE if b.role in ("output", "scratch", "counters")}
 
@@ -158,7 +172,7 @@ def _values(bufs, struct: str) -> dict[str, int]:
 
 
 def _params(bufs, sched, plan, dims: L.LayerDims, knobs: L.KernelKnobs, err_ptr: int, trace_ptr: int,
-            accumulate: bool, grad_bf16: bool) -> B.MoEFp8BackwardParams:
+            accumulate: bool, grad_bf16: bool, peers: L.PeerSpec | None = None) -> B.MoEFp8BackwardParams:
     q = B.MoEFp8BackwardParams()
     p = q.p
     v = views(bufs, dims)
@@ -173,10 +187,11 @@ def _params(bufs, sched, plan, dims: L.LayerDims, knobs: L.KernelKnobs, err_ptr:
     for name, value in {**_values(bufs, ""), "x": 0, "dy_routed": v["dy_routed"]}.items():
         setattr(p, name, int(value))
     p.err, p.trace = err_ptr, trace_ptr
-    p.dims = dims._struct(knobs.timeout_ns)
+    # With EP the local deadline goes in (the kernel divides for its peer waits; module doc).
+    p.dims = dims._struct(knobs.timeout_ns * (1 if peers is None else LOCAL_TIMEOUT_FACTOR))
     p.plan = plan.struct()
     p.accumulate, p.grad_bf16 = int(bool(accumulate)), int(bool(grad_bf16))
-    p.peers = L._no_peers()
+    p.peers = L._no_peers() if peers is None else peers._struct()
     L._fill(q.wt, _values(bufs, "wt"))
     L._fill(q.qctx, _values(bufs, "qctx"))
     L._fill(q.q, {**_values(bufs, "q"), "dyq": v["dyq"]})
@@ -212,8 +227,8 @@ _maps_cache = _maps.StructCache()   # (dims, buffers) -> the encoded maps struct
 
 def prepare_backward_fp8(bufs, sched: L.ScheduleBuffers, dims: L.LayerDims, *, stream, err_ptr: int,
                          device_id: int = 0, knobs: L.KernelKnobs = L.KernelKnobs(), accumulate: bool = False,
-                         grad_bf16: bool = False, trace_ptr: int = 0,
-                         plan: _moe_plan.Plan | None = None) -> PreparedFp8Backward:
+                         grad_bf16: bool = False, trace_ptr: int = 0, plan: _moe_plan.Plan | None = None,
+                         peers: L.PeerSpec | None = None) -> PreparedFp8Backward:
     """Check the arguments and prepare the FP8 backward on ``stream`` (call the result to enqueue
     it: counters and pad rows zeroed, then one persistent launch).
 
@@ -221,15 +236,27 @@ def prepare_backward_fp8(bufs, sched: L.ScheduleBuffers, dims: L.LayerDims, *, s
     same schedule and the transposed E4M3 weights.  Writes dx, d_topk_weights and the weight
     gradients, fp32 or (``grad_bf16``) bf16, added to their contents when ``accumulate``.
     ``err_ptr``: the device error word; the caller checks it after syncing.  ``trace_ptr``: 0 or
-    zeroed device memory for backward_plan(dims).total records (mok_rt/kernels/trace.py)."""
+    zeroed device memory for backward_plan(dims).total records (mok_rt/kernels/trace.py).  With
+    ``peers`` (expert parallelism; ``peers.push_tasks`` = ``moe_fp8.push_tasks(dims)``, see
+    ``moe_fp8.fp8_peers``; ``dims.expert_parallel``) every rank of the group must launch its
+    backward, and ``bufs.dx_slot`` must be the rank's slot rows (module doc)."""
     if not isinstance(bufs, Fp8BackwardBuffers):
         raise ArgumentError("bufs", f"expected Fp8BackwardBuffers, got {type(bufs).__name__}")
-    L._check_launch(bufs, FP8_BACKWARD_TABLE, sched, dims, None, err_ptr)
+    L._check_launch(bufs, FP8_BACKWARD_TABLE, sched, dims, peers, err_ptr)
+    push = 0 if peers is None else peers.push_tasks
+    if peers is not None:
+        if not dims.expert_parallel:
+            raise ArgumentError("dims", "expert_parallel must be True with peers (the token-order dq it sizes)")
+        if push != _moe_plan.fp8_push_tasks(dims):
+            raise ArgumentError("peers", f"the FP8 backward pushes one token block per task: push_tasks must be "
+                                         f"{_moe_plan.fp8_push_tasks(dims)}, got {push} (see moe_fp8.fp8_peers)")
     if plan is None:
-        plan = backward_plan(dims)
+        plan = backward_plan(dims, push_tasks=push)
     if plan.precision != "fp8_block" or plan.kind != "backward":
         raise ArgumentError("plan", "expected the FP8 backward plan (backward_plan(dims))")
-    q = _params(bufs, sched, plan, dims, knobs, err_ptr, trace_ptr, accumulate, grad_bf16)
+    if plan.phase("push").count != push:
+        raise ArgumentError("plan", "its push tasks do not match peers")
+    q = _params(bufs, sched, plan, dims, knobs, err_ptr, trace_ptr, accumulate, grad_bf16, peers)
     params = B.MoEFp8BackwardTmaParams()
     params.p = q
     _maps_cache.fill((dims, bufs), params.maps, lambda: map_specs(bufs, dims))

@@ -76,6 +76,9 @@ class LayerDims:
     shared_intermediate: int = 0  # I_s: 0 = no shared expert, else multiple of 64
     swiglu_limit: float | None = None
     rank: int = 0               # reported in error words
+    # A rank of an expert-parallel group.  Only the FP8 buffer tables read it: their push tasks
+    # quantise the rank's token rows in token order (kernels/moe_params_fp8.py token_order_rows).
+    expert_parallel: bool = False
 
     def __post_init__(self):
         _int("tokens", self.tokens)
@@ -155,7 +158,7 @@ class PeerSpec:
 
     ``peer_bases[r]``: rank r's symmetric block, valid on this rank's device (``peer_array``: the
     same as a device uint64 array).  Offsets are bytes into every block: ``routed_offset``
-    [capacity_rows, H] bf16, ``slot_offset`` [slot_rows, H] bf16 (slot_rows = max_tokens * k),
+    [capacity_rows, H] bf16 (the FP8 forward's E4M3 rows + scales inside it: ep_fp8.cuh), ``slot_offset`` [slot_rows, H] bf16 (slot_rows = max_tokens * k),
     ``flags_offset`` int32 [NUM_PEER_FLAGS][MAX_EP_RANKS] (zeroed once, never reset),
     ``end_pad_offset`` the end-of-launch barrier's signal pad.  ``epoch``: this launch's number,
     the same on every rank and larger than any earlier launch's.  ``push_tasks``: how many tasks

@@ -228,7 +228,11 @@ CHUNK_FLAGS_OFFSET = 4 * NUM_PEER_FLAGS * MAX_EP_RANKS  # kChunkFlagsOffset: byt
 
 
 class MoEPeers(ctypes.Structure):
-    """Expert parallelism: every rank's symmetric block and the layout inside it (params.cuh)."""
+    """Expert parallelism: every rank's symmetric block and the layout inside it (params.cuh).
+
+    The routed region ([max_rows, H] bf16) holds, in the "fp8_block" forward, E4M3 rows
+    [max_rows, H] at byte 0 and their fp32 scales [ceil(H/128), max_rows] at byte max_rows * H
+    (cuda_src/moe/tasks/ep_fp8.cuh; it fits since 4 ceil(H/128) <= H)."""
 
     _fields_ = [
         ("base", ctypes.c_uint64 * MAX_EP_RANKS),

@@ -14,7 +14,7 @@ from mok_rt.kernels import moe_params as P
 from mok_rt.kernels.moe_params import Buffer
 from mok_rt.runtime.tensormap import TensorMapBytes
 
-__all__ = ["KBLOCK", "FP8_TILE_N", "FP8_FORWARD_BUFFERS", "FP8_FORWARD_MAP_NAMES", "token_ld", "MoEFp8Weights",
+__all__ = ["KBLOCK", "FP8_TILE_N", "FP8_FORWARD_BUFFERS", "FP8_FORWARD_MAP_NAMES", "token_ld", "token_order", "MoEFp8Weights",
            "MoEFp8Context", "MoEFp8Plan", "MoEFp8ForwardParams", "MoEFp8ForwardMaps", "MoEFp8ForwardTmaParams"]
 
 KBLOCK = 128       # fp8_block scale block (1 x 128 activations, 128 x 128 weights) = one K stage
@@ -31,8 +31,15 @@ def token_ld(d) -> int:
     return d.token_blocks * P.BLOCK_M
 
 
-def _sh(d, n: int) -> int:
-    return n if d.shared_intermediate else 0
+def token_order(d) -> bool:
+    """Whether the token-order E4M3 copies (x's ``xq``; the backward's dq rows in front of the
+    routed ones) exist: with a shared expert (its A operands), and with expert parallelism (the
+    push tasks quantise each token row once there, then send it: cuda_src/moe/tasks/ep_fp8.cuh)."""
+    return bool(d.shared_intermediate) or d.expert_parallel
+
+
+def _tok(d, n: int) -> int:
+    return n if token_order(d) else 0
 
 
 def _kb(n: int) -> int:
@@ -62,8 +69,8 @@ _CTX = (
     Buffer("sgu", "ctx", "bf16", lambda d: (d.tokens, 2 * d.shared_intermediate), "context"),
 )
 _QCTX = (
-    Buffer("xq", "qctx", "u8", lambda d: (_sh(d, d.tokens), d.hidden), "context"),
-    Buffer("xq_s", "qctx", "f32", lambda d: (_sh(d, _kb(d.hidden)), token_ld(d)), "context"),
+    Buffer("xq", "qctx", "u8", lambda d: (_tok(d, d.tokens), d.hidden), "context"),
+    Buffer("xq_s", "qctx", "f32", lambda d: (_tok(d, _kb(d.hidden)), token_ld(d)), "context"),
     Buffer("xrq", "qctx", "u8", lambda d: (d.capacity_rows, d.hidden), "context"),
     Buffer("xrq_s", "qctx", "f32", lambda d: (_kb(d.hidden), d.capacity_rows), "context"),
     Buffer("aq", "qctx", "u8", lambda d: (d.capacity_rows, d.intermediate), "context"),

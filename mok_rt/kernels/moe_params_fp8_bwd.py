@@ -15,7 +15,7 @@ import ctypes
 
 from mok_rt.kernels import moe_params as P
 from mok_rt.kernels.moe_params import Buffer
-from mok_rt.kernels.moe_params_fp8 import KBLOCK, MoEFp8Context, token_ld
+from mok_rt.kernels.moe_params_fp8 import KBLOCK, MoEFp8Context, token_ld, token_order
 from mok_rt.runtime.tensormap import TensorMapBytes
 
 __all__ = ["FP8_BACKWARD_BUFFERS", "FP8_BACKWARD_MAP_NAMES", "token_rows", "padded_inter", "MoEFp8WeightsT",
@@ -31,15 +31,12 @@ def _kb(n: int) -> int:
     return _cdiv(n, KBLOCK)
 
 
-def _sh(d, n: int) -> int:
-    return n if d.shared_intermediate else 0
-
-
 def token_rows(d) -> int:
     """Token-order rows in front of the routed rows in ``dq`` / ``dq_bf`` / ``xq_bf`` (one tensor
-    map each): every token block's 128 rows with a shared expert (so routed tiles start 128-aligned),
+    map each): every token block's 128 rows with a shared expert or expert parallelism (the push
+    tasks quantise d_out there; moe_params_fp8.token_order) (so routed tiles start 128-aligned),
     else none."""
-    return _sh(d, d.token_blocks * P.BLOCK_M)
+    return d.token_blocks * P.BLOCK_M if token_order(d) else 0
 
 
 def padded_inter(n: int) -> int:
@@ -71,7 +68,8 @@ _Q = (
     Buffer("dguq", "q", "u8", lambda d: (d.capacity_rows, 2 * padded_inter(d.intermediate)), "scratch"),
     Buffer("dsguq", "q", "u8", lambda d: (d.tokens, 2 * padded_inter(d.shared_intermediate)), "scratch"),
     Buffer("rs", "q", "f32", lambda d: (_kb(d.hidden) + 2 * _kb(d.intermediate), d.capacity_rows), "scratch"),
-    Buffer("ts", "q", "f32", lambda d: (_sh(d, _kb(d.hidden) + 2 * _kb(d.shared_intermediate)), token_ld(d)),
+    Buffer("ts", "q", "f32", lambda d: (_kb(d.hidden) + 2 * _kb(d.shared_intermediate) if token_order(d) else 0,
+                                        token_ld(d)),
            "scratch"),
     Buffer("dq_bf", "q", "bf16", lambda d: (token_rows(d) + d.capacity_rows, d.hidden), "scratch"),
     Buffer("xq_bf", "q", "bf16", lambda d: (token_rows(d) + d.capacity_rows, d.hidden), "scratch"),

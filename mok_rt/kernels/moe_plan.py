@@ -28,7 +28,7 @@ from mok_rt.kernels import moe_params as P
 from mok_rt.kernels.moe_params_fp8 import FP8_TILE_N, token_ld
 
 __all__ = ["Phase", "Counter", "Wait", "Plan", "forward_plan", "backward_plan", "combine_parts",
-           "CHUNKS_PER_PUSH_TASK", "readiness_chunks"]
+           "CHUNKS_PER_PUSH_TASK", "readiness_chunks", "fp8_push_tasks"]
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -183,6 +183,12 @@ _FP8_BWD_EXTRA = ("token_prep", "widen", "wait_token_dq_ready", "wait_expert_wid
 _FP8_EXTRA = ("quant_x", "wait_token_xq_ready", "token_ld") + _FP8_BWD_EXTRA
 
 
+def fp8_push_tasks(dims) -> int:
+    """The FP8 forward's push tasks with expert parallelism: one per token block (each quantises
+    its block once, tasks/ep_fp8.cuh), at least one (every rank pushes and notifies, T = 0 too)."""
+    return max(1, dims.token_blocks)
+
+
 def _layout(sizes) -> tuple[Counter, ...]:
     out, at = [], 0
     for name, words in sizes:
@@ -204,13 +210,16 @@ def forward_plan(dims, *, context_only: bool = False, push_tasks: int = 0, preci
     """The forward's plan; ``push_tasks`` > 0 with expert parallelism (then the shared expert's
     gate|up runs while the rows travel, before the dispatch).
 
-    ``precision="fp8_block"`` (one rank only): the FP8 forward's plan (cuda_src/moe/tasks/
-    forward_fp8.cuh).  Its down tiles are 256 columns wide (``h_tiles``, as bf16), and a ``quant_x`` phase
-    (x quantised in token order, one task per token block, only with a shared expert) comes before
-    the dispatch: the shared gate|up tiles of token block tb wait for it (``token_xq_ready``)."""
+    ``precision="fp8_block"``: the FP8 forward's plan (cuda_src/moe/tasks/forward_fp8.cuh).  Its
+    down tiles are 256 columns wide (``h_tiles``, as bf16), and a ``quant_x`` phase (x quantised in
+    token order, one task per token block, only with a shared expert) comes before the dispatch:
+    the shared gate|up tiles of token block tb wait for it (``token_xq_ready``).  With expert
+    parallelism (tasks/ep_fp8.cuh) the push tasks are one per token block (``fp8_push_tasks``):
+    each quantises its block in token order as ``quant_x`` would (which is then empty) and signals
+    ``token_xq_ready``, then pushes the E4M3 rows."""
     d = dims
     fp8 = precision != "bf16"
-    if fp8 and (precision != "fp8_block" or push_tasks):
+    if fp8 and (precision != "fp8_block" or push_tasks not in (0, fp8_push_tasks(d))):
         raise AssertionError(f"no FP8 plan for precision={precision!r}, push_tasks={push_tasks}")
     tb, mb = d.token_blocks, d.max_blocks
     gu, sgu = _ceil_div(d.intermediate, P.GATE_UP_COLS), _ceil_div(d.shared_intermediate, P.GATE_UP_COLS)
@@ -222,7 +231,7 @@ def forward_plan(dims, *, context_only: bool = False, push_tasks: int = 0, preci
     else:
         lead = [("push", 0), ("push_notify", 0), ("dispatch", mb), ("shared_gu", tb * sgu)]
     if fp8:
-        lead.insert(2, ("quant_x", tb if shared else 0))
+        lead.insert(2, ("quant_x", tb if shared and not ep else 0))
     phases = _phases(lead + [
         ("routed_gu", mb * gu),
         ("shared_down", tb * h_t if shared and not context_only else 0),
@@ -244,8 +253,12 @@ def forward_plan(dims, *, context_only: bool = False, push_tasks: int = 0, preci
              ("token_sact_ready", tb), ("token_shared_done", tb), ("push_done", 1), ("ctas_done", 1)]
     tiles = {"token_blocks": tb, "gu_tiles": gu, "sgu_tiles": sgu, "h_tiles": h_t, "combine_parts": cparts}
     if fp8:
-        waits += (Wait("wait_token_xq_ready", "token_xq_ready", 1 if shared else 0, "quant_x", tb, ("shared_gu",)),)
-        sizes.append(("token_xq_ready", tb))
+        # With EP the push tasks signal it (one per token block, and one at T = 0: fp8_push_tasks);
+        # they do so with or without a shared expert, but only the shared gate|up waits on it.
+        xq_units = fp8_push_tasks(d) if ep else tb
+        waits += (Wait("wait_token_xq_ready", "token_xq_ready", 1 if shared else 0,
+                       "push" if ep and shared else "quant_x", xq_units, ("shared_gu",)),)
+        sizes.append(("token_xq_ready", xq_units))
         tiles["token_ld"] = token_ld(d)
     return Plan("forward", phases, tiles, waits, _layout(sizes), precision)
 
@@ -255,15 +268,19 @@ def backward_plan(dims, *, push_tasks: int = 0, precision: str = "bf16") -> Plan
     """The backward's plan; ``push_tasks`` > 0 with expert parallelism (then the local work, d
     weights and shared dA, runs while the rows travel).
 
-    ``precision="fp8_block"`` (one rank only; docs/FP8_DESIGN.md "Step 3"; moe_backward_fp8):
+    ``precision="fp8_block"`` (docs/FP8_DESIGN.md "Step 3"; moe_backward_fp8):
     the same phases and tile counts (FP8 dA and dX tiles are 128 x 256 too), plus ``token_prep`` (one
     task per token block with a shared expert, before the dispatch: dq in token order and the
     token-order bf16 wgrad operands; shared dA waits on ``token_dq_ready``, the shared wgrads on
     ``prep_done``) and ``widen`` (one task per row block, after routed dX: bf16 x_routed and act for
-    the routed wgrads, which wait on ``expert_widen_ready``)."""
+    the routed wgrads, which wait on ``expert_widen_ready``).  With expert parallelism
+    (tasks/ep_fp8.cuh) the push tasks are one per token block (``fp8_push_tasks``): each quantises
+    its block of d_out in token order (dq, dq_bf: token_prep's first half), sends the E4M3 rows
+    with their scales and routing weights, then does token_prep's second half (``token_prep`` is
+    empty; ``prep_done`` comes from the push tasks)."""
     d = dims
     fp8 = precision != "bf16"
-    if fp8 and (precision != "fp8_block" or push_tasks):
+    if fp8 and (precision != "fp8_block" or push_tasks not in (0, fp8_push_tasks(d))):
         raise AssertionError(f"no FP8 plan for precision={precision!r}, push_tasks={push_tasks}")
     tb, mb, E = d.token_blocks, d.max_blocks, d.local_experts
     i_t, si_t, h_t = (_ceil_div(v, P.TILE_N) for v in (d.intermediate, d.shared_intermediate, d.hidden))
@@ -274,7 +291,7 @@ def backward_plan(dims, *, push_tasks: int = 0, precision: str = "bf16") -> Plan
     lead = ([("push", push_tasks), ("push_notify", 1), *local, ("dispatch", mb)] if ep
             else [("push", 0), ("push_notify", 0), ("dispatch", mb), *local])
     if fp8:
-        lead.insert(2, ("token_prep", tb if shared else 0))
+        lead.insert(2, ("token_prep", tb if shared and not ep else 0))
     phases = _phases(lead + [
         ("routed_da", mb * i_t),
         ("shared_dx", tb * h_t if shared else 0),
@@ -306,14 +323,18 @@ def backward_plan(dims, *, push_tasks: int = 0, precision: str = "bf16") -> Plan
              "si_rows": si_r, "combine_parts": cparts}
     if fp8:
         from mok_rt.kernels.moe_params_fp8_bwd import token_rows
+        # With EP the push tasks do token_prep's work (one per token block, and one at T = 0, which
+        # signals token_dq_ready but has no block to widen: prep_done's target stays tb).
+        dq_units = fp8_push_tasks(d) if ep else tb
+        prep = "push" if ep and shared else "token_prep"
         waits += (
-            Wait("wait_token_dq_ready", "token_dq_ready", 1 if shared else 0, "token_prep", tb, ("shared_da",)),
+            Wait("wait_token_dq_ready", "token_dq_ready", 1 if shared else 0, prep, dq_units, ("shared_da",)),
             Wait("wait_expert_widen_ready_per_block", "expert_widen_ready", 1, "widen", mb,
                  ("wgrad_down", "wgrad_gate_up"), per_block=True),
-            Wait("wait_prep_done", "prep_done", tb if shared else 0, "token_prep", 1, ("shared_wgrad",)),
+            Wait("wait_prep_done", "prep_done", tb if shared else 0, prep, 1, ("shared_wgrad",)),
         )
         counters = _layout([(c.name, c.length) for c in counters] +
-                           [("token_dq_ready", tb), ("expert_widen_ready", E), ("prep_done", 1)])
+                           [("token_dq_ready", dq_units), ("expert_widen_ready", E), ("prep_done", 1)])
         tiles.update(token_ld=token_ld(d), token_rows=token_rows(d), ip_blocks=_ceil_div(d.intermediate, 128),
                      ips_blocks=_ceil_div(d.shared_intermediate, 128))
     return Plan("backward", phases, tiles, waits, counters, precision)

@@ -186,11 +186,15 @@ def build_schedule_ep(ids_ptr: int, tokens: int, *, ids_int64: bool, exchange: R
 ORDER_SHARED_BYTES = 47 * 1024
 
 
+# Every kernel of the schedule cubin: prepare() loads them all before any launch can wait on a peer.
+KERNELS = ("schedule_exchange", "schedule_count", "schedule_scan", "schedule_place", "schedule_block_order")
+
+
 def prepare(device_id: int, num_experts: int) -> None:
     """Load the schedule kernels on ``device_id`` and set their shared-memory limits now (see
     ``_moe_launch.prepare``: with expert parallelism nothing may load once a peer wait runs)."""
     from mok_rt.runtime.launch import _ensure_shared_memory
-    for name in ("schedule_exchange", "schedule_count", "schedule_scan", "schedule_place"):
+    for name in KERNELS:
         get_kernel(_CUBIN, name, device_id)
     _ensure_shared_memory(get_kernel(_CUBIN, "schedule_place", device_id), device_id,
                           (33 * num_experts + MAX_RANKS + 1) * 4)

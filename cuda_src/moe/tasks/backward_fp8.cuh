@@ -1,7 +1,6 @@
-// The "fp8_block" backward's task set (TmaBackwardFp8; docs/FP8_DESIGN.md "Step 3"), one GPU: the
-// bf16 backward's phases and waits (tasks/backward.cuh) with FP8 operands.  Compile-only, never run
-// on a GPU: the host has no launch yet (CudaBackend.backward refuses FP8 contexts).  Phases, in
-// plan order (mok_rt/kernels/moe_plan.py backward_plan(..., precision="fp8_block")):
+// The "fp8_block" backward's task set (TmaBackwardFp8; docs/FP8_DESIGN.md "Step 3"): the bf16
+// backward's phases and waits (tasks/backward.cuh) with FP8 operands.  Phases, in plan order (one
+// GPU; mok_rt/kernels/moe_plan.py backward_plan(..., precision="fp8_block")):
 //   P  token_prep    token block:            dq = Q(d_out) in token order + dq_bf = bf16(deq(dq)); then
 //                                            xq_bf = bf16(deq(xq)), sact = bf16(deq(saq)) (wgrad operands)
 //   B0 dispatch      row block:              dyq = Q(d_out[token]) + dy_routed = bf16(tw * deq(dyq))
@@ -19,9 +18,17 @@
 // expert_widen_ready[e] (W), the shared wgrads on prep_done (P).  Each waits only on earlier phases.
 // The dA tile is 128 x 256 as two 128-wide sub-tiles = two I blocks, so each sub-tile's dG and dU
 // rows are whole quantisation blocks, quantised from registers in the epilogue (fp8b::da_subtile).
+// With expert parallelism (tasks/ep_fp8.cuh) the order is the bf16 EP backward's:
+//   Bp push          token block tb:  P's first half (dq, dq_bf of tb; token_dq_ready), the E4M3 rows,
+//                                     scales and routing weights to every route's destination, then
+//                                     P's second half (prep_done; P itself is empty);
+//   Bp' notify, B1, B2, B0 receive (wait for every source;
+//   routed region -> dyq, rs, dy_routed), B3 (tw from the region), B4, B5 (bf16 rows return to the
+//   source's slot rows = dx_slot), B5' notify, W, B6-B8, B9 (wait for every destination).
 #pragma once
 #include "moe/pipeline/task_order.cuh"
 #include "moe/tasks/backward_fp8_bodies.cuh"
+#include "moe/tasks/ep_fp8.cuh"
 
 namespace mok {
 
@@ -42,6 +49,7 @@ enum Fp8BackwardJob : int {
   kB8SharedWgradDown,    // A = dy_mn, B = sact_mn
   kB8SharedWgradGateUp,  // A = dsgu_mn, B = x_mn
   kB8Combine,    // a = combine task
+  kB8Push,       // a = push task = token block (EP)
 };
 
 // The kernel's plan in shared memory: the bf16 backward's struct (FP8 tile counts) + the FP8 extras.
@@ -96,13 +104,30 @@ struct TmaBackwardFp8 {
   // The bf16 backward's one-GPU order.  The permuted range is [dispatch, d_weights, shared_da,
   // routed_da] (contiguous in the FP8 plan too); token_prep lies before it (grabbed first, as the
   // forward's quant_x) and widen after routed_dx, both in plan order.
+  // With EP the bf16 backward's EP order (d_weights and shared dA in front, covering the rows' travel).
   __device__ static pipe::AheadOrder make_order(const MoEBackwardPlan& f, const MoEBackwardParams& p, int num_blocks) {
+    if (f.push_notify.count > 0)
+      return pipe::AheadOrder::make(PhaseRange{f.d_weights.begin, f.d_weights.count + f.shared_da.count}, f.dispatch,
+                                    f.routed_da, PhaseRange{f.dispatch.begin, 0}, f.i_tiles, f.routed_dx, f.h_tiles,
+                                    p.sched, p.dims.local_experts, num_blocks);
     return pipe::AheadOrder::make(f.shared_da, f.dispatch, f.routed_da, f.d_weights, f.i_tiles, f.routed_dx, f.h_tiles,
                                   p.sched, p.dims.local_experts, num_blocks);
   }
 
   __device__ int plan_task(int grabbed) const { return order.map(grabbed); }
   __device__ unsigned long long* trace() const { return q.p.trace; }
+  // The wait contexts.  The ratio of ep::local_timeout_ns is kept the other way round: with EP the
+  // host passes dims.timeout_ns = kLocalTimeoutFactor x the peer deadline (kernels/moe_fp8_bwd.py),
+  // local waits use it as it is and peer waits divide.  Why: a deadline read straight from the
+  // parameter struct takes no register, and one computed in the task decoder (ep::local_wait_ctx)
+  // cost the 40-register producer a spill.
+  __device__ WaitCtx wait_ctx() const { return WaitCtx{q.p.err, q.p.dims.timeout_ns, q.p.dims.rank}; }
+  __device__ static long long peer_timeout_ns(const MoEBackwardParams& p) {
+    return ep::enabled(p.peers) ? p.dims.timeout_ns / ep::kLocalTimeoutFactor : p.dims.timeout_ns;
+  }
+  __device__ static WaitCtx peer_wait_ctx(const MoEBackwardParams& p) {
+    return WaitCtx{p.err, peer_timeout_ns(p), p.dims.rank};
+  }
   // The wgrads run in turns, as the bf16 backward's (pipeline.cuh "GEMMs in turns").
   __device__ static bool in_turns(const pipe::Job& job) {
     return job.kind >= kB8WgradDown && job.kind <= kB8SharedWgradGateUp;
@@ -117,8 +142,16 @@ struct TmaBackwardFp8 {
     const MoEBackwardParams& p = q.p;
     const MoEBackwardPlan& f = plan.b;
     const MoEDims& d = p.dims;
-    const WaitCtx w{p.err, d.timeout_ns, d.rank};
     job = pipe::Job{};
+    if (f.push.has(task)) {
+      job = pipe::Job{kB8Push, pipe::kLoadNone, 0, f.push.local(task)};
+      return 1;
+    }
+    if (f.push_notify.has(task)) {
+      if (!wait_counter_thread(p.cnt.push_done, f.wait_push_done, wait_ctx(), task)) return -1;
+      ep::notify_all(p.peers, kFlagBwdRows);
+      return 0;
+    }
     if (plan.x.token_prep.has(task)) {
       job.kind = kB8TokenPrep;
       job.a = plan.x.token_prep.local(task);
@@ -129,12 +162,13 @@ struct TmaBackwardFp8 {
       if (blk >= num_blocks) return 0;
       const int e = p.sched.block_expert[blk];
       if (!valid_expert(e, blk, d, p.err)) return -1;
+      if (ep::enabled(p.peers) && !ep::wait_all_thread(p.peers, kFlagBwdRows, -1, peer_wait_ctx(p), ep::kStageBwdRows)) return -1;
       job = pipe::Job{kB8Dispatch, pipe::kLoadNone, 0, blk, e};
       return 1;
     }
     if (f.shared_da.has(task)) {
       const int t = f.shared_da.local(task), tb = t / f.si_tiles, n = t % f.si_tiles;
-      if (!wait_counter_thread(q.token_dq_ready + tb, plan.x.wait_token_dq_ready, w, task)) return -1;
+      if (!wait_counter_thread(q.token_dq_ready + tb, plan.x.wait_token_dq_ready, wait_ctx(), task)) return -1;
       job = pipe::Job{kB8SharedDA, pipe::kLoadRows, fp8b::k_blocks(d.hidden), tb, n, 0, da_subtiles(n, d.shared_inter)};
       prefetch_b_scales(job);
       return 1;
@@ -145,14 +179,14 @@ struct TmaBackwardFp8 {
       const int e = p.sched.block_expert[blk];
       if (!valid_expert(e, blk, d, p.err)) return -1;
       const int idle = pipe::upper_half_idle(p.sched, blk, e);
-      if (!wait_counter_thread(p.cnt.block_dy_ready + blk, f.wait_block_dy_ready, w, task)) return -1;
+      if (!wait_counter_thread(p.cnt.block_dy_ready + blk, f.wait_block_dy_ready, wait_ctx(), task)) return -1;
       job = pipe::Job{kB8RoutedDA, pipe::kLoadRows, fp8b::k_blocks(d.hidden), blk, n, e, da_subtiles(n, d.inter), idle};
       prefetch_b_scales(job);
       return 1;
     }
     if (f.shared_dx.has(task)) {
       const int t = f.shared_dx.local(task), tb = t / f.h_tiles, h = t % f.h_tiles;
-      if (!wait_counter_thread(p.cnt.token_dsgu_ready + tb, f.wait_token_dsgu_ready, w, task)) return -1;
+      if (!wait_counter_thread(p.cnt.token_dsgu_ready + tb, f.wait_token_dsgu_ready, wait_ctx(), task)) return -1;
       job = pipe::Job{kB8SharedDX, pipe::kLoadRows, 2 * plan.x.ips_blocks, tb, h, 0, da_subtiles(h, d.hidden)};
       prefetch_dx_scales(job);
       return 1;
@@ -163,15 +197,25 @@ struct TmaBackwardFp8 {
       const int e = p.sched.block_expert[blk];
       if (!valid_expert(e, blk, d, p.err)) return -1;
       const int idle = pipe::upper_half_idle(p.sched, blk, e);
-      if (!wait_counter_thread(p.cnt.block_dgu_ready + blk, f.wait_block_dgu_ready, w, task)) return -1;
+      if (!wait_counter_thread(p.cnt.block_dgu_ready + blk, f.wait_block_dgu_ready, wait_ctx(), task)) return -1;
       job = pipe::Job{kB8RoutedDX, pipe::kLoadRows, 2 * plan.x.ip_blocks, blk, h, e, da_subtiles(h, d.hidden), idle};
       prefetch_dx_scales(job);
       return 1;
     }
+    if (f.dx_notify.has(task)) {
+      if (!wait_counter_thread(p.cnt.dx_done, num_blocks * f.wait_dx_done_per_block, wait_ctx(), task)) return -1;
+      ep::notify_all(p.peers, kFlagBwdReturn);
+      return 0;
+    }
     if (f.combine.has(task)) {
       const int t = f.combine.local(task), tb = t / f.combine_parts;
-      if (!wait_counter_thread(p.cnt.dx_done, num_blocks * f.wait_dx_done_per_block, w, task)) return -1;
-      if (d.shared_inter > 0 && !wait_counter_thread(p.cnt.token_dxs_ready + tb, f.wait_token_dxs_ready, w, task))
+      if (ep::enabled(p.peers)) {
+        if (!ep::wait_all_thread(p.peers, kFlagBwdReturn, kFlagBwdRows, peer_wait_ctx(p), ep::kStageBwdReturn))
+          return -1;
+      } else if (!wait_counter_thread(p.cnt.dx_done, num_blocks * f.wait_dx_done_per_block, wait_ctx(), task)) {
+        return -1;
+      }
+      if (d.shared_inter > 0 && !wait_counter_thread(p.cnt.token_dxs_ready + tb, f.wait_token_dxs_ready, wait_ctx(), task))
         return -1;
       job = pipe::Job{kB8Combine, pipe::kLoadNone, 0, t};
       return 1;
@@ -194,8 +238,8 @@ struct TmaBackwardFp8 {
       const BackwardTasks::ExpertRows er = tasks.expert_rows(e);
       if (er.count == 0 && p.accumulate) return 0;  // adding zero: leave the caller's buffer alone
       if (er.blocks > 0 &&
-          (!wait_counter_thread(p.cnt.expert_dy_ready + e, er.blocks * f.wait_expert_dy_ready_per_block, w, task) ||
-           !wait_counter_thread(q.expert_widen_ready + e, er.blocks * plan.x.wait_expert_widen_ready_per_block, w,
+          (!wait_counter_thread(p.cnt.expert_dy_ready + e, er.blocks * f.wait_expert_dy_ready_per_block, wait_ctx(), task) ||
+           !wait_counter_thread(q.expert_widen_ready + e, er.blocks * plan.x.wait_expert_widen_ready_per_block, wait_ctx(),
                                 task)))
         return -1;
       // dy_mn holds the token-order rows first: routed row r is its row token_rows + r
@@ -210,8 +254,8 @@ struct TmaBackwardFp8 {
       const BackwardTasks::ExpertRows er = tasks.expert_rows(e);
       if (er.count == 0 && p.accumulate) return 0;
       if (er.blocks > 0 &&
-          (!wait_counter_thread(p.cnt.expert_dgu_ready + e, er.blocks * f.wait_expert_dgu_ready_per_block, w, task) ||
-           !wait_counter_thread(q.expert_widen_ready + e, er.blocks * plan.x.wait_expert_widen_ready_per_block, w,
+          (!wait_counter_thread(p.cnt.expert_dgu_ready + e, er.blocks * f.wait_expert_dgu_ready_per_block, wait_ctx(), task) ||
+           !wait_counter_thread(q.expert_widen_ready + e, er.blocks * plan.x.wait_expert_widen_ready_per_block, wait_ctx(),
                                 task)))
         return -1;
       // gate tile rows past I read up columns: garbage in rows the epilogue drops (x_mn: as dy_mn)
@@ -221,7 +265,7 @@ struct TmaBackwardFp8 {
     }
     if (f.shared_wgrad.has(task)) {  // K = the tokens; every operand of P's (prep_done)
       if (d.tokens == 0 && p.accumulate) return 0;
-      if (!wait_counter_thread(q.prep_done, plan.x.wait_prep_done, w, task)) return -1;
+      if (!wait_counter_thread(q.prep_done, plan.x.wait_prep_done, wait_ctx(), task)) return -1;
       int t = f.shared_wgrad.local(task);
       const int down_tiles = f.h_rows * f.si_tiles;
       if (t < down_tiles) {  // dWs_down[h, i] = sum_t dq_bf[t, h] * sact[t, i]
@@ -231,12 +275,12 @@ struct TmaBackwardFp8 {
       }
       t -= down_tiles;  // dWs_{gate,up}[i, h] = sum_t dsgu[t, (up) i] * xq_bf[t, h]
       const int per_up = f.si_rows * f.h_tiles, up = t / per_up, rem = t % per_up;
-      if (!wait_counter_thread(p.cnt.dsgu_done, f.wait_dsgu_done, w, task)) return -1;
+      if (!wait_counter_thread(p.cnt.dsgu_done, f.wait_dsgu_done, wait_ctx(), task)) return -1;
       job = pipe::Job{kB8SharedWgradGateUp, pipe::kLoadRows, wgrad_k_tiles(d.tokens),
                       up * d.shared_inter + rem / f.h_tiles * kBlockM, rem % f.h_tiles * pipe::kBN};
       return 1;
     }
-    return 0;  // push, notifies: empty without expert parallelism
+    return 0;
   }
 
   __device__ static int wgrad_k_tiles(int rows) { return ceil_div(rows, wg::kBK); }
@@ -340,10 +384,13 @@ struct TmaBackwardFp8 {
                        kBlockM, d.inter, ip, hb};
   }
 
-  // The routing weight of tile row r (0 for padding rows): dA = tw * (dyq . W_down).
+  // The routing weight of tile row r (0 for padding rows): dA = tw * (dyq . W_down).  With EP the
+  // source sent it with the row (the routed region's weights, ep_fp8.cuh).
   __device__ __forceinline__ float route_weight(const pipe::Job& job, int r) const {
     if (job.kind == kB8SharedDA) return 1.f;
-    const int slot = q.p.sched.row_slot[job.a * kBlockM + r];
+    const int row = job.a * kBlockM + r;
+    if (ep::enabled(q.p.peers)) return ep8::routed_weight(q.p.sched, q.p.dims, q.p.peers, row);
+    const int slot = q.p.sched.row_slot[row];
     return slot >= 0 ? __ldg(q.p.topk_weights + slot) : 0.f;
   }
 
@@ -397,13 +444,19 @@ struct TmaBackwardFp8 {
       if (two) fp8g::store_f32(t1, f, y + fp8g::kBN, d.hidden, rows, cols1);
       signal_counter(p.cnt.token_dxs_ready + job.a);
     } else {
-      fp8g::store_rows_bf16(t0, f, kBlockM, cols0,
-                            [&](int r) { return route_row_ptr(p.sched, d, p.dx_slot, row0 + r, h0); });
-      if (two)
-        fp8g::store_rows_bf16(t1, f, kBlockM, cols1, [&](int r) {
-          return route_row_ptr(p.sched, d, p.dx_slot, row0 + r, h0 + fp8g::kBN);
-        });
-      signal_counter(p.cnt.dx_done);
+      // With EP straight into the source rank's slot rows (ep::return_row_ptr), as the bf16 dX.
+      const bool ep_on = ep::enabled(p.peers);
+      const auto row_ptr = [&](int r, int col0) {
+        return ep_on ? ep::return_row_ptr(p.sched, p.peers, d, row0 + r, col0, p.err)
+                     : route_row_ptr(p.sched, d, p.dx_slot, row0 + r, col0);
+      };
+      fp8g::store_rows_bf16(t0, f, kBlockM, cols0, [&](int r) { return row_ptr(r, h0); });
+      if (two) fp8g::store_rows_bf16(t1, f, kBlockM, cols1, [&](int r) { return row_ptr(r, h0 + fp8g::kBN); });
+      if (ep_on) {
+        ep::signal_counter_sys(p.cnt.dx_done);
+      } else {
+        signal_counter(p.cnt.dx_done);
+      }
     }
     return true;
   }
@@ -446,9 +499,25 @@ struct TmaBackwardFp8 {
     switch (job.kind) {
       case kB8TokenPrep:
       case kB8Dispatch:  // one call: the quantiser inlined once
+      case kB8Push: {
+        const MoEBackwardParams& p = q.p;
+        const bool ep_on = ep::enabled(p.peers);
+        if (job.kind == kB8Dispatch && ep_on) {  // the rows were quantised by their source's push
+          ep8::receive_dq_block(p.sched, p.dims, p.peers, job.a, q.q.dyq, q.q.rs, p.dy_routed);
+          signal_counters(p.cnt.block_dy_ready + job.a, p.cnt.expert_dy_ready + job.b);
+          return true;
+        }
         fp8b::quantize_dout(q, job.kind == kB8Dispatch, job.a, job.b);
-        if (job.kind == kB8TokenPrep) fp8b::token_prep_widen(q, job.a);
+        if (job.kind == kB8Push)  // after its rows left: P's second half does not delay the notify
+          ep8::push_quantized(
+              p.sched, p.dims, p.peers, job.a, [&] { return q.q.dq; },
+              [&](int kb, int t) { return q.q.ts + (size_t)kb * q.plan8.token_ld + t; }, p.topk_weights,
+              p.cnt.push_done, p.err);
+        // P's second half; with EP in the push (T = 0: one push task and no token block to widen)
+        if (job.kind == kB8TokenPrep || (job.kind == kB8Push && p.dims.shared_inter > 0 && job.a * kBlockM < p.dims.tokens))
+          fp8b::token_prep_widen(q, job.a);
         return true;
+      }
       case kB8Widen:
         fp8b::widen_block(q, job.a, job.b);
         return true;

@@ -15,8 +15,17 @@
 // 64; H not a multiple of 256) is neither loaded nor computed (Job d = 1); its a is zero, which the
 // quantiser never takes as the max.
 // Waits are the bf16 forward's, plus: F1 tile of token block tb waits for Fq of tb.
+// With expert parallelism (tasks/ep_fp8.cuh) the order is the bf16 EP forward's:
+//   Fp push          token block tb:           xq[tb] = Q(x) (as Fq), then its E4M3 rows and scales
+//                                              to every route's destination (Fq is empty: Fp
+//                                              signals token_xq_ready), Fp' notify "rows sent",
+//   F1, F0 receive (wait for every source; routed region -> xrq / xrq_s), F2, F3,
+//   F4 (bf16 rows return to their source's slot rows), F4' notify "outputs returned",
+//   F5 (wait for every destination; the bf16 body reads the slot rows).
 #pragma once
+#include "common/fp8.cuh"
 #include "moe/pipeline/task_order.cuh"
+#include "moe/tasks/ep_fp8.cuh"
 #include "moe/tasks/forward_fp8_bodies.cuh"
 
 namespace mok {
@@ -30,6 +39,7 @@ enum Fp8ForwardJob : int {
   kF8SharedDown,  // a = token block, b = hidden tile (256 columns), d = sub-tiles
   kF8RoutedDown,  // a = row block, b = hidden tile, c = expert, d = sub-tiles, e = upper half idle
   kF8Combine,     // a = combine task
+  kF8Push,        // a = push task = token block (EP)
 };
 
 // The kernel's plan in shared memory: the bf16 forward's struct (FP8 tile counts) + the FP8 extras.
@@ -63,8 +73,19 @@ struct TmaForwardFp8 {
     const MoEForwardParams& p = q.p;
     const MoEForwardPlan& f = plan.f;
     const MoEDims& d = p.dims;
-    const WaitCtx w{p.err, d.timeout_ns, d.rank};
+    const WaitCtx w = ep::local_wait_ctx(p);  // local waits (ep::local_timeout_ns); peer waits: ep::peer_wait_ctx
+    const bool ep_on = ep::enabled(p.peers);
     job = pipe::Job{};
+    if (f.push.has(task)) {
+      job.kind = kF8Push;
+      job.a = f.push.local(task);
+      return 1;
+    }
+    if (f.push_notify.has(task)) {
+      if (!wait_counter_thread(p.cnt.push_done, f.wait_push_done, w, task)) return -1;
+      ep::notify_all(p.peers, kFlagFwdRows);
+      return 0;
+    }
     if (plan.x.quant_x.has(task)) {
       job.kind = kF8QuantX;
       job.a = plan.x.quant_x.local(task);
@@ -73,6 +94,7 @@ struct TmaForwardFp8 {
     if (f.dispatch.has(task)) {
       const int blk = f.dispatch.local(task);
       if (blk >= num_blocks) return 0;
+      if (ep_on && !ep::wait_all_thread(p.peers, kFlagFwdRows, -1, ep::peer_wait_ctx(p), ep::kStageFwdRows)) return -1;
       job.kind = kF8Dispatch;
       job.a = blk;
       return 1;
@@ -115,16 +137,26 @@ struct TmaForwardFp8 {
       prefetch_b_scales(job);
       return 1;
     }
+    if (f.down_notify.has(task)) {
+      if (!wait_counter_thread(p.cnt.down_done, num_blocks * f.wait_down_done_per_block, w, task)) return -1;
+      ep::notify_all(p.peers, kFlagFwdReturn);
+      return 0;
+    }
     if (f.combine.has(task)) {
       const int t = f.combine.local(task), tb = t / f.combine_parts;
-      if (!wait_counter_thread(p.cnt.down_done, num_blocks * f.wait_down_done_per_block, w, task)) return -1;
+      if (ep_on) {
+        if (!ep::wait_all_thread(p.peers, kFlagFwdReturn, kFlagFwdRows, ep::peer_wait_ctx(p), ep::kStageFwdReturn))
+          return -1;
+      } else if (!wait_counter_thread(p.cnt.down_done, num_blocks * f.wait_down_done_per_block, w, task)) {
+        return -1;
+      }
       const bool shared = d.shared_inter > 0 && p.context_only == 0;
       if (shared && !wait_counter_thread(p.cnt.token_shared_done + tb, f.wait_token_shared_done, w, task)) return -1;
       job.kind = kF8Combine;
       job.a = t;
       return 1;
     }
-    return 0;  // push, notify: empty without expert parallelism
+    return 0;
   }
 
   // Sub-tiles of down tile h: the second one only where it starts inside H.
@@ -256,13 +288,19 @@ struct TmaForwardFp8 {
       if (two) fp8g::store_f32(t1, f, y + fp8g::kBN, d.hidden, rows, cols1);
       signal_counter(p.cnt.token_shared_done + job.a);
     } else {
-      fp8g::store_rows_bf16(t0, f, kBlockM, cols0,
-                            [&](int r) { return route_row_ptr(p.sched, d, p.ctx.y_slot, row0 + r, h0); });
-      if (two)
-        fp8g::store_rows_bf16(t1, f, kBlockM, cols1, [&](int r) {
-          return route_row_ptr(p.sched, d, p.ctx.y_slot, row0 + r, h0 + fp8g::kBN);
-        });
-      signal_counter(p.cnt.down_done);
+      // With EP straight into the source rank's slot rows (ep::return_row_ptr), as the bf16 down.
+      const bool ep_on = ep::enabled(p.peers);
+      const auto row_ptr = [&](int r, int col0) {
+        return ep_on ? ep::return_row_ptr(p.sched, p.peers, d, row0 + r, col0, p.err)
+                     : route_row_ptr(p.sched, d, p.ctx.y_slot, row0 + r, col0);
+      };
+      fp8g::store_rows_bf16(t0, f, kBlockM, cols0, [&](int r) { return row_ptr(r, h0); });
+      if (two) fp8g::store_rows_bf16(t1, f, kBlockM, cols1, [&](int r) { return row_ptr(r, h0 + fp8g::kBN); });
+      if (ep_on) {
+        ep::signal_counter_sys(p.cnt.down_done);
+      } else {
+        signal_counter(p.cnt.down_done);
+      }
     }
     return true;
   }
@@ -272,7 +310,19 @@ struct TmaForwardFp8 {
     switch (job.kind) {
       case kF8QuantX:
       case kF8Dispatch:
+      case kF8Push:
+        // With EP the dispatch receives rows quantised by their source's push (ep_fp8.cuh); one
+        // call site of the quantiser either way (it is inlined where called).
+        if (job.kind == kF8Dispatch && ep::enabled(q.p.peers)) {
+          ep8::receive_block(q, job.a);
+          return true;
+        }
         fp8f::quantize_x(q, job.kind == kF8Dispatch, job.a);
+        if (job.kind == kF8Push)
+          ep8::push_quantized(
+              q.p.sched, q.p.dims, q.p.peers, job.a, [&] { return q.qctx.xq; },
+              [&](int kb, int t) { return q.qctx.xq_s + (size_t)kb * q.plan8.token_ld + t; }, nullptr,
+              q.p.cnt.push_done, q.p.err);
         return true;
       case kF8Combine:
         tasks.combine_body(job.a);
