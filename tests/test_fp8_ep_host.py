@@ -36,7 +36,7 @@ DIMS = [_dims(), _dims(Is=0), _dims(T=0), _dims(T=0, Is=0), _dims(T=1, H=256, I=
 def _peers(d, push_tasks=None):
     return L.PeerSpec(peer_bases=(1 << 40, 2 << 40), peer_array=4096, routed_offset=1 << 20, slot_offset=1 << 30,
                       flags_offset=4096, end_pad_offset=8192, rank=d.rank, epoch=7,
-                      push_tasks=push_tasks or M8.push_tasks(d), slot_rows=max(1, d.tokens * d.top_k))
+                      push_tasks=push_tasks or M8.push_tasks(d), slot_rows=max(1, d.tokens * d.top_k), chunk_tokens=64)
 
 
 @pytest.mark.parametrize("d,ctx", list(itertools.product(DIMS, (False, True))))
@@ -228,7 +228,7 @@ def test_fp8_rows_and_scales_fit_the_routed_region(H):
     # ep_fp8.cuh: e4m3 [max_rows, H], fp32 [ceil(H/128), max_rows], then (backward) fp32 [max_rows],
     # inside [max_rows, H] bf16.
     R = 6528
-    lay = _ep.HeapLayout.make(max_tokens=1000, top_k=3, hidden=H, capacity_rows=R)
+    lay = _ep.HeapLayout.make(max_tokens=1000, top_k=3, hidden=H, capacity_rows=R, push_tasks=32)
     assert lay.slot - lay.routed >= R * H + 4 * -(-H // KBLOCK) * R + 4 * R
     assert (R * H) % 16 == 0 and lay.routed % 16 == 0
 
@@ -245,3 +245,20 @@ def test_precision_rules_with_ep():
     with pytest.raises(mok.ArgumentError) as ei:
         check_backend_precision("cuda", "mxfp8", 2)
     assert ei.value.argument == "precision" and "Blackwell" in str(ei.value)
+
+
+def test_prepare_loads_every_fp8_kernel(monkeypatch):
+    """With expert parallelism the backend loads every kernel an FP8 step can launch when the
+    workspace is made (a kernel loaded lazily at its first launch can wait behind a megakernel
+    that spins for a peer the host has not launched yet)."""
+    from mok_rt.kernels import fp8_quantize
+    from mok_rt.runtime import cubins, launch
+    loaded = []
+    monkeypatch.setattr(L, "get_kernel", lambda stem, name, dev: loaded.append((stem, name)) or (stem, name))
+    monkeypatch.setattr(cubins, "get_kernel", lambda stem, name, dev: loaded.append((stem, name)) or (stem, name))
+    monkeypatch.setattr(L, "_ctas_that_fit", lambda kernel, dev, eng: 1)
+    monkeypatch.setattr(launch, "_ensure_shared_memory", lambda kernel, dev, nbytes: None)
+    for module in (M8, MB, fp8_quantize):
+        module.prepare(0)
+    assert sorted(loaded) == [("moe_backward_fp8", "moe_backward_fp8"), ("moe_forward_fp8", "moe_forward_fp8"),
+                              ("quantize_weights", "fp8_quantize_weights")]

@@ -84,6 +84,10 @@ class CudaBackend(Fp8Calls):
             from mok_rt.kernels.schedule import prepare
             prepare(self.device_id, cfg.num_experts)
             L.prepare(self.device_id)
+            if cfg.precision == "fp8_block":
+                from mok_rt.kernels import fp8_quantize, moe_fp8, moe_fp8_bwd
+                for module in (moe_fp8, moe_fp8_bwd, fp8_quantize):
+                    module.prepare(self.device_id)
             share = ep.shared.ranks_sharing_gpu(ep.rank)
             if share > 1:
                 # Ranks sharing a GPU split its SMs, so that all their persistent grids are resident

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from mok_rt.errors import ArgumentError
 
-__all__ = ["BLOCK", "MAX_JOBS", "THREADS", "QuantJob", "Params", "DeviceQuantized", "plan_jobs", "scale_shape",
+__all__ = ["prepare", "BLOCK", "MAX_JOBS", "THREADS", "QuantJob", "Params", "DeviceQuantized", "plan_jobs", "scale_shape",
            "transposed_shape", "fill_params", "JOB_BYTES",
            "as_shape3", "launch_quantize"]
 
@@ -146,6 +146,13 @@ def launch_quantize(pairs, *, stream, device_id: int) -> None:
         return
     kernel = get_kernel("quantize_weights", "fp8_quantize_weights", device_id)
     launch(kernel, grid=min(total, _MAX_GRID), block=THREADS, params=p, stream=stream, device_id=device_id)
+
+
+def prepare(device_id: int) -> None:
+    """Load the quantiser on ``device_id`` now (see ``moe_launch.prepare``: with expert
+    parallelism nothing may load while a rank's megakernel waits for a peer)."""
+    from mok_rt.runtime.cubins import get_kernel
+    get_kernel("quantize_weights", "fp8_quantize_weights", device_id)
 
 
 def as_shape3(shape: tuple) -> tuple:

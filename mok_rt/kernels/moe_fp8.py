@@ -25,9 +25,17 @@ from mok_rt.runtime.launch import launch, stream_handle
 from mok_rt.runtime.tensormap import Swizzle, TensorMapSpec
 
 __all__ = ["Fp8ForwardBuffers", "forward_plan", "forward_buffer_bytes", "map_specs", "launch_forward_fp8",
-           "push_tasks", "fp8_peers"]
+           "push_tasks", "fp8_peers", "prepare"]
 
 _KERNELS = L._Kernels("moe_forward_fp8", "moe_forward_fp8", "", P.THREADS, P.SMEM_BYTES)
+
+
+def prepare(device_id: int) -> None:
+    """Load the FP8 forward on ``device_id`` and set its launch attributes now (before any expert-
+    parallel launch: see ``moe_launch.prepare``)."""
+    L.prepare(device_id, _KERNELS)
+
+
 _TABLE = tuple(b for b in F.FP8_FORWARD_BUFFERS if b.role != "schedule")
 Fp8ForwardBuffers = L._buffers_class("Fp8ForwardBuffers", _TABLE, """Device pointers for moe_forward_fp8, one per
     buffer of moe_params_fp8.FP8_FORWARD_BUFFERS (shapes and roles there); 0 where the buffer has 0 bytes.""")

@@ -44,9 +44,17 @@ from mok_rt.runtime.launch import PreparedLaunch, stream_handle
 from mok_rt.runtime.tensormap import Major, TensorMapSpec, gemm_operand
 
 __all__ = ["FP8_BACKWARD_TABLE", "Fp8BackwardBuffers", "backward_plan", "backward_buffer_bytes", "views",
-           "map_specs", "pad_rows", "prepare_backward_fp8", "launch_backward_fp8", "PreparedFp8Backward"]
+           "map_specs", "pad_rows", "prepare_backward_fp8", "launch_backward_fp8", "PreparedFp8Backward", "prepare"]
 
 _KERNELS = L._Kernels("moe_backward_fp8", "", "moe_backward_fp8", P.THREADS, P.SMEM_BYTES)
+
+
+def prepare(device_id: int) -> None:
+    """Load the FP8 backward on ``device_id`` and set its launch attributes now (before any expert-
+    parallel launch: see ``moe_launch.prepare``)."""
+    L.prepare(device_id, _KERNELS)
+
+
 _BF = {b.name: b for b in P.BACKWARD_BUFFERS}
 _FWD8 = {b.name: b for b in F.FP8_FORWARD_BUFFERS}
 _BWD8 = {b.name: b for b in B.FP8_BACKWARD_BUFFERS}

@@ -448,14 +448,13 @@ def prepare_backward(bufs: BackwardBuffers, sched: ScheduleBuffers, dims: LayerD
     return _prepare_megakernel(p, bufs, dims, plan, backward=True, stream=stream, device_id=device_id, knobs=knobs)
 
 
-def prepare(device_id: int) -> None:
-    """Load both megakernels on ``device_id`` and set their launch attributes now.
-    Expert parallelism needs this before the first launch: loading a module or changing a
-    kernel's attributes may wait for the device's running kernels, and a rank's kernel may
-    already be spinning for a peer whose launch would then wait behind it."""
+def prepare(device_id: int, eng: "_Kernels" = _KERNELS) -> None:
+    """Load the megakernels of ``eng`` (default: the bf16 forward and backward) on ``device_id``
+    and set their launch attributes now.  Expert parallelism needs this before the first launch:
+    loading a module or changing a kernel's attributes may wait for the device's running kernels,
+    and a rank's kernel may already be spinning for a peer whose launch would then wait behind it."""
     from mok_rt.runtime.launch import _ensure_shared_memory
-    eng = _KERNELS
-    for name in (eng.forward, eng.backward):
+    for name in (n for n in (eng.forward, eng.backward) if n):
         kernel = get_kernel(eng.cubin, name, device_id)
         _ctas_that_fit(kernel, device_id, eng)
         _ensure_shared_memory(kernel, device_id, eng.smem_bytes)
