@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The release check of a commit in two device calls (each under 10 minutes): the README's install,
+# then the GPU test files by part, then the benchmark.  Logs under $OUT; a summary per part.
+#   bash scripts/gpu_release.sh core    EP (both process models), trace, the FP8 forward / backward,
+#                                        layer, prepared calls, graphs; then bench_moe bf16 vs fp8_block
+#   bash scripts/gpu_release.sh rest    every other GPU file except the two GEMM probes; the samples
+set -uo pipefail
+source "$(dirname "$0")/gpu_env.sh"
+offline_install
+echo "== install"; tail -1 "$out/install.txt"
+
+run_pytest() {  # name budget_s files...
+  local name=$1 budget=$2; shift 2
+  timeout "$budget" python3 -m pytest -q -rs -p no:cacheprovider "$@" > "$out/$name.txt" 2>&1
+  echo "pytest rc=$?" >> "$out/$name.txt"
+  echo "== $name"; grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$out/$name.txt" | tail -12
+}
+
+case "${1:-core}" in
+  core)
+    run_pytest ep 200 tests/test_ep_gpu.py tests/test_trace_gpu.py
+    run_pytest fp8 200 tests/test_fp8_forward_gpu.py tests/test_fp8_backward_gpu.py
+    run_pytest bf16 100 tests/test_layer_gpu.py tests/test_prepared_calls_gpu.py tests/test_graphs_gpu.py
+    timeout 110 python3 bench/bench_moe.py --shapes qwen3-30b-a3b,deepseek-v3-ep8-slice --precision bf16,fp8_block \
+      --timing graph --out "$out" --commit "$(git rev-parse HEAD 2>/dev/null || cat .commit)" > "$out/bench.txt" 2>&1
+    echo "bench rc=$?" >> "$out/bench.txt"; echo "== bench"; tail -12 "$out/bench.txt" ;;
+  rest)
+    run_pytest rest 420 tests/test_dlpack_gpu.py tests/test_interop_gpu.py tests/test_torch_ops_gpu.py \
+      tests/test_jax_ops_gpu.py tests/test_schedule_gpu.py tests/test_symmetric_gpu.py tests/test_moe_kernel_gpu.py \
+      tests/test_moe_tma_gpu.py
+    { timeout 60 python3 samples/train_moe.py --steps 6; timeout 60 python3 samples/train_moe.py --steps 6 --precision fp8_block
+      timeout 60 python3 samples/train_moe_ep.py --one-process --ranks-per-gpu 2 --steps 4 --tokens 2048; } > "$out/samples.txt" 2>&1
+    echo "== samples"; grep -E "^done|Error|error" "$out/samples.txt" | tail -6 ;;
+  *) echo "unknown part: $1"; exit 2 ;;
+esac
