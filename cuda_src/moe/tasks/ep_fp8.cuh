@@ -48,7 +48,7 @@ __device__ __forceinline__ float ld_cg_f32(const float* p) {
   return v;
 }
 // L2 loads of peer-written data, zeros where !pred; every register written either way (a register
-// written only under a predicate stays live around the task loop: see copy_chunks).
+// written only under a predicate stays live around the task loop: see batched_chunks in row_copy.cuh).
 __device__ __forceinline__ uint4 ld_cg_v4_or_zero(const void* p, bool pred) {
   uint4 v;
   asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %5, 0;\n\t"
@@ -66,28 +66,6 @@ __device__ __forceinline__ float ld_cg_f32_or_zero(const float* p, bool pred) {
                : "l"(p), "r"(static_cast<int>(pred))
                : "memory");
   return v;
-}
-
-// batched_chunks (row_copy.cuh) with every batch register written on every path (zeros past n):
-// a register only written under a predicate keeps its old value otherwise, so ptxas kept the
-// batch live around the whole task loop and the GEMM tasks spilled (the reason for
-// MOK_ZERO_FILL_ROUTES there too).
-template <class Load, class Store>
-__device__ __forceinline__ void copy_chunks(long long n, Load load, Store store) {
-  constexpr long long kStride = static_cast<long long>(kThreads) * kCopyBatch;
-  for (long long base = worker_tid(); base < n; base += kStride) {
-    uint4 v[kCopyBatch];
-#pragma unroll
-    for (int u = 0; u < kCopyBatch; ++u) {
-      const long long i = base + static_cast<long long>(u) * kThreads;
-      v[u] = i < n ? load(i) : make_uint4(0u, 0u, 0u, 0u);
-    }
-#pragma unroll
-    for (int u = 0; u < kCopyBatch; ++u) {
-      const long long i = base + static_cast<long long>(u) * kThreads;
-      if (i < n) store(i, v[u]);
-    }
-  }
 }
 
 // The destination of route `slot`: its rank and row there, or false (and the error word set) for
@@ -113,7 +91,7 @@ __device__ __forceinline__ void push_quantized(const MoESchedule& sc, const MoED
                                                Src src, Scale scale, const float* weights, int* push_done, int* err) {
   const int t0 = tb * kBlockM, rows = max(0, min_int(kBlockM, d.tokens - t0));
   const int chunks = d.hidden / 16, kbs = ceil_div(d.hidden, fp8::kBlock);
-  copy_chunks(
+  batched_chunks(
       static_cast<long long>(rows) * chunks,
       [&](long long i) { return ld_cg_v4(src() + (size_t)t0 * d.hidden + i * 16); },
       [&](long long i, const uint4& v) {
@@ -166,7 +144,7 @@ __device__ __forceinline__ void receive_block(const MoEFp8ForwardParams& q, int 
   const uint8_t* const src = routed_q(p.peers, p.peers.rank);
   const size_t row0 = (size_t)b * kBlockM;
   const int chunks = d.hidden / 16;
-  copy_chunks(
+  batched_chunks(
       static_cast<long long>(kBlockM) * chunks,
       [&](long long i) {
         const int r = static_cast<int>(i / chunks);

@@ -13,6 +13,16 @@ namespace mok {
 
 constexpr int kCopyBatch = 8;  // 16-byte loads in flight per thread (32 registers)
 
+// MOK_ZERO_FILL_ROUTES: the FP8 kernels define it as 1 before including this file; then every
+// batch register below is written on every path (zeros where nothing is loaded).  Why: a register
+// only written under a predicate keeps its old value otherwise, so ptxas kept the whole batch (32
+// registers) live around the callers' task loop, through every other task's body, and the FP8
+// GEMM mainloops spilled for it.  The bf16 kernels keep the predicated form (their cubin stays the
+// one measured; they do not spill).
+#ifndef MOK_ZERO_FILL_ROUTES
+#define MOK_ZERO_FILL_ROUTES 0
+#endif
+
 // For every chunk index i < n of this CTA's workers, in batches: v = load(i) for the whole batch
 // first, then store(i, v) for each.  load/store are called only for i < n.
 template <class Load, class Store>
@@ -23,7 +33,10 @@ __device__ __forceinline__ void batched_chunks(long long n, Load load, Store sto
 #pragma unroll
     for (int u = 0; u < kCopyBatch; ++u) {
       const long long i = base + static_cast<long long>(u) * kThreads;
-      if (i < n) v[u] = load(i);
+      if (MOK_ZERO_FILL_ROUTES)
+        v[u] = i < n ? load(i) : make_uint4(0u, 0u, 0u, 0u);
+      else if (i < n)
+        v[u] = load(i);
     }
 #pragma unroll
     for (int u = 0; u < kCopyBatch; ++u) {
@@ -35,14 +48,7 @@ __device__ __forceinline__ void batched_chunks(long long n, Load load, Store sto
 
 // Up to kCopyBatch routes' 16-byte chunks of one token, loaded together: v[u] = chunk of route
 // j0 + u for u < min(kCopyBatch, top_k - j0).  `row(j)` is the element offset of route j's chunk.
-// The FP8 kernels define MOK_ZERO_FILL_ROUTES before including this: then the other chunks are
-// zeros.  Why: a register only written under a predicate keeps its old value otherwise, so ptxas
-// kept all 32 of them live around the callers' whole task loop (through every other task's body:
-// the FP8 gate|up mainloop spilled for them).  The bf16 kernels keep the predicated form (their
-// cubin stays the one measured; they do not spill).
-#ifndef MOK_ZERO_FILL_ROUTES
-#define MOK_ZERO_FILL_ROUTES 0
-#endif
+// With MOK_ZERO_FILL_ROUTES (above) the other chunks are zeros.
 template <class RowPtr>
 __device__ __forceinline__ int load_routes(uint4 (&v)[kCopyBatch], int j0, int top_k, RowPtr ptr) {
   const int n = min_int(kCopyBatch, top_k - j0);
