@@ -13,3 +13,12 @@ offline_install() {
   PIP_NO_INDEX=1 PIP_FIND_LINKS="$PWD/.whl" python3 -m pip install -q -e '.[test]' > "$out/install.txt" 2>&1
   echo "install rc=$?" >> "$out/install.txt"
 }
+
+# run_pytest NAME BUDGET_S FILES...: one pytest process (log $out/NAME.txt), then its summary lines
+# (and those matching $MOK_GREP, e.g. the FP8 error lines).
+run_pytest() {
+  local name=$1 budget=$2; shift 2
+  timeout "$budget" python3 -m pytest -q -rs -s -p no:cacheprovider "$@" > "$out/$name.txt" 2>&1
+  echo "pytest rc=$?" >> "$out/$name.txt"
+  echo "== $name"; grep -E "^(FAILED|ERROR)|passed|failed|rc=|GPU tests${MOK_GREP:+|$MOK_GREP}" "$out/$name.txt" | tail -40
+}

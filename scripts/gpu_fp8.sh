@@ -17,13 +17,7 @@ source "$(dirname "$0")/gpu_env.sh"
 offline_install
 echo "== install"; tail -1 "$out/install.txt"
 
-run_pytest() {  # name budget_s files...
-  local name=$1 budget=$2; shift 2
-  timeout "$budget" python3 -m pytest -q -rs -s -p no:cacheprovider "$@" > "$out/$name.txt" 2>&1
-  echo "pytest rc=$?" >> "$out/$name.txt"
-  echo "== $name"; grep -E "^(FAILED|ERROR)|FP8ERR|FP8PROBE|passed|failed|rc=|GPU tests" "$out/$name.txt" | tail -40
-}
-
+export MOK_GREP="FP8ERR|FP8PROBE"
 parts=()
 for part in "${@:-all}"; do
   if [ "$part" = all ]; then parts+=(probe forward backward bench); else parts+=("$part"); fi

@@ -9,13 +9,6 @@ source "$(dirname "$0")/gpu_env.sh"
 offline_install
 echo "== install"; tail -1 "$out/install.txt"
 
-run_pytest() {  # name budget_s files...
-  local name=$1 budget=$2; shift 2
-  timeout "$budget" python3 -m pytest -q -rs -p no:cacheprovider "$@" > "$out/$name.txt" 2>&1
-  echo "pytest rc=$?" >> "$out/$name.txt"
-  echo "== $name"; grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$out/$name.txt" | tail -12
-}
-
 case "${1:-core}" in
   core)
     run_pytest ep 200 tests/test_ep_gpu.py tests/test_trace_gpu.py
