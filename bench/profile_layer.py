@@ -45,6 +45,8 @@ def main() -> int:
                     help="P > 1: P expert-parallel ranks sharing GPU 0 in this process (bf16; --tokens per "
                          "rank); with --trace, the ranks' timelines on one clock and the push/GEMM overlap")
     ap.add_argument("--comm-sms", type=int, default=None, help="--ep: MoEConfig.comm_sms (push tasks)")
+    ap.add_argument("--devices", default=None, metavar="D0,D1,...",
+                    help="--ep: the ranks' GPUs (default: all on GPU 0), e.g. 0,1 on a two-GPU machine")
     args = ap.parse_args()
     if args.ep > 1:
         return run_ep(args)
@@ -119,7 +121,8 @@ def main() -> int:
 
 
 def run_ep(args) -> int:
-    """``--ep P``: P ranks of one group sharing GPU 0, each with its own tokens and E / P experts."""
+    """``--ep P``: P ranks of one group (on GPU 0, or on ``--devices``), each with its own tokens and
+    E / P experts."""
     import cupy as cp
     import mok_rt as mok
     from mok_rt.kernels.trace import write_chrome_trace
@@ -128,6 +131,9 @@ def run_ep(args) -> int:
     P = args.ep
     if E % P or args.precision != "bf16":
         raise SystemExit(f"--ep {P}: needs bf16 and experts ({E}) divisible by the ranks")
+    devices = [0] * P if args.devices is None else [int(d) for d in args.devices.split(",")]
+    if len(devices) != P:
+        raise SystemExit(f"--devices: {P} devices expected, got {args.devices!r}")
     rng = np.random.default_rng(0)
     cp.random.seed(0)
 
@@ -138,14 +144,18 @@ def run_ep(args) -> int:
     extra = {} if args.comm_sms is None else {"comm_sms": args.comm_sms}
     cfg = mok.MoEConfig(hidden=H, intermediate=I, num_experts=E, top_k=k, shared_intermediate=Is, **extra)
     el = E // P
-    per = [dict(x=randn((T, H)), dout=randn((T, H)),
-                ids=cp.asarray(np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)),
-                tw=cp.asarray(rng.random((T, k)).astype(np.float32)),
-                w=mok.ExpertWeights(randn((el, I, H), H ** -0.5), randn((el, I, H), H ** -0.5),
-                                    randn((el, H, I), I ** -0.5))) for _ in range(P)]
+    per = []
+    for dev in devices:   # each rank's tensors on its own GPU
+        with cp.cuda.Device(dev):
+            per.append(dict(x=randn((T, H)), dout=randn((T, H)),
+                            ids=cp.asarray(np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)),
+                            tw=cp.asarray(rng.random((T, k)).astype(np.float32)),
+                            w=mok.ExpertWeights(randn((el, I, H), H ** -0.5), randn((el, I, H), H ** -0.5),
+                                                randn((el, H, I), I ** -0.5))))
+    gpus = len(set(devices))
     flops = cfg.forward_flops(T)   # per rank (its tokens' routes); the GPU runs P of them
     last = []
-    with mok.Workspace(cfg, mok.SingleProcessGroup(devices=[0] * P), max_tokens=T, trace=bool(args.trace)) as ws:
+    with mok.Workspace(cfg, mok.SingleProcessGroup(devices=devices), max_tokens=T, trace=bool(args.trace)) as ws:
         ranks = [ws.rank(r) for r in range(P)]
         for it in range(args.iters):
             ws.synchronize()
@@ -157,9 +167,9 @@ def run_ep(args) -> int:
             gs = [mok.backward(ranks[r], fw[r][1], d["dout"]) for r, d in enumerate(per)]
             ws.synchronize()
             t2 = time.perf_counter()
-            print(f"iter {it}: {P} ranks on one GPU: sched+forward {1e3 * (t1 - t0):.3f} ms "
-                  f"({P * flops / (t1 - t0) / 1e12:.1f} TF/s for the GPU), backward {1e3 * (t2 - t1):.3f} ms "
-                  f"({2 * P * flops / (t2 - t1) / 1e12:.1f} TF/s)", flush=True)
+            print(f"iter {it}: {P} ranks on {gpus} GPU(s): sched+forward {1e3 * (t1 - t0):.3f} ms "
+                  f"({P * flops / gpus / (t1 - t0) / 1e12:.1f} TF/s per GPU), backward {1e3 * (t2 - t1):.3f} ms "
+                  f"({2 * P * flops / gpus / (t2 - t1) / 1e12:.1f} TF/s per GPU)", flush=True)
             del fw, gs, scheds
             if args.trace:
                 last = ws.take_traces()
