@@ -4,6 +4,8 @@ NumPy twin for P = 8 and P = 6, capacity seen by every rank, configuration agree
 parameter mirrors.  The device path itself is tested by test_ep_gpu.py / test_ep_multigpu.py."""
 from __future__ import annotations
 
+import dataclasses
+
 import json
 
 import numpy as np
@@ -282,14 +284,39 @@ def test_single_rank_workspace_stands_for_its_rank():
 
 def test_peer_spec_validation():
     good = dict(peer_bases=(1 << 20, 2 << 20), peer_array=4096, routed_offset=4096, slot_offset=8192,
-                flags_offset=0, end_pad_offset=512, rank=1, epoch=1, push_tasks=8, slot_rows=64, chunk_tokens=16)
+                flags_offset=0, end_pad_offset=512, rank=1, epoch=1, push_tasks=8, slot_rows=64, chunk_tokens=16,
+                chunks=4)
     s = PeerSpec(**good)._struct()   # what the kernels get (MoEPeers mirror)
     assert (s.chunk_tokens, s.push_tasks, s.num_ranks) == (16, 8, 2) and P.MoEPeers.chunk_tokens.offset == 572
     for field, value in [("peer_bases", (1,)), ("rank", 2), ("epoch", 0), ("push_tasks", 0),
-                         ("routed_offset", 4100), ("chunk_tokens", 0)]:
+                         ("routed_offset", 4100), ("chunk_tokens", 0), ("chunks", 0)]:
         with pytest.raises(ArgumentError) as e:
             PeerSpec(**{**good, field: value})
         assert e.value.argument == field
+
+
+def test_launch_checks_peers_against_dims():
+    """A launch with peers needs dims.expert_parallel (the schedule's block order follows
+    block_expert) and no more tokens than the chunk-flag region covers (the push writes a flag per
+    chunk into every rank's block)."""
+    from mok_rt.kernels import moe_launch as L
+    spec = PeerSpec(peer_bases=(1 << 20, 2 << 20), peer_array=4096, routed_offset=4096, slot_offset=8192,
+                    flags_offset=0, end_pad_offset=512, rank=1, epoch=1, push_tasks=8, slot_rows=4096 * 3,
+                    chunk_tokens=16, chunks=4)
+
+    def dims(tokens, ep=True):
+        return L.LayerDims(tokens=tokens, hidden=256, intermediate=128, top_k=3, local_experts=2,
+                           capacity_rows=4096, shared_intermediate=0, rank=1, expert_parallel=ep)
+
+    sched = L.ScheduleBuffers(**{f.name: 4096 for f in dataclasses.fields(L.ScheduleBuffers)})
+    L._check_peers(spec, sched, dims(64))   # 4 chunks of 16: fits
+    for d, arg in ((dims(65), "peers"), (dims(64, ep=False), "dims")):
+        with pytest.raises(ArgumentError) as e:
+            L._check_peers(spec, sched, d)
+        assert e.value.argument == arg
+    block_expert = next(b for b in L._SCHEDULE_TABLE if b.name == "block_expert")
+    assert block_expert.shape(dims(64)) == (2 * dims(64).max_blocks,)
+    assert block_expert.shape(dims(64, ep=False)) == (dims(64).max_blocks,)
 
 
 def test_heap_layout_is_aligned_and_disjoint():

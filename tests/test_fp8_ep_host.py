@@ -36,7 +36,7 @@ DIMS = [_dims(), _dims(Is=0), _dims(T=0), _dims(T=0, Is=0), _dims(T=1, H=256, I=
 def _peers(d, push_tasks=None):
     return L.PeerSpec(peer_bases=(1 << 40, 2 << 40), peer_array=4096, routed_offset=1 << 20, slot_offset=1 << 30,
                       flags_offset=4096, end_pad_offset=8192, rank=d.rank, epoch=7,
-                      push_tasks=push_tasks or M8.push_tasks(d), slot_rows=max(1, d.tokens * d.top_k), chunk_tokens=64)
+                      push_tasks=push_tasks or M8.push_tasks(d), slot_rows=max(1, d.tokens * d.top_k), chunk_tokens=64, chunks=64)
 
 
 @pytest.mark.parametrize("d,ctx", list(itertools.product(DIMS, (False, True))))
@@ -258,7 +258,7 @@ def test_prepare_loads_every_fp8_kernel(monkeypatch):
     monkeypatch.setattr(cubins, "get_kernel", lambda stem, name, dev: loaded.append((stem, name)) or (stem, name))
     monkeypatch.setattr(L, "_ctas_that_fit", lambda kernel, dev, eng: 1)
     monkeypatch.setattr(launch, "_ensure_shared_memory", lambda kernel, dev, nbytes: None)
-    for module in (M8, MB, fp8_quantize):
-        module.prepare(0)
+    assert M8.prepare(0) == 1 and MB.prepare(0) == 1
+    fp8_quantize.prepare(0)
     assert sorted(loaded) == [("moe_backward_fp8", "moe_backward_fp8"), ("moe_forward_fp8", "moe_forward_fp8"),
                               ("quantize_weights", "fp8_quantize_weights")]

@@ -33,7 +33,7 @@ def _dims(T, Is):
 def _peers(d):
     return M8.fp8_peers(L.PeerSpec(peer_bases=(1 << 34, 1 << 35), peer_array=4096, routed_offset=1 << 20,
                                    slot_offset=SLOT - (1 << 35), flags_offset=4096, end_pad_offset=8192, rank=1,
-                                   epoch=5, push_tasks=32, slot_rows=1000 * 3, chunk_tokens=64), d)
+                                   epoch=5, push_tasks=32, slot_rows=1000 * 3, chunk_tokens=64, chunks=64), d)
 
 
 def _pointers(cls, d):

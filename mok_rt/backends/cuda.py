@@ -83,16 +83,18 @@ class CudaBackend(Fp8Calls):
             self.error = ep.error   # the heap's, one per local rank
             from mok_rt.kernels.schedule import prepare
             prepare(self.device_id, cfg.num_experts)
-            L.prepare(self.device_id)
+            fit = L.prepare(self.device_id)   # CTAs of a megakernel that fit on one SM
             if cfg.precision == "fp8_block":
                 from mok_rt.kernels import fp8_quantize, moe_fp8, moe_fp8_bwd
-                for module in (moe_fp8, moe_fp8_bwd, fp8_quantize):
-                    module.prepare(self.device_id)
+                fit = min(fit, moe_fp8.prepare(self.device_id), moe_fp8_bwd.prepare(self.device_id))
+                fp8_quantize.prepare(self.device_id)
             share = ep.shared.ranks_sharing_gpu(ep.rank)
             if share > 1:
                 # Ranks sharing a GPU split its SMs, so that all their persistent grids are resident
-                # at once (a rank waiting for a peer that cannot start would only time out).
-                max_ctas = max(1, multiprocessor_count(self.device_id) * cfg.ctas_per_sm // share)
+                # at once (a rank waiting for a peer that cannot start would only time out): never
+                # more CTAs per SM than fit, whatever ctas_per_sm asks for.
+                per_sm = min(cfg.ctas_per_sm, fit)
+                max_ctas = max(1, multiprocessor_count(self.device_id) * per_sm // share)
         self.knobs = L.KernelKnobs(ctas_per_sm=cfg.ctas_per_sm, max_ctas=max_ctas,
                                    timeout_ns=int(cfg.timeout_s * 1e9))
         self._streams: dict[int, object] = {}   # streams with mok_rt work since the last synchronize

@@ -216,7 +216,7 @@ class EPRank:
         return PeerSpec(peer_bases=self.peer_bases, peer_array=self.peer_array, routed_offset=lay.routed,
                         slot_offset=lay.slot, flags_offset=lay.flags, end_pad_offset=lay.end_pad, rank=self.rank,
                         epoch=self._epoch, push_tasks=max(1, min(self.push_tasks_max, tokens)),
-                        slot_rows=lay.slot_rows, chunk_tokens=lay.chunk_tokens)
+                        slot_rows=lay.slot_rows, chunk_tokens=lay.chunk_tokens, chunks=lay.chunks)
 
     def routed_ptr(self) -> int:
         return self.peer_bases[self.rank] + self.shared.layout.routed

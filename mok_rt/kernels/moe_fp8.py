@@ -30,10 +30,10 @@ __all__ = ["Fp8ForwardBuffers", "forward_plan", "forward_buffer_bytes", "map_spe
 _KERNELS = L._Kernels("moe_forward_fp8", "moe_forward_fp8", "", P.THREADS, P.SMEM_BYTES)
 
 
-def prepare(device_id: int) -> None:
+def prepare(device_id: int) -> int:
     """Load the FP8 forward on ``device_id`` and set its launch attributes now (before any expert-
-    parallel launch: see ``moe_launch.prepare``)."""
-    L.prepare(device_id, _KERNELS)
+    parallel launch: see ``moe_launch.prepare``); returns how many of its CTAs fit on one SM."""
+    return L.prepare(device_id, _KERNELS)
 
 
 _TABLE = tuple(b for b in F.FP8_FORWARD_BUFFERS if b.role != "schedule")

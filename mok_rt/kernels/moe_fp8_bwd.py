@@ -49,10 +49,10 @@ __all__ = ["FP8_BACKWARD_TABLE", "Fp8BackwardBuffers", "backward_plan", "backwar
 _KERNELS = L._Kernels("moe_backward_fp8", "", "moe_backward_fp8", P.THREADS, P.SMEM_BYTES)
 
 
-def prepare(device_id: int) -> None:
+def prepare(device_id: int) -> int:
     """Load the FP8 backward on ``device_id`` and set its launch attributes now (before any expert-
-    parallel launch: see ``moe_launch.prepare``)."""
-    L.prepare(device_id, _KERNELS)
+    parallel launch: see ``moe_launch.prepare``); returns how many of its CTAs fit on one SM."""
+    return L.prepare(device_id, _KERNELS)
 
 
 _BF = {b.name: b for b in P.BACKWARD_BUFFERS}

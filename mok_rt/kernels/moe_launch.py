@@ -166,7 +166,8 @@ class PeerSpec:
     ``chunk_tokens``: source tokens per readiness chunk, the same on every rank
     (:func:`~mok_rt.kernels.moe_plan.readiness_chunks`); the chunk flags, int32
     [ceil(max_tokens / chunk_tokens)][CHUNK_KINDS][MAX_EP_RANKS], follow the flags at
-    ``flags_offset + CHUNK_FLAGS_OFFSET`` (zeroed once too).
+    ``flags_offset + CHUNK_FLAGS_OFFSET`` (zeroed once too); ``chunks``: how many chunk flags that
+    region holds per (kind, source) (HeapLayout.chunks): a launch's tokens must fit in them.
     """
 
     peer_bases: tuple
@@ -180,6 +181,7 @@ class PeerSpec:
     push_tasks: int
     slot_rows: int
     chunk_tokens: int
+    chunks: int
 
     def __post_init__(self):
         n = len(self.peer_bases)
@@ -190,6 +192,7 @@ class PeerSpec:
         _int("push_tasks", self.push_tasks, minimum=1)
         _int("slot_rows", self.slot_rows)
         _int("chunk_tokens", self.chunk_tokens, minimum=1)
+        _int("chunks", self.chunks, minimum=1)
         if not 0 < self.epoch < 2 ** 31:
             raise ArgumentError("epoch", f"expected an epoch in [1, 2**31), got {self.epoch}")
         for name in ("routed_offset", "slot_offset"):
@@ -387,6 +390,12 @@ def _check_peers(peers: PeerSpec | None, sched: ScheduleBuffers, dims: LayerDims
         raise ArgumentError("peers", f"expected a PeerSpec or None, got {type(peers).__name__}")
     if dims.rank != peers.rank:
         raise ArgumentError("peers", f"rank {peers.rank} differs from dims.rank={dims.rank}")
+    if not dims.expert_parallel:
+        raise ArgumentError("dims", "expert_parallel must be True with peers (the schedule then holds the block "
+                                    "order after block_expert: 2 * max_blocks entries)")
+    if -(-dims.tokens // peers.chunk_tokens) > peers.chunks:   # the push writes one flag per chunk
+        raise ArgumentError("peers", f"{dims.tokens} tokens in chunks of {peers.chunk_tokens} need "
+                                     f"{-(-dims.tokens // peers.chunk_tokens)} chunk flags; the region has {peers.chunks}")
     if dims.tokens * dims.top_k > peers.slot_rows:
         raise ArgumentError("tokens", f"{dims.tokens} tokens x {dims.top_k} routes exceed the {peers.slot_rows} "
                                       f"slot rows")
@@ -448,13 +457,16 @@ def prepare_backward(bufs: BackwardBuffers, sched: ScheduleBuffers, dims: LayerD
     return _prepare_megakernel(p, bufs, dims, plan, backward=True, stream=stream, device_id=device_id, knobs=knobs)
 
 
-def prepare(device_id: int, eng: "_Kernels" = _KERNELS) -> None:
+def prepare(device_id: int, eng: "_Kernels" = _KERNELS) -> int:
     """Load the megakernels of ``eng`` (default: the bf16 forward and backward) on ``device_id``
-    and set their launch attributes now.  Expert parallelism needs this before the first launch:
-    loading a module or changing a kernel's attributes may wait for the device's running kernels,
-    and a rank's kernel may already be spinning for a peer whose launch would then wait behind it."""
+    and set their launch attributes now; returns how many of their CTAs fit on one SM.  Expert
+    parallelism needs this before the first launch: loading a module or changing a kernel's
+    attributes may wait for the device's running kernels, and a rank's kernel may already be
+    spinning for a peer whose launch would then wait behind it."""
     from mok_rt.runtime.launch import _ensure_shared_memory
+    fit = []
     for name in (n for n in (eng.forward, eng.backward) if n):
         kernel = get_kernel(eng.cubin, name, device_id)
-        _ctas_that_fit(kernel, device_id, eng)
+        fit.append(_ctas_that_fit(kernel, device_id, eng))
         _ensure_shared_memory(kernel, device_id, eng.smem_bytes)
+    return min(fit)

@@ -83,7 +83,9 @@ _SCHEDULE = (
     Buffer("expert_count", "sched", "i32", lambda d: (d.local_experts,), "schedule"),
     Buffer("expert_offset", "sched", "i32", lambda d: (d.local_experts + 1,), "schedule"),
     Buffer("num_blocks", "sched", "i32", lambda d: (1,), "schedule"),
-    Buffer("block_expert", "sched", "i32", lambda d: (d.max_blocks,), "schedule"),
+    # With expert parallelism the second half is the order the launches take the blocks in
+    # (schedule_block_order, ep.cuh): 2 * max_blocks entries.
+    Buffer("block_expert", "sched", "i32", lambda d: (d.max_blocks * (2 if d.expert_parallel else 1),), "schedule"),
     Buffer("row_src_rank", "sched", "i32", lambda d: (d.capacity_rows,), "schedule"),
     Buffer("row_slot", "sched", "i32", lambda d: (d.capacity_rows,), "schedule"),
     Buffer("route_row", "sched", "i32", lambda d: (d.tokens * d.top_k,), "schedule"),

@@ -175,15 +175,6 @@ __device__ __forceinline__ void push_token_rows(const MoESchedule& s, const MoED
       });
 }
 
-// Push task `task`'s share of this rank's token rows (an even split of the tokens over the push
-// tasks), released as a whole by push_notify (kFlagFwdRows / kFlagBwdRows).
-__device__ __forceinline__ void push_rows(const MoESchedule& s, const MoEDims& d, const MoEPeers& pe, int task,
-                                          const bf16* src, const float* weights, int* err) {
-  const long long T = d.tokens;
-  const int t0 = static_cast<int>(T * task / pe.push_tasks), t1 = static_cast<int>(T * (task + 1) / pe.push_tasks);
-  push_token_rows(s, d, pe, t0, t1, src, weights, err);
-}
-
 // ---- readiness chunks -------------------------------------------------------------------------
 // The push is cut into chunks of chunk_tokens source tokens (the same constant on every rank, so
 // a destination computes a row's chunk from its slot alone: slot / (chunk_tokens * k)).  Once a

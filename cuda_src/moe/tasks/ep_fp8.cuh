@@ -13,7 +13,7 @@
 // which is the layout of xrq / xrq_s (params_fp8.cuh) and of dyq / rs's first H/128 rows
 // (params_fp8_bwd.cuh), so the receiving dispatch copies a row block as it is.  It fits:
 // 4 ceil(H/128) + 4 <= H for every H >= 64 (a multiple of 64).  max_rows is the group's capacity,
-// the same on every rank (ep::push_rows relies on it too).
+// the same on every rank (the bf16 push, ep::push_token_rows, relies on it too).
 //
 // Quantisation: each push task quantises its token block once, with the one-GPU quantiser (x:
 // fp8f::quantize_x in token order into xq / xq_s, the shared expert's A as well; d_out:
@@ -69,7 +69,7 @@ __device__ __forceinline__ float ld_cg_f32_or_zero(const float* p, bool pred) {
 }
 
 // The destination of route `slot`: its rank and row there, or false (and the error word set) for
-// a corrupt schedule, so that nothing is written past a buffer (as ep::push_rows checks).
+// a corrupt schedule, so that nothing is written past a buffer (as ep::push_token_rows checks).
 __device__ __forceinline__ bool route_target(const MoESchedule& s, const MoEDims& d, const MoEPeers& pe, int slot,
                                              int* err, int& dst, int& row) {
   dst = s.route_rank[slot];
