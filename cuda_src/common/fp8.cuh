@@ -47,6 +47,7 @@
 #include <stdint.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include "common/mma.cuh"
 
 namespace mok {
 namespace fp8 {
@@ -78,6 +79,21 @@ __device__ __forceinline__ float2 e4m3x2_to_f32(uint32_t two) {
   return __half22float2(*reinterpret_cast<const __half2*>(&h2));
 }
 __device__ __forceinline__ float bf16_bits_to_f32(uint32_t bits16) { return __uint_as_float(bits16 << 16); }
+// Four E4M3 (one word, low byte first) dequantised into four bf16 (two words, memory order): each
+// value exact in fp32, times `scale` (one rounding), then rounded to bf16.
+__device__ __forceinline__ uint2 widen_e4m3x4_bf16(uint32_t four, float scale) {
+  const float2 lo = e4m3x2_to_f32(four), hi = e4m3x2_to_f32(four >> 16);
+  return make_uint2(pack_bf16x2(lo.x * scale, lo.y * scale), pack_bf16x2(hi.x * scale, hi.y * scale));
+}
+// Sixteen E4M3 (a 16-byte chunk, low byte first) dequantised by `scale` into dst[0 .. 15] (bf16, two
+// 16-byte stores; dst 16-byte aligned).
+__device__ __forceinline__ void store_widened16(__nv_bfloat16* dst, const uint4& q, float scale) {
+  const uint2 a = widen_e4m3x4_bf16(q.x, scale), b = widen_e4m3x4_bf16(q.y, scale);
+  const uint2 c = widen_e4m3x4_bf16(q.z, scale), d = widen_e4m3x4_bf16(q.w, scale);
+  uint4* const o = reinterpret_cast<uint4*>(dst);
+  o[0] = make_uint4(a.x, a.y, b.x, b.y);
+  o[1] = make_uint4(c.x, c.y, d.x, d.y);
+}
 
 // IEEE fp32 division, round to nearest even, whatever the compiler flags (-prec-div, fast math).
 __device__ __forceinline__ float div_rn(float a, float b) {

@@ -57,14 +57,9 @@ struct DequantToBf16 {
 #pragma unroll
     for (int k = 0; k < fp8f::kUnitSlots; ++k) {
       if (col0 + 32 * k >= q.hidden) continue;
-      const uint32_t e[2] = {b.q[k].x, b.q[k].y};  // 8 E4M3, low byte first: elements 32 k + 0 .. 7
-      uint32_t w[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 v = fp8::e4m3x2_to_f32(e[i >> 1] >> (16 * (i & 1)));  // exact
-        w[i] = pack_bf16x2(v.x * m, v.y * m);
-      }
-      *reinterpret_cast<uint4*>(out + 32 * k) = make_uint4(w[0], w[1], w[2], w[3]);
+      // 8 E4M3, low byte first: elements 32 k + 0 .. 7
+      const uint2 w0 = fp8::widen_e4m3x4_bf16(b.q[k].x, m), w1 = fp8::widen_e4m3x4_bf16(b.q[k].y, m);
+      *reinterpret_cast<uint4*>(out + 32 * k) = make_uint4(w0.x, w0.y, w1.x, w1.y);
     }
   }
 };
@@ -186,16 +181,7 @@ __device__ __forceinline__ void widen_rows(const uint8_t* q, const float* s, siz
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
       if (base + u * kThreads >= n) break;
-      const uint32_t e[4] = {v[u].x, v[u].y, v[u].z, v[u].w};  // 16 E4M3, low byte first
-      uint32_t w[8];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const float2 f = fp8::e4m3x2_to_f32(e[i >> 1] >> (16 * (i & 1)));  // exact
-        w[i] = pack_bf16x2(f.x * sc[u], f.y * sc[u]);
-      }
-      uint4* const o = reinterpret_cast<uint4*>(out + at[u]);
-      o[0] = make_uint4(w[0], w[1], w[2], w[3]);
-      o[1] = make_uint4(w[4], w[5], w[6], w[7]);
+      fp8::store_widened16(out + at[u], v[u], sc[u]);
     }
   }
 }
