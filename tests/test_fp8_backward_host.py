@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from _plan_checks import check_plan_well_formed
 
 from mok_rt import build
 from mok_rt.kernels import moe_launch as L
@@ -125,18 +126,7 @@ def test_fp8_backward_plan(d):
     plan = moe_plan.backward_plan(d, precision="fp8_block")
     bf = moe_plan.backward_plan(d)
     assert plan.precision == "fp8_block" and bf.precision == "bf16"
-    at = 0
-    for ph in plan.phases:
-        assert ph.begin == at
-        at = ph.end
-    assert at == plan.total
-    for w in plan.waits:   # producers before consumers in index order; targets = what the producers signal
-        prod = plan.phase(w.producer)
-        for c in w.consumers:
-            if prod.count and plan.phase(c).count:
-                assert prod.end <= plan.phase(c).begin, (w.counter, c)
-        if prod.count:
-            assert w.target * w.units == prod.count, w
+    check_plan_well_formed(plan)
     # The bf16 phases, tile counts, waits and counters are all there, unchanged.
     extra = {"token_prep", "widen"}
     assert {ph.name: ph.count for ph in plan.phases if ph.name not in extra} == {ph.name: ph.count for ph in bf.phases}

@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
+from _plan_checks import check_plan_well_formed
 
 import mok_rt as mok
 from mok_rt.api.validate import check_backend_precision
@@ -53,17 +54,7 @@ def test_fp8_ep_plan(d, ctx):
     assert plan.phase("combine").count == d.token_blocks * _moe_plan.combine_parts(d.token_blocks)
     extra = n + 2 - one.phase("quant_x").count + (plan.phase("combine").count - one.phase("combine").count)
     assert plan.total == one.total + extra
-    at = 0
-    for ph in plan.phases:
-        assert ph.begin == at
-        at = ph.end
-    for w in plan.waits:   # producers before consumers; targets = what the producers signal
-        prod = plan.phase(w.producer)
-        for c in w.consumers:
-            if prod.count and plan.phase(c).count:
-                assert prod.end <= plan.phase(c).begin, (w.counter, c)
-        if prod.count:
-            assert w.target * w.units == prod.count, w
+    check_plan_well_formed(plan)
     xq = next(w for w in plan.waits if w.counter == "token_xq_ready")
     assert xq.producer == ("push" if d.shared_intermediate else "quant_x")
     # Every push task signals token_xq_ready[its block] (T = 0: one task, one element).
@@ -83,13 +74,7 @@ def test_fp8_ep_backward_plan(d):
     assert plan.phase("push").count == n and plan.phase("token_prep").count == 0   # folded into push
     assert plan.phase("dx_notify").count == 1
     assert plan.total == one.total + n + 2 - one.phase("token_prep").count
-    for w in plan.waits:
-        prod = plan.phase(w.producer)
-        for c in w.consumers:
-            if prod.count and plan.phase(c).count:
-                assert prod.end <= plan.phase(c).begin, (w.counter, c)
-        if prod.count and d.tokens:   # (T = 0: one push task, which has no token block to widen)
-            assert w.target * w.units == prod.count, w
+    check_plan_well_formed(plan, targets=d.tokens > 0)   # (T = 0: one push task, no token block to widen)
     shared = bool(d.shared_intermediate)
     assert {w.counter: w.producer for w in plan.waits}["prep_done"] == ("push" if shared else "token_prep")
     assert next(c for c in plan.counters if c.name == "token_dq_ready").length == n

@@ -9,6 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from _plan_checks import check_plan_well_formed
 
 import mok_rt as mok
 from mok_rt.api.validate import check_backend_precision, check_quantized
@@ -38,18 +39,7 @@ DIMS = [_dims(), _dims(Is=0), _dims(T=0), _dims(T=1, H=256, I=128, Is=128), _dim
 def test_fp8_plan_phases_waits_and_counters(d, ctx):
     plan = M8.forward_plan(d, context_only=ctx)
     assert plan.precision == "fp8_block"
-    at = 0
-    for ph in plan.phases:
-        assert ph.begin == at
-        at = ph.end
-    assert at == plan.total
-    for w in plan.waits:   # producers before consumers; targets = what the producers signal
-        prod = plan.phase(w.producer)
-        for c in w.consumers:
-            if prod.count and plan.phase(c).count:
-                assert prod.end <= plan.phase(c).begin, (w.counter, c)
-        if prod.count:
-            assert w.target * w.units == prod.count, w
+    check_plan_well_formed(plan)
     # quant_x comes before the range pipe::AheadOrder permutes (dispatch, shared_gu, routed_gu), so
     # it is grabbed before every shared gate|up tile that waits on it.
     qx, disp, sgu = plan.phase("quant_x"), plan.phase("dispatch"), plan.phase("shared_gu")

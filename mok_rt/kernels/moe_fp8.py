@@ -25,7 +25,7 @@ from mok_rt.runtime.launch import launch, stream_handle
 from mok_rt.runtime.tensormap import Swizzle, TensorMapSpec
 
 __all__ = ["Fp8ForwardBuffers", "forward_plan", "forward_buffer_bytes", "map_specs", "launch_forward_fp8",
-           "push_tasks", "fp8_peers", "prepare"]
+           "push_tasks", "fp8_peers", "check_push_tasks", "prepare"]
 
 _KERNELS = L._Kernels("moe_forward_fp8", "moe_forward_fp8", "", P.THREADS, P.SMEM_BYTES)
 
@@ -52,6 +52,14 @@ push_tasks = _moe_plan.fp8_push_tasks
 def fp8_peers(peers: L.PeerSpec, dims: L.LayerDims) -> L.PeerSpec:
     """``peers`` with the FP8 forward's push tasks (one per token block, :func:`push_tasks`)."""
     return dataclasses.replace(peers, push_tasks=push_tasks(dims))
+
+
+def check_push_tasks(peers: L.PeerSpec, dims: L.LayerDims) -> None:
+    """The FP8 launches push one token block per task (each quantises its block once): ``peers``
+    must say so (:func:`fp8_peers`)."""
+    if peers.push_tasks != push_tasks(dims):
+        raise ArgumentError("peers", f"the FP8 launches push one token block per task: push_tasks must be "
+                                     f"{push_tasks(dims)}, got {peers.push_tasks} (see moe_fp8.fp8_peers)")
 
 
 def forward_buffer_bytes(dims: L.LayerDims) -> dict[str, int]:
@@ -159,11 +167,7 @@ def launch_forward_fp8(bufs, sched: L.ScheduleBuffers, dims: L.LayerDims, *, str
     L._check_launch(bufs, _TABLE, sched, dims, peers, err_ptr,
                     unused=frozenset({"out", "topk_weights", "shared_y"}) if context_only else frozenset())
     if peers is not None:
-        if not dims.expert_parallel:
-            raise ArgumentError("dims", "expert_parallel must be True with peers (the token-order xq it sizes)")
-        if peers.push_tasks != push_tasks(dims):
-            raise ArgumentError("peers", f"the FP8 forward pushes one token block per task: push_tasks must be "
-                                         f"{push_tasks(dims)}, got {peers.push_tasks} (see fp8_peers)")
+        check_push_tasks(peers, dims)
         for name in ("xq", "xq_s"):
             if dims.tokens and not getattr(bufs, name):
                 raise ArgumentError(name, "null device pointer (the EP push tasks quantise x into it)")

@@ -37,7 +37,7 @@ from mok_rt.kernels import moe_params as P
 from mok_rt.kernels import moe_params_fp8 as F
 from mok_rt.kernels import moe_params_fp8_bwd as B
 from mok_rt.kernels import moe_plan as _moe_plan
-from mok_rt.kernels.moe_fp8 import _a, _b, _scales
+from mok_rt.kernels.moe_fp8 import _a, _b, _scales, check_push_tasks
 from mok_rt.runtime.cubins import get_kernel
 from mok_rt.runtime.driver import call, driver
 from mok_rt.runtime.launch import PreparedLaunch, stream_handle
@@ -253,11 +253,7 @@ def prepare_backward_fp8(bufs, sched: L.ScheduleBuffers, dims: L.LayerDims, *, s
     L._check_launch(bufs, FP8_BACKWARD_TABLE, sched, dims, peers, err_ptr)
     push = 0 if peers is None else peers.push_tasks
     if peers is not None:
-        if not dims.expert_parallel:
-            raise ArgumentError("dims", "expert_parallel must be True with peers (the token-order dq it sizes)")
-        if push != _moe_plan.fp8_push_tasks(dims):
-            raise ArgumentError("peers", f"the FP8 backward pushes one token block per task: push_tasks must be "
-                                         f"{_moe_plan.fp8_push_tasks(dims)}, got {push} (see moe_fp8.fp8_peers)")
+        check_push_tasks(peers, dims)
     if plan is None:
         plan = backward_plan(dims, push_tasks=push)
     if plan.precision != "fp8_block" or plan.kind != "backward":

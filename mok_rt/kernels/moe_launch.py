@@ -391,8 +391,8 @@ def _check_peers(peers: PeerSpec | None, sched: ScheduleBuffers, dims: LayerDims
     if dims.rank != peers.rank:
         raise ArgumentError("peers", f"rank {peers.rank} differs from dims.rank={dims.rank}")
     if not dims.expert_parallel:
-        raise ArgumentError("dims", "expert_parallel must be True with peers (the schedule then holds the block "
-                                    "order after block_expert: 2 * max_blocks entries)")
+        raise ArgumentError("dims", "expert_parallel must be True with peers (it sizes the EP buffers: the block "
+                                    "order after block_expert, FP8's token-order xq / dq)")
     if -(-dims.tokens // peers.chunk_tokens) > peers.chunks:   # the push writes one flag per chunk
         raise ArgumentError("peers", f"{dims.tokens} tokens in chunks of {peers.chunk_tokens} need "
                                      f"{-(-dims.tokens // peers.chunk_tokens)} chunk flags; the region has {peers.chunks}")
