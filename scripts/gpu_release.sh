@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The release check of a commit in two device calls (each under 10 minutes): the README's install,
-# then the GPU test files by part, then the benchmark.  Logs under $OUT; a summary per part.
+# The release check of a commit in three device calls (each under 10 minutes): the README's
+# install, then every one-GPU test file by part, and the benchmark.  Logs under $OUT; a summary
+# per part.  (Across two GPUs: scripts/gpu_x2.sh.)
 #   bash scripts/gpu_release.sh core    EP (both process models), trace, the FP8 forward / backward,
 #                                        layer, prepared calls, graphs; then bench_moe bf16 vs fp8_block
 #   bash scripts/gpu_release.sh rest    every other GPU file except the two GEMM probes; the samples
+#   bash scripts/gpu_release.sh probes  the bf16 and FP8 GEMM probes
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 offline_install
@@ -24,5 +26,7 @@ case "${1:-core}" in
     { timeout 60 python3 samples/train_moe.py --steps 6; timeout 60 python3 samples/train_moe.py --steps 6 --precision fp8_block
       timeout 60 python3 samples/train_moe_ep.py --one-process --ranks-per-gpu 2 --steps 4 --tokens 2048; } > "$out/samples.txt" 2>&1
     echo "== samples"; grep -E "^done|Error|error" "$out/samples.txt" | tail -6 ;;
+  probes)
+    run_pytest probes 540 tests/test_gemm_probe_gpu.py tests/test_fp8_gemm_probe_gpu.py ;;
   *) echo "unknown part: $1"; exit 2 ;;
 esac
