@@ -23,6 +23,7 @@ SHAPES = {  # name: (H, I, E, k, T, I_s)
     "quick": (512, 256, 16, 4, 2048, 0),
     "qwen3-30b-a3b": (2048, 768, 128, 8, 16384, 0),
     "deepseek-v3": (7168, 2048, 256, 8, 8192, 0),
+    "deepseek-v3-ep8-slice": (7168, 2048, 32, 8, 8192, 0),   # one EP = 8 rank's experts (bench_moe's shape)
 }
 
 

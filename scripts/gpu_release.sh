@@ -14,7 +14,7 @@ echo "== install"; tail -1 "$out/install.txt"
 case "${1:-core}" in
   core)
     run_pytest ep 200 tests/test_ep_gpu.py tests/test_trace_gpu.py
-    run_pytest fp8 200 tests/test_fp8_forward_gpu.py tests/test_fp8_backward_gpu.py
+    run_pytest fp8 320 tests/test_fp8_forward_gpu.py tests/test_fp8_backward_gpu.py
     run_pytest bf16 100 tests/test_layer_gpu.py tests/test_prepared_calls_gpu.py tests/test_graphs_gpu.py
     timeout 110 python3 bench/bench_moe.py --shapes qwen3-30b-a3b,deepseek-v3-ep8-slice --precision bf16,fp8_block \
       --timing graph --out "$out" --commit "$(git rev-parse HEAD 2>/dev/null || cat .commit)" > "$out/bench.txt" 2>&1
