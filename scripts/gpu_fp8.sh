@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The fp8_block engine, forward and backward on the GPU (one device call of at most 10 minutes per part).
-#     bash scripts/gpu_fp8.sh [all|probe|forward|backward|bf16|bench|profile]...      (default: all)
+#     bash scripts/gpu_fp8.sh [all|probe|wgrad|forward|backward|bf16|bench|profile]...      (default: all)
 # all = probe, forward, backward, bench.  Each test file runs in a pytest process of its own, and
 # inside it every GEMM / forward / backward test in a child process (tests/_gpu.run_isolated): a
 # kernel fault kills its process's CUDA context, and the first GPU run lost 40 tests to one
 # illegal instruction.
 #   probe    tests/test_fp8_gemm_probe_gpu.py (quantisers, both GEMM schedules, FP8PROBE timings)
+#   wgrad    tests/test_fp8_wgrad_probe_gpu.py (1D-1D wgrad GEMM probe; FP8WGRAD / BF16WGRAD timings; not in all)
 #   forward  tests/test_fp8_forward_gpu.py (the megakernel against the FP8 oracle)
 #   backward tests/test_fp8_backward_gpu.py (moe_backward_fp8 against the oracle's backward_fp8)
 #   bf16     the bf16 GPU tests of the host paths FP8 shares (layer, TMA, prepared calls, graphs, DLPack)
@@ -17,7 +18,7 @@ source "$(dirname "$0")/gpu_env.sh"
 offline_install
 echo "== install"; tail -1 "$out/install.txt"
 
-export MOK_GREP="FP8ERR|FP8PROBE"
+export MOK_GREP="FP8ERR|FP8PROBE|FP8WGRAD|BF16WGRAD"
 parts=()
 for part in "${@:-all}"; do
   if [ "$part" = all ]; then parts+=(probe forward backward bench); else parts+=("$part"); fi
@@ -25,6 +26,7 @@ done
 for part in "${parts[@]}"; do
   case "$part" in
     probe) run_pytest probe 200 tests/test_fp8_gemm_probe_gpu.py ;;
+    wgrad) run_pytest wgrad 300 tests/test_fp8_wgrad_probe_gpu.py ;;
     forward) run_pytest forward 240 tests/test_fp8_forward_gpu.py ;;
     backward) run_pytest backward 240 tests/test_fp8_backward_gpu.py ;;
     bf16) run_pytest bf16 300 tests/test_layer_gpu.py tests/test_moe_tma_gpu.py tests/test_prepared_calls_gpu.py \

@@ -514,3 +514,9 @@ extern "C" __global__ void __launch_bounds__(256) fp8_block_quotient_check(const
 extern "C" __global__ void __launch_bounds__(128) fp8_quantize_frag_rows(const __grid_constant__ QuantRowsParams p) {
   fp8probe::quantize_frag_rows(p);
 }
+
+// fp8_gemm_probe_1d1d(_overlap): the GEMM above with per-column B scales (the weight-gradient
+// GEMM's 1D-1D scaling), in a header of its own to keep this file's size in bounds.  Included
+// last, and the lines above are unchanged, so the existing kernels' __LINE__ constants (and SASS)
+// stay as they were.
+#include "fp8_wgrad_probe.cuh"
