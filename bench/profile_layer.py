@@ -14,10 +14,17 @@ Kernel durations come from ncu (or from the device-time column when the host is 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+
+# The checkout's mok_rt when it is not installed (as bench_moe.py does).
+_ROOT = Path(__file__).resolve().parents[1]
+if str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
 
 SHAPES = {  # name: (H, I, E, k, T, I_s)
     "quick": (512, 256, 16, 4, 2048, 0),
