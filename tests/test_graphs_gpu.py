@@ -1,6 +1,7 @@
 """CUDA-graph capture of the layer: schedule, forward, backward and recompute captured on a raw
-stream (cuda-bindings) and under ``torch.cuda.graph``; one layer and two chained layers in one
-graph.  Replays with new input contents at the same addresses must give the bits of eager runs on
+stream (cuda-bindings) and under ``torch.cuda.graph``, in bf16 and in FP8 (weights quantised
+before the capture, or bf16 weights quantised inside the captured calls); one layer and two
+chained layers in one graph.  Replays with new input contents at the same addresses must give the bits of eager runs on
 the same inputs, and a device error during a replay must still raise at ``ws.synchronize()``.
 """
 from __future__ import annotations
@@ -20,18 +21,20 @@ NAMES = ("out", "dx", "d_topk_weights", "dw_gate", "dw_up", "dw_down", "d_shared
          "d_shared_down")
 
 
-def _cfg():
+def _cfg(precision="bf16"):
     s = SHAPE
     return mok.MoEConfig(hidden=s["H"], intermediate=s["I"], num_experts=s["E"], top_k=s["k"],
-                         shared_intermediate=s["Is"])
+                         shared_intermediate=s["Is"], precision=precision)
 
 
-def _step(ws, d, *, stream=None, recompute=False):
-    """schedule + forward (+ recompute) + backward; the results by name."""
+def _step(ws, d, *, stream=None, recompute=False, weights=None):
+    """schedule + forward (+ recompute) + backward; the results by name.  `weights`: FP8
+    QuantizedWeights (made outside), else the bf16 ExpertWeights (quantised inside under FP8)."""
     sched = mok.schedule(ws, d["ids"], stream=stream)
-    out, ctx = mok.forward(ws, sched, d["x"], d["tw"], _experts(d), shared=_shared(d), stream=stream)
+    w, sh = (weights, None) if weights is not None else (_experts(d), _shared(d))
+    out, ctx = mok.forward(ws, sched, d["x"], d["tw"], w, shared=sh, stream=stream)
     if recompute:
-        ctx = mok.recompute_context(ws, sched, d["x"], d["tw"], _experts(d), shared=_shared(d), stream=stream)
+        ctx = mok.recompute_context(ws, sched, d["x"], d["tw"], w, shared=sh, stream=stream)
     g = mok.backward(ws, ctx, d["d_out"], stream=stream)
     return dict(out=out, dx=g.dx, d_topk_weights=g.d_topk_weights, dw_gate=g.dw.gate, dw_up=g.dw.up,
                 dw_down=g.dw.down, d_shared_gate=g.dw_shared.gate, d_shared_up=g.dw_shared.up,
@@ -79,26 +82,31 @@ class _RawGraph:
             call("cuGraphDestroy", self.graph)
 
 
-@pytest.mark.parametrize("recompute", [False, True])
-def test_raw_capture_replays_match_eager_bitwise(recompute):
+# FP8: with weights quantised once before the capture (the training pattern: once per optimizer
+# step), and with bf16 weights, whose quantisation then runs inside the captured calls.
+@pytest.mark.parametrize("precision,recompute,fp8_weights", [
+    ("bf16", False, None), ("bf16", True, None),
+    ("fp8_block", False, "quantized"), ("fp8_block", True, "quantized"), ("fp8_block", False, "bf16")])
+def test_raw_capture_replays_match_eager_bitwise(precision, recompute, fp8_weights):
     seeds = (101, 102, 103)
     probs = [make_problem(s, **SHAPE) for s in seeds]
-    with mok.Workspace(_cfg(), mok.SingleProcessGroup(devices=[0]), max_tokens=SHAPE["T"],
+    with mok.Workspace(_cfg(precision), mok.SingleProcessGroup(devices=[0]), max_tokens=SHAPE["T"],
                        poison_outputs=True) as ws:
         d = _to_dev(probs[0])
+        qw = mok.quantize_weights(ws, _experts(d), _shared(d)) if fp8_weights == "quantized" else None
         cp.cuda.Device(0).synchronize()
         eager = []
         for h in probs:
             _refill(d, h)
             cp.cuda.Device(0).synchronize()
-            eager.append(_host(_step(ws, d, recompute=recompute)))
+            eager.append(_host(_step(ws, d, recompute=recompute, weights=qw)))
             ws.synchronize()
         _refill(d, probs[0])
         cp.cuda.Device(0).synchronize()
         g = _RawGraph(int(ws.stream.handle))
         try:
             with g:
-                captured = _step(ws, d, recompute=recompute)
+                captured = _step(ws, d, recompute=recompute, weights=qw)
             for h, want in zip(probs, eager):
                 _refill(d, h)
                 cp.cuda.Device(0).synchronize()
