@@ -110,11 +110,11 @@ def _assert_same(c, c_ref, what: str):
 
 
 EXACT = {
-    # uneven groups with an empty one; N = 328: at N = 192 tile 1 spans scale blocks 1 and 2, at
-    # N = 160 tile 1 spans 1 and 2 from column 32 on and tile 2 starts in block 2 (its second block
-    # clamped); K = 3 blocks + 16
+    # uneven groups with an empty one; N = 328: at N = 192 tile 1 (columns 192..) switches from
+    # scale block 1 to 2 at its column 64; at N = 160 tile 1 (160..) switches at its column 96 and
+    # tile 2 (320..) has its second block clamped (past N); K = 3 blocks + 16
     "uneven": dict(rows=[200, 0, 77, 300, 128], n=328, k=400, extra=50),
-    # N = 200: the last tile's second block is past N (clamped); K = 2 blocks + 16
+    # N = 200: both widths' last tile has its second block past N (clamped); K = 2 blocks + 16
     "n200": dict(rows=[129, 0, 300], n=200, k=272, extra=7),
     # N = 3 x 192 = 3.6 x 160, 8 K blocks
     "long_k": dict(rows=[256, 129], n=576, k=1024, extra=0),
