@@ -47,7 +47,7 @@ cp = _LazyCupy()
 # ---- one child process per risky GPU test ---------------------------------------------------------
 ISOLATE_ENV = "MOK_RT_GPU_ISOLATE"   # "0": run the isolated tests in this process (faster, less robust)
 CHILD_ENV = "MOK_RT_GPU_CHILD"       # set in the child: the test runs there
-ECHO = ("FP8ERR", "FP8PROBE", "FP8WGRAD", "BF16WGRAD")  # output lines of a child passed on (print and return)
+ECHO = ("FP8ERR", "FP8PROBE", "FP8WGRAD", "FP8WIDE", "BF16WGRAD")  # output lines of a child passed on (print and return)
 
 
 def run_isolated(request, *, env: dict | None = None, timeout: float = 300.0) -> list[str] | None:

@@ -520,3 +520,7 @@ extern "C" __global__ void __launch_bounds__(128) fp8_quantize_frag_rows(const _
 // last, and the lines above are unchanged, so the existing kernels' __LINE__ constants (and SASS)
 // stay as they were.
 #include "fp8_wgrad_probe.cuh"
+
+// fp8_gemm_probe_n192 / _n160: the GEMM above with 128 x N tiles and one m64nNk32 batch per K
+// block (appended for the same reason as the include above).
+#include "fp8_wide_probe.cuh"
