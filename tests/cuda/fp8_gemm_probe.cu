@@ -158,6 +158,12 @@ __device__ __forceinline__ Tile decode(const Fp8GemmParams& p, int tile, int n_t
   return Tile{lo, row0, __ldg(p.group_offset + lo + 1), (tile % n_tiles) * kBN};
 }
 
+}  // namespace fp8probe
+}  // namespace mok
+#include "fp8_probe_schedule.cuh"  // the schedule the probe GEMMs share
+namespace mok {
+namespace fp8probe {
+
 // One K block issued by a consumer warpgroup: its ring slot and the two promotion scales.
 struct KBlock {
   int slot;
@@ -204,20 +210,8 @@ struct KStep {
 template <bool kOverlap>
 __device__ void gemm(const Fp8GemmParams& p, unsigned char* smem) {
   const Ring ring{(smem_u32(smem) + 1023u) & ~1023u};
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      mbar_init(ring.full(s), 1);
-      mbar_init(ring.empty(s), 4 * kConsumers);  // one arrival per consumer warp
-    }
-    mbar_fence_init();
-  }
-  __syncthreads();
-
-  const int total = __ldg(p.group_offset + p.groups);
-  if (total < 0 || total > p.max_rows) {
-    if (blockIdx.x == 0 && threadIdx.x == 0) set_error(p.err, kErrCapacity, 0, total, p.max_rows);
-    return;
-  }
+  init_ring(ring, kStages);
+  if (!rows_fit(p)) return;
   const int n_tiles = (p.n + kBN - 1) / kBN;
   const int num_tiles = __ldg(p.tile_offset + p.groups) * n_tiles;
   const int k_blocks = (p.k + kBK - 1) / kBK;
@@ -229,20 +223,12 @@ __device__ void gemm(const Fp8GemmParams& p, unsigned char* smem) {
     tma_prefetch_map(&p.a);
     tma_prefetch_map(&p.b);
     tma_prefetch_map(&p.sa);
-    const MbarWaitCtx w{p.err, p.timeout_ns, 0, 1};
-    wg::PipeState ps;
-    for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-      const Tile t = decode(p, tile, n_tiles);
-      for (int kb = 0; kb < k_blocks; ++kb) {
-        if (!mbar_wait(ring.empty(ps.slot), ps.phase ^ 1u, w)) return;
-        const uint32_t full = ring.full(ps.slot);
-        mbar_arrive_expect_tx(full, kStageTx);  // out-of-range box elements load as zeros and count
-        tma_load_2d(ring.a_tile(ps.slot), &p.a, full, kb * kBK, t.row0);
-        tma_load_3d(ring.b_tile(ps.slot), &p.b, full, kb * kBK, t.n0, t.g);
-        tma_load_2d(ring.sa(ps.slot), &p.sa, full, t.row0 & ~(kSaAlign - 1), kb);  // 16-byte aligned start
-        ps.advance(kStages);
-      }
-    }
+    produce<kStages>(p, ring, n_tiles, num_tiles, k_blocks, kStageTx,
+                     [&](int slot, uint32_t full, int, const Tile& t, int kb) {
+                       tma_load_2d(ring.a_tile(slot), &p.a, full, kb * kBK, t.row0);
+                       tma_load_3d(ring.b_tile(slot), &p.b, full, kb * kBK, t.n0, t.g);
+                       tma_load_2d(ring.sa(slot), &p.sa, full, t.row0 & ~(kSaAlign - 1), kb);  // 16-byte aligned start
+                     });
     return;
   }
 
@@ -266,36 +252,7 @@ __device__ void gemm(const Fp8GemmParams& p, unsigned char* smem) {
     for (int i = 0; i < (kOverlap ? kAccRegs : 1); ++i) acc2[i] = 0.f;
     bool failed = false;
     const KStep st{ring, sb, consumer, local_row, (t.row0 & (kSaAlign - 1)) + local_row, w};
-    if constexpr (!kOverlap) {
-      for (int kb = 0; kb < k_blocks; ++kb) {
-        const KBlock b = st.issue(ps, acc, kb, failed);
-        wgmma_wait<0>();  // the partial sum is needed now; the other warpgroup's MMAs fill the gap
-        st.retire(sum, acc, b, arriver);
-      }
-    } else {
-      // Two partial sets: block kb + 1's MMAs run while block kb is promoted.  Same promotion
-      // order as above, so the same bits.
-      KBlock ba = st.issue(ps, acc, 0, failed);
-      int kb = 0;
-      for (; kb + 2 < k_blocks; kb += 2) {  // acc: block kb in flight; kb + 1 and kb + 2 exist
-        const KBlock bb = st.issue(ps, acc2, kb + 1, failed);
-        wgmma_wait<1>();
-        st.retire(sum, acc, ba, arriver);
-        ba = st.issue(ps, acc, kb + 2, failed);
-        wgmma_wait<1>();
-        st.retire(sum, acc2, bb, arriver);
-      }
-      if (kb + 1 < k_blocks) {
-        const KBlock bb = st.issue(ps, acc2, kb + 1, failed);
-        wgmma_wait<1>();
-        st.retire(sum, acc, ba, arriver);
-        wgmma_wait<0>();
-        st.retire(sum, acc2, bb, arriver);
-      } else {
-        wgmma_wait<0>();
-        st.retire(sum, acc, ba, arriver);
-      }
-    }
+    k_loop<kOverlap>(st, ps, acc, acc2, sum, k_blocks, failed, arriver);
     if (wg::warpgroup_any(failed, consumer)) return;
 
     // Epilogue straight from registers: rows t.row0 + local_row + 8h, columns t.n0 + col(i).
@@ -516,11 +473,9 @@ extern "C" __global__ void __launch_bounds__(128) fp8_quantize_frag_rows(const _
 }
 
 // fp8_gemm_probe_1d1d(_overlap): the GEMM above with per-column B scales (the weight-gradient
-// GEMM's 1D-1D scaling), in a header of its own to keep this file's size in bounds.  Included
-// last, and the lines above are unchanged, so the existing kernels' __LINE__ constants (and SASS)
-// stay as they were.
+// GEMM's 1D-1D scaling), in a header of its own to keep this file's size in bounds.
 #include "fp8_wgrad_probe.cuh"
 
 // fp8_gemm_probe_n192 / _n160: the GEMM above with 128 x N tiles and one m64nNk32 batch per K
-// block (appended for the same reason as the include above).
+// block.
 #include "fp8_wide_probe.cuh"

@@ -33,7 +33,8 @@
 // at column n0 = 128 * tile: 512-byte aligned, so no offset trick as for the A scales is needed;
 // columns past N load as zeros (and are never stored).
 //
-// Included at the end of fp8_gemm_probe.cu: uses its Fp8GemmParams, Ring, Tile, decode, ld_shared_f32.
+// Included at the end of fp8_gemm_probe.cu: uses its Fp8GemmParams, Ring, Tile, decode, ld_shared_f32
+// and the shared schedule (fp8_probe_schedule.cuh).
 
 namespace mok {
 
@@ -78,7 +79,7 @@ struct KStep1d {
   const MbarWaitCtx& w;
 
   // As KStep::issue (warp-voted wait, see there), without any B scale.
-  __device__ __forceinline__ KBlock1d issue(wg::PipeState& ps, float (&acc)[kAccRegs], bool& failed) const {
+  __device__ __forceinline__ KBlock1d issue(wg::PipeState& ps, float (&acc)[kAccRegs], int /*kb*/, bool& failed) const {
     if (!failed && !__all_sync(~0u, mbar_try_wait(ring.full(ps.slot), ps.phase)))
       failed = !__all_sync(~0u, mbar_wait(ring.full(ps.slot), ps.phase, w));
     const KBlock1d b{ps.slot, ld_shared_f32(ring.sa(ps.slot) + 4u * sa_row),
@@ -114,20 +115,8 @@ template <bool kOverlap>
 __device__ void gemm_1d1d(const Fp8WgradParams& pw, unsigned char* smem) {
   const Fp8GemmParams& p = pw.g;
   const Ring1d ring{{(smem_u32(smem) + 1023u) & ~1023u}};
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      mbar_init(ring.full(s), 1);
-      mbar_init(ring.empty(s), 4 * kConsumers);  // one arrival per consumer warp
-    }
-    mbar_fence_init();
-  }
-  __syncthreads();
-
-  const int total = __ldg(p.group_offset + p.groups);
-  if (total < 0 || total > p.max_rows) {
-    if (blockIdx.x == 0 && threadIdx.x == 0) set_error(p.err, kErrCapacity, 0, total, p.max_rows);
-    return;
-  }
+  init_ring(ring, kStages);
+  if (!rows_fit(p)) return;
   const int n_tiles = (p.n + kBN - 1) / kBN;
   const int num_tiles = __ldg(p.tile_offset + p.groups) * n_tiles;
   const int k_blocks = (p.k + kBK - 1) / kBK;
@@ -140,21 +129,13 @@ __device__ void gemm_1d1d(const Fp8WgradParams& pw, unsigned char* smem) {
     tma_prefetch_map(&p.b);
     tma_prefetch_map(&p.sa);
     tma_prefetch_map(&pw.sbm);
-    const MbarWaitCtx w{p.err, p.timeout_ns, 0, 1};
-    wg::PipeState ps;
-    for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-      const Tile t = decode(p, tile, n_tiles);
-      for (int kb = 0; kb < k_blocks; ++kb) {
-        if (!mbar_wait(ring.empty(ps.slot), ps.phase ^ 1u, w)) return;
-        const uint32_t full = ring.full(ps.slot);
-        mbar_arrive_expect_tx(full, kStageTx1d);  // out-of-range box elements load as zeros and count
-        tma_load_2d(ring.a_tile(ps.slot), &p.a, full, kb * kBK, t.row0);
-        tma_load_3d(ring.b_tile(ps.slot), &p.b, full, kb * kBK, t.n0, t.g);
-        tma_load_2d(ring.sa(ps.slot), &p.sa, full, t.row0 & ~(kSaAlign - 1), kb);  // 16-byte aligned start
-        tma_load_3d(ring.sb(ps.slot), &pw.sbm, full, t.n0, kb, t.g);               // n0 * 4: 512-byte aligned
-        ps.advance(kStages);
-      }
-    }
+    produce<kStages>(p, ring, n_tiles, num_tiles, k_blocks, kStageTx1d,
+                     [&](int slot, uint32_t full, int, const Tile& t, int kb) {
+                       tma_load_2d(ring.a_tile(slot), &p.a, full, kb * kBK, t.row0);
+                       tma_load_3d(ring.b_tile(slot), &p.b, full, kb * kBK, t.n0, t.g);
+                       tma_load_2d(ring.sa(slot), &p.sa, full, t.row0 & ~(kSaAlign - 1), kb);  // 16-byte aligned start
+                       tma_load_3d(ring.sb(slot), &pw.sbm, full, t.n0, kb, t.g);               // n0 * 4: 512-byte aligned
+                     });
     return;
   }
 
@@ -175,52 +156,9 @@ __device__ void gemm_1d1d(const Fp8WgradParams& pw, unsigned char* smem) {
     for (int i = 0; i < (kOverlap ? kAccRegs : 1); ++i) acc2[i] = 0.f;
     bool failed = false;
     const KStep1d st{ring, consumer, (t.row0 & (kSaAlign - 1)) + local_row, coord.col0, w};
-    if constexpr (!kOverlap) {
-      for (int kb = 0; kb < k_blocks; ++kb) {
-        const KBlock1d b = st.issue(ps, acc, failed);
-        wgmma_wait<0>();
-        st.retire(sum, acc, b, arriver);
-      }
-    } else {
-      // Same structure as fp8probe::gemm<true>: block kb + 1's MMAs run during block kb's promotion.
-      KBlock1d ba = st.issue(ps, acc, failed);
-      int kb = 0;
-      for (; kb + 2 < k_blocks; kb += 2) {
-        const KBlock1d bb = st.issue(ps, acc2, failed);
-        wgmma_wait<1>();
-        st.retire(sum, acc, ba, arriver);
-        ba = st.issue(ps, acc, failed);
-        wgmma_wait<1>();
-        st.retire(sum, acc2, bb, arriver);
-      }
-      if (kb + 1 < k_blocks) {
-        const KBlock1d bb = st.issue(ps, acc2, failed);
-        wgmma_wait<1>();
-        st.retire(sum, acc, ba, arriver);
-        wgmma_wait<0>();
-        st.retire(sum, acc2, bb, arriver);
-      } else {
-        wgmma_wait<0>();
-        st.retire(sum, acc, ba, arriver);
-      }
-    }
+    k_loop<kOverlap>(st, ps, acc, acc2, sum, k_blocks, failed, arriver);
     if (wg::warpgroup_any(failed, consumer)) return;
-
-    // Epilogue straight from registers (fp8probe::gemm's C store, without the cq path).
-    const int cols_left = p.n - t.n0 - coord.col0;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = t.row0 + local_row + 8 * h;
-      if (row >= t.row_end) continue;
-      const size_t base = (size_t)row * p.n + t.n0 + coord.col0;
-#pragma unroll
-      for (int j = 0; j < kAccRegs / 4; ++j) {
-        if (8 * j >= cols_left) continue;
-        const float v0 = sum[4 * j + 2 * h], v1 = sum[4 * j + 2 * h + 1];
-        if (p.c_bf16) *reinterpret_cast<uint32_t*>(static_cast<bf16*>(p.c) + base + 8 * j) = pack_bf16x2(v0, v1);
-        else *reinterpret_cast<float2*>(static_cast<float*>(p.c) + base + 8 * j) = make_float2(v0, v1);
-      }
-    }
+    store_c(p, sum, t.row0, t.row_end, t.n0, local_row, coord);   // fp32 or bf16, no cq path
   }
 }
 

@@ -39,8 +39,7 @@
 // not read); bw: UINT8 dims {K, N, groups}, box {128, N, 1}, SWIZZLE_128B.
 //
 // Included at the end of fp8_gemm_probe.cu (after fp8_wgrad_probe.cuh): uses its Fp8GemmParams,
-// Tile, decode, ld_shared_f32 and constants.  Appended, so the lines above (and the existing
-// kernels' __LINE__ constants and SASS) are unchanged.
+// Tile, decode, ld_shared_f32, constants and the shared schedule (fp8_probe_schedule.cuh).
 
 namespace mok {
 
@@ -145,20 +144,8 @@ __device__ void gemm_wide(const Fp8WideParams& pw, unsigned char* smem) {
   using C = WideCfg<kBNW>;
   const Fp8GemmParams& p = pw.g;
   const RingW<C> ring{(smem_u32(smem) + 1023u) & ~1023u};
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < C::kStages; ++s) {
-      mbar_init(ring.full(s), 1);
-      mbar_init(ring.empty(s), 4 * kConsumers);  // one arrival per consumer warp
-    }
-    mbar_fence_init();
-  }
-  __syncthreads();
-
-  const int total = __ldg(p.group_offset + p.groups);
-  if (total < 0 || total > p.max_rows) {
-    if (blockIdx.x == 0 && threadIdx.x == 0) set_error(p.err, kErrCapacity, 0, total, p.max_rows);
-    return;
-  }
+  init_ring(ring, C::kStages);
+  if (!rows_fit(p)) return;
   const int n_tiles = (p.n + C::kBN - 1) / C::kBN;
   const int num_tiles = __ldg(p.tile_offset + p.groups) * n_tiles;
   const int k_blocks = (p.k + kBK - 1) / kBK;
@@ -170,21 +157,13 @@ __device__ void gemm_wide(const Fp8WideParams& pw, unsigned char* smem) {
     tma_prefetch_map(&p.a);
     tma_prefetch_map(&pw.bw);
     tma_prefetch_map(&p.sa);
-    const MbarWaitCtx w{p.err, p.timeout_ns, 0, 1};
-    wg::PipeState ps;
-    for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-      const Tile t = decode(p, tile, n_tiles);        // its n0 is for 128-wide tiles: recomputed
-      const int n0 = (tile % n_tiles) * C::kBN;
-      for (int kb = 0; kb < k_blocks; ++kb) {
-        if (!mbar_wait(ring.empty(ps.slot), ps.phase ^ 1u, w)) return;
-        const uint32_t full = ring.full(ps.slot);
-        mbar_arrive_expect_tx(full, C::kStageTx);  // out-of-range box elements load as zeros and count
-        tma_load_2d(ring.a_tile(ps.slot), &p.a, full, kb * kBK, t.row0);
-        tma_load_3d(ring.b_tile(ps.slot), &pw.bw, full, kb * kBK, n0, t.g);   // N rows in one box
-        tma_load_2d(ring.sa(ps.slot), &p.sa, full, t.row0 & ~(kSaAlign - 1), kb);  // 16-byte aligned start
-        ps.advance(C::kStages);
-      }
-    }
+    produce<C::kStages>(p, ring, n_tiles, num_tiles, k_blocks, C::kStageTx,
+                        [&](int slot, uint32_t full, int tile, const Tile& t, int kb) {
+                          const int n0 = (tile % n_tiles) * C::kBN;   // decode's n0 is for 128-wide tiles
+                          tma_load_2d(ring.a_tile(slot), &p.a, full, kb * kBK, t.row0);
+                          tma_load_3d(ring.b_tile(slot), &pw.bw, full, kb * kBK, n0, t.g);   // N rows in one box
+                          tma_load_2d(ring.sa(slot), &p.sa, full, t.row0 & ~(kSaAlign - 1), kb);  // 16-byte aligned start
+                        });
     return;
   }
 
@@ -203,33 +182,14 @@ __device__ void gemm_wide(const Fp8WideParams& pw, unsigned char* smem) {
     const float* sb0 = p.sb + ((size_t)t.g * n_blocks + blk0) * k_blocks;
     const float* sb1 = p.sb + ((size_t)t.g * n_blocks + blk1) * k_blocks;
     // Per tile, as in fp8probe::gemm (keeps the partial set out of the epilogue's live range).
-    float acc[C::kAccRegs], sum[C::kAccRegs];
+    float acc[C::kAccRegs], unused[1], sum[C::kAccRegs];
 #pragma unroll
     for (int i = 0; i < C::kAccRegs; ++i) sum[i] = acc[i] = 0.f;
     bool failed = false;
     const KStepW<C> st{ring, sb0, sb1, consumer, (t.row0 & (kSaAlign - 1)) + local_row, (kBN - (n0 & (kBN - 1))) >> 3, w};
-    for (int kb = 0; kb < k_blocks; ++kb) {
-      const KBlockW b = st.issue(ps, acc, kb, failed);
-      wgmma_wait<0>();  // the partial sum is needed now; the other warpgroup's batch fills the gap
-      st.retire(sum, acc, b, arriver);
-    }
+    k_loop<false>(st, ps, acc, unused, sum, k_blocks, failed, arriver);   // no overlap: one set of N / 2 more does not fit
     if (wg::warpgroup_any(failed, consumer)) return;
-
-    // Epilogue straight from registers: rows t.row0 + local_row + 8h, columns n0 + col(i).
-    const int cols_left = p.n - n0 - coord.col0;  // chunk j is inside C when 8j < cols_left
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = t.row0 + local_row + 8 * h;
-      if (row >= t.row_end) continue;
-      const size_t base = (size_t)row * p.n + n0 + coord.col0;
-#pragma unroll
-      for (int j = 0; j < C::kAccRegs / 4; ++j) {
-        if (8 * j >= cols_left) continue;
-        const float v0 = sum[4 * j + 2 * h], v1 = sum[4 * j + 2 * h + 1];
-        if (p.c_bf16) *reinterpret_cast<uint32_t*>(static_cast<bf16*>(p.c) + base + 8 * j) = pack_bf16x2(v0, v1);
-        else *reinterpret_cast<float2*>(static_cast<float*>(p.c) + base + 8 * j) = make_float2(v0, v1);
-      }
-    }
+    store_c(p, sum, t.row0, t.row_end, n0, local_row, coord);
   }
 }
 
