@@ -21,7 +21,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-# The checkout's mok_rt when it is not installed (as bench_moe.py does).
+# The checkout's mok_rt first (as bench_moe.py does): a run from a clone needs no install.
 _ROOT = Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))

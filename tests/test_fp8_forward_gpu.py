@@ -210,8 +210,9 @@ CASES = {
     "wide_T1000": (dict(T=1000, H=1024, I=512, E=16, k=4, Is=768), {}),
     "limit7": (dict(T=333, H=512, I=256, E=8, k=3, Is=256, x_scale=4.0), {"limit": 7.0}),
     # The model dimensions (K blocks, N tiles, I blocks as at full size), with fewer experts so that
-    # the float64 oracle stays within seconds: qwen3-30b-a3b's H, I and top-8 on 32 experts (an EP = 4
-    # slice), deepseek-v3's H, I, top-8 and shared expert on 8 experts (an EP = 32 slice).
+    # the float64 oracle stays within seconds: qwen3-30b-a3b's H, I and top-8 on 32 experts (ragged:
+    # ~128 rows an expert), deepseek-v3's H, I, top-8 and shared expert on 8 experts (every token on
+    # every expert: 256 full rows each; the ragged and empty experts are the small cases' job).
     "qwen3_dims_e32_T512": (dict(T=512, H=2048, I=768, E=32, k=8), {}),
     "dsv3_dims_e8_T256_shared": (dict(T=256, H=7168, I=2048, E=8, k=8, Is=2048), {}),
 }

@@ -45,10 +45,15 @@ def _host(results):
     return {n: cp.asnumpy(cp.from_dlpack(t)).view(np.uint8) for n, t in results.items()}
 
 
-def _refill(d, h):
-    """New contents, same addresses."""
-    for n in ("x", "ids", "tw", "d_out"):
+def _refill(d, h, *, weights=False):
+    """New contents, same addresses: the inputs, and with `weights` the expert weights too (an
+    optimizer step between replays)."""
+    for n in ("x", "ids", "tw", "d_out") + (("w_gate", "w_up", "w_down") if weights else ()):
         d[n][...] = cp.asarray(h[n])
+    if weights:
+        for dev, host in zip(d["shared"], h["shared"]):
+            if dev is not None:
+                dev[...] = cp.asarray(host)
 
 
 class _RawGraph:
@@ -82,8 +87,11 @@ class _RawGraph:
             call("cuGraphDestroy", self.graph)
 
 
-# FP8: with weights quantised once before the capture (the training pattern: once per optimizer
-# step), and with bf16 weights, whose quantisation then runs inside the captured calls.
+# Every replay also gets new weights at the same addresses (an optimizer step between replays), so
+# a replay that reused anything computed from the weights at capture time fails.  FP8: with bf16
+# weights, whose quantisation then runs inside the captured calls, and with weights quantised once
+# before the capture (`qw`, made from the first seed's weights and read by the eager runs and the
+# replays alike).
 @pytest.mark.parametrize("precision,recompute,fp8_weights", [
     ("bf16", False, None), ("bf16", True, None),
     ("fp8_block", False, "quantized"), ("fp8_block", True, "quantized"), ("fp8_block", False, "bf16")])
@@ -97,18 +105,18 @@ def test_raw_capture_replays_match_eager_bitwise(precision, recompute, fp8_weigh
         cp.cuda.Device(0).synchronize()
         eager = []
         for h in probs:
-            _refill(d, h)
+            _refill(d, h, weights=True)
             cp.cuda.Device(0).synchronize()
             eager.append(_host(_step(ws, d, recompute=recompute, weights=qw)))
             ws.synchronize()
-        _refill(d, probs[0])
+        _refill(d, probs[0], weights=True)
         cp.cuda.Device(0).synchronize()
         g = _RawGraph(int(ws.stream.handle))
         try:
             with g:
                 captured = _step(ws, d, recompute=recompute, weights=qw)
             for h, want in zip(probs, eager):
-                _refill(d, h)
+                _refill(d, h, weights=True)
                 cp.cuda.Device(0).synchronize()
                 g.replay()
                 ws.synchronize()
