@@ -34,9 +34,9 @@ def ops(torch):
     return torch_ops
 
 
-def _ws(*, Is=Is_, limit=None, T=64):
+def _ws(*, Is=Is_, limit=None, T=64, precision="bf16"):
     cfg = mok.MoEConfig(hidden=H, intermediate=I, num_experts=E, top_k=K, shared_intermediate=Is,
-                        swiglu_limit=limit)
+                        swiglu_limit=limit, precision=precision)
     return mok.Workspace(cfg, max_tokens=T, backend="reference")
 
 
@@ -68,10 +68,12 @@ def test_importing_mok_rt_does_not_import_torch():
 
 
 # --------------------------------------------------------------------------- eager op == the API
-@pytest.mark.parametrize("Is", [Is_, 0])
-def test_eager_op_matches_the_api_bitwise(torch, ops, Is):
+# FP8 workspaces too: the ops pass the bf16 weights, which each call quantises (the reference
+# backend's emulation here; the CUDA kernels on a GPU).
+@pytest.mark.parametrize("Is,precision", [(Is_, "bf16"), (0, "bf16"), (Is_, "fp8_block"), (0, "mxfp8")])
+def test_eager_op_matches_the_api_bitwise(torch, ops, Is, precision):
     p = _problem(torch, 1 + Is, Is=Is)
-    with _ws(Is=Is) as ws:
+    with _ws(Is=Is, precision=precision) as ws:
         # The API called directly with the same float32 tensors.
         sched = mok.schedule(ws, p["ids"])
         experts = mok.ExpertWeights(p["w_gate"], p["w_up"], p["w_down"])
@@ -105,6 +107,19 @@ def test_eager_op_matches_the_api_bitwise(torch, ops, Is):
     for n in WEIGHTS:
         if n in leaves:
             assert torch.equal(leaves[n].grad, want[n]), n
+
+
+def test_fp8_workspace_really_quantises(torch, ops):
+    """The op on an fp8_block workspace is not the bf16 layer: its out differs from bf16's by about
+    FP8's error (a few per cent), not by bf16 roundings."""
+    p = _problem(torch, 7)
+    outs = {}
+    for precision in ("bf16", "fp8_block"):
+        with _ws(precision=precision) as ws:
+            outs[precision] = ops.moe_layer(ws, p["x"], p["ids"], p["tw"], p["w_gate"], p["w_up"], p["w_down"],
+                                            shared=_shared(p)).detach().double()
+    rel = float((outs["fp8_block"] - outs["bf16"]).norm() / outs["bf16"].norm())
+    assert 5e-3 < rel < 0.2, rel   # measured ~6e-2
 
 
 def test_moe_layer_takes_a_handle_and_expert_weights(torch, ops):
