@@ -35,8 +35,9 @@ def ops(torch):
     return torch_ops
 
 
-def _ws(**kw):
-    return mok.Workspace(mok.MoEConfig(**CFG), mok.SingleProcessGroup(devices=[0]), max_tokens=T, **kw)
+def _ws(precision="bf16", **kw):
+    return mok.Workspace(mok.MoEConfig(**CFG, precision=precision), mok.SingleProcessGroup(devices=[0]),
+                         max_tokens=T, **kw)
 
 
 def _problem(torch, seed):
@@ -73,10 +74,14 @@ def _same(torch, got, want, what):
     assert torch.equal(got.contiguous().view(bits), want.contiguous().view(bits)), what
 
 
-def test_eager_op_matches_the_api_bitwise(torch, ops):
+# fp8_block: the ops pass bf16 weights, which each call quantises (forward copies in the forward,
+# the transposed copies in the backward, after recompute_context): the API on the same bf16
+# weights gives the same bits.
+@pytest.mark.parametrize("precision", ["bf16", "fp8_block"])
+def test_eager_op_matches_the_api_bitwise(torch, ops, precision):
     p = _problem(torch, 1)
     s = torch.cuda.current_stream()
-    with _ws(poison_outputs=True) as ws:
+    with _ws(precision, poison_outputs=True) as ws:
         bf = {n: p[n].to(torch.bfloat16) for n in WEIGHTS}
         sched = mok.schedule(ws, p["ids"], stream=s)
         out, ctx = mok.forward(ws, sched, p["x"], p["tw"], mok.ExpertWeights(*(bf[n] for n in WEIGHTS[:3])),
@@ -96,13 +101,14 @@ def test_eager_op_matches_the_api_bitwise(torch, ops):
         _same(torch, grad, want[n], n)     # fp32 masters get the layer's fp32 gradients as they are
 
 
-def test_compiled_matches_eager_bitwise(torch, ops):
+@pytest.mark.parametrize("precision", ["bf16", "fp8_block"])
+def test_compiled_matches_eager_bitwise(torch, ops, precision):
     """The op is opaque to inductor: with the routing given, the compiled function's output and
     every gradient are the eager bits."""
     import torch._dynamo
     torch._dynamo.reset()
     p = _problem(torch, 2)
-    with _ws() as ws:
+    with _ws(precision) as ws:
         a = _leaves(p)
         y = _layer(ops, ws, a, p)
         y.backward(p["d_out"])
