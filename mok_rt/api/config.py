@@ -115,5 +115,6 @@ class MoEConfig:
         return -(-rows // self.block_m) * self.block_m
 
     def forward_flops(self, tokens: int) -> int:
-        """FLOPs of one forward over ``tokens`` tokens (routed + shared), as REFERENCE.md counts them."""
+        """FLOPs of one forward over ``tokens`` tokens (routed + shared): 6 · T · (k · H · I + H · I_s),
+        the count bench/bench_moe.py and the README use (the backward: twice that)."""
         return 6 * tokens * (self.top_k * self.hidden * self.intermediate + self.hidden * self.shared_intermediate)
