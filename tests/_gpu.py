@@ -44,6 +44,22 @@ class _LazyCupy:
 cp = _LazyCupy()
 
 
+def median_launch_ms(launch, stream, *, warmup: int = 3, iters: int = 20) -> float:
+    """Kernel timing of the GEMM probes: ``warmup`` launches, then ``iters`` back-to-back launches
+    with an event after each (the stream stays busy, so host launch overhead does not show in the
+    intervals); the median interval in ms."""
+    import numpy as np
+    for _ in range(warmup):
+        launch(stream)
+    events = [cp.cuda.Event() for _ in range(iters + 1)]
+    events[0].record(stream)
+    for i in range(iters):
+        launch(stream)
+        events[i + 1].record(stream)
+    events[-1].synchronize()
+    return float(np.median([cp.cuda.get_elapsed_time(events[i], events[i + 1]) for i in range(iters)]))
+
+
 # ---- one child process per risky GPU test ---------------------------------------------------------
 ISOLATE_ENV = "MOK_RT_GPU_ISOLATE"   # "0": run the isolated tests in this process (faster, less robust)
 CHILD_ENV = "MOK_RT_GPU_CHILD"       # set in the child: the test runs there

@@ -39,7 +39,7 @@ import numpy as np
 import pytest
 
 pytestmark = pytest.mark.gpu
-from _gpu import cp, run_isolated  # noqa: E402
+from _gpu import cp, median_launch_ms, run_isolated  # noqa: E402
 import fp8_probe_host as H  # noqa: E402
 
 from mok_rt import build  # noqa: E402
@@ -528,17 +528,8 @@ def test_fp8_timing(request, stream, capsys, shape, kernel):
     err = H.rel_err(np.concatenate(got), np.concatenate(want))
     assert err <= TOL_BF16_OUT, f"relative error {err:.3g}"
 
-    for _ in range(3):
-        gm.launch(stream)
-    events = [cp.cuda.Event() for _ in range(21)]
-    events[0].record(stream)
-    for i in range(20):
-        gm.launch(stream)
-        events[i + 1].record(stream)
-    events[-1].synchronize()
-    times = [cp.cuda.get_elapsed_time(events[i], events[i + 1]) for i in range(20)]
+    ms = median_launch_ms(gm.launch, stream)
     assert not cp.asnumpy(gm.err).any()
-    ms = float(np.median(times))
     tflops = 2.0 * m * n * k / (ms * 1e-3) / 1e12
     with capsys.disabled():
         print(f"\nFP8PROBE {kernel} {shape} {ms:.3f} {tflops:.1f}")

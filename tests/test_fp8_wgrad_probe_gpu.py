@@ -38,7 +38,7 @@ import numpy as np
 import pytest
 
 pytestmark = pytest.mark.gpu
-from _gpu import cp, run_isolated  # noqa: E402
+from _gpu import cp, median_launch_ms, run_isolated  # noqa: E402
 import fp8_probe_host as H  # noqa: E402
 import test_fp8_gemm_probe_gpu as F  # noqa: E402  (the FP8 probe's helpers: params, tensor maps, Gemm)
 import test_gemm_probe_gpu as B  # noqa: E402  (the bf16 probe's helpers: Probe)
@@ -261,20 +261,6 @@ WGRAD = {
 }
 
 
-def _median_ms(launch, stream) -> float:
-    """3 warm-ups, then 20 back-to-back launches with an event after each (the stream stays busy,
-    so host launch overhead does not show in the intervals); the median interval."""
-    for _ in range(3):
-        launch(stream)
-    events = [cp.cuda.Event() for _ in range(21)]
-    events[0].record(stream)
-    for i in range(20):
-        launch(stream)
-        events[i + 1].record(stream)
-    events[-1].synchronize()
-    return float(np.median([cp.cuda.get_elapsed_time(events[i], events[i + 1]) for i in range(20)]))
-
-
 @pytest.mark.parametrize("shape", list(WGRAD))
 def test_fp8_wgrad_timing(request, stream, capsys, shape):
     if run_isolated(request, env=_child_env()) is not None:
@@ -309,7 +295,7 @@ def test_fp8_wgrad_timing(request, stream, capsys, shape):
             got.append(gm.c_f64(c[cp.asarray(gi * m + r)]))
         err = H.rel_err(np.concatenate(got), np.concatenate(want))
         assert err <= F.TOL_BF16_OUT, f"{kernel}: relative error {err:.3g}"
-        ms = _median_ms(gm.launch, stream)
+        ms = median_launch_ms(gm.launch, stream)
         assert not cp.asnumpy(gm.err).any()
         with capsys.disabled():
             print(f"\nFP8WGRAD {kernel} {shape} {ms:.3f} {flops / (ms * 1e-3) / 1e12:.1f}")
@@ -343,7 +329,7 @@ def test_bf16_wgrad_timing(request, stream, capsys, shape):
             got.append(B._f64_from_bf16_bits(c[rr]))
         err = B._rel_err(np.concatenate(got), np.concatenate(want))
         assert err <= B.TOL, f"{kernel}: relative error {err:.3g}"
-        ms = _median_ms(pr.launch, stream)
+        ms = median_launch_ms(pr.launch, stream)
         assert not cp.asnumpy(pr.err).any()
         with capsys.disabled():
             print(f"\nBF16WGRAD {kernel}_bn{pr.bn}_{shape} {ms:.3f} {flops / (ms * 1e-3) / 1e12:.1f}")

@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 
 pytestmark = pytest.mark.gpu
-from _gpu import cp, run_isolated  # noqa: E402
+from _gpu import cp, median_launch_ms, run_isolated  # noqa: E402
 import fp8_probe_host as H  # noqa: E402
 import test_fp8_gemm_probe_gpu as F  # noqa: E402  (the FP8 probe's helpers: params, tensor maps, Gemm)
 
@@ -240,19 +240,6 @@ TIMING = {
 TIMED = (REF, "fp8_gemm_probe_overlap", *WIDE)
 
 
-def _median_ms(launch, stream) -> float:
-    """3 warm-ups, then 20 back-to-back launches with an event after each; the median interval."""
-    for _ in range(3):
-        launch(stream)
-    events = [cp.cuda.Event() for _ in range(21)]
-    events[0].record(stream)
-    for i in range(20):
-        launch(stream)
-        events[i + 1].record(stream)
-    events[-1].synchronize()
-    return float(np.median([cp.cuda.get_elapsed_time(events[i], events[i + 1]) for i in range(20)]))
-
-
 def _random_bytes(shape):
     """Random E4M3 bytes (no NaN codes), filled in slabs: an int32 temporary of a 7.5 GB B would be 30 GB."""
     out = cp.empty(shape, dtype=cp.uint8)
@@ -298,7 +285,7 @@ def test_fp8_wide_timing(request, stream, capsys, shape):
             assert err <= F.TOL_BF16_OUT, f"{REF}: relative error {err:.3g}"
         elif not F._same_bits(c, c_ref):
             mismatches.append(kernel)
-        ms = _median_ms(gm.launch, stream)
+        ms = median_launch_ms(gm.launch, stream)
         assert not cp.asnumpy(gm.err).any()
         with capsys.disabled():
             print(f"\nFP8WIDE {kernel} {shape} {ms:.3f} {flops / (ms * 1e-3) / 1e12:.1f}")

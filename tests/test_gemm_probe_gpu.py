@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 pytestmark = pytest.mark.gpu
-from _gpu import cp  # noqa: E402  (CuPy is imported when a test first uses it)
+from _gpu import cp, median_launch_ms  # noqa: E402  (CuPy is imported when a test first uses it)
 
 from mok_rt.runtime import tensormap as tm  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -304,19 +304,8 @@ def test_probe_timing(stream, capsys, shape, b_major, kernel):
     err = _rel_err(got, want)
     assert err <= TOL, f"relative error {err:.3g}"
 
-    # Timing: 3 warm-up launches, then 20 back-to-back launches with an event after each (the
-    # stream stays busy, so host launch overhead does not show in the intervals).
-    for _ in range(3):
-        pr.launch(stream)
-    events = [cp.cuda.Event() for _ in range(21)]
-    events[0].record(stream)
-    for i in range(20):
-        pr.launch(stream)
-        events[i + 1].record(stream)
-    events[-1].synchronize()
-    times = [cp.cuda.get_elapsed_time(events[i], events[i + 1]) for i in range(20)]
+    ms = median_launch_ms(pr.launch, stream)   # 3 warm-ups, median of 20 back-to-back launches
     assert not cp.asnumpy(pr.err).any()
-    ms = float(np.median(times))
     flops = 2.0 * pr.total * dims["n"] * dims["k"]
     name = f"{shape}_{'bK' if b_major == tm.Major.K else 'bMN'}_bn{pr.bn}"
     with capsys.disabled():

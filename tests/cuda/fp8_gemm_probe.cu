@@ -430,12 +430,7 @@ namespace mok {
 namespace fp8probe {
 template <bool kOverlap>
 __device__ __forceinline__ void entry(const Fp8GemmParams& p, unsigned char* smem) {
-  if (__syncthreads_or(threadIdx.x == 0 && error_set(p.err))) return;
-  if (blockDim.x != kThreads) {
-    if (threadIdx.x == 0) set_error(p.err, kErrInternal, __LINE__, blockDim.x, kThreads);
-    return;
-  }
-  gemm<kOverlap>(p, smem);
+  if (launch_ok(p, /*has_cq_epilogue=*/true)) gemm<kOverlap>(p, smem);
 }
 }  // namespace fp8probe
 }  // namespace mok

@@ -8,6 +8,18 @@
 namespace mok {
 namespace fp8probe {
 
+// The checks every probe kernel makes first: an error word already set stops every CTA (one vote,
+// so the CTA leaves as a whole); a block of other than kThreads threads, or a quantised output asked
+// of a kernel without that epilogue, is an internal error.
+__device__ __forceinline__ bool launch_ok(const Fp8GemmParams& p, bool has_cq_epilogue) {
+  if (__syncthreads_or(threadIdx.x == 0 && error_set(p.err))) return false;
+  if (blockDim.x != kThreads || (!has_cq_epilogue && p.cq != nullptr)) {
+    if (threadIdx.x == 0) set_error(p.err, kErrInternal, __LINE__, blockDim.x, kThreads);
+    return false;
+  }
+  return true;
+}
+
 // full[s]: one arrival (the producer's expect_tx) plus the TMA bytes; empty[s]: one arrival per
 // consumer warp.
 template <class R>

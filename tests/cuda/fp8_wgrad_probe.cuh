@@ -164,12 +164,7 @@ __device__ void gemm_1d1d(const Fp8WgradParams& pw, unsigned char* smem) {
 
 template <bool kOverlap>
 __device__ __forceinline__ void entry_1d1d(const Fp8WgradParams& p, unsigned char* smem) {
-  if (__syncthreads_or(threadIdx.x == 0 && error_set(p.g.err))) return;
-  if (blockDim.x != kThreads || p.g.cq != nullptr) {
-    if (threadIdx.x == 0) set_error(p.g.err, kErrInternal, __LINE__, blockDim.x, kThreads);
-    return;
-  }
-  gemm_1d1d<kOverlap>(p, smem);
+  if (launch_ok(p.g, /*has_cq_epilogue=*/false)) gemm_1d1d<kOverlap>(p, smem);
 }
 
 }  // namespace fp8probe

@@ -195,12 +195,7 @@ __device__ void gemm_wide(const Fp8WideParams& pw, unsigned char* smem) {
 
 template <int kBNW>
 __device__ __forceinline__ void entry_wide(const Fp8WideParams& p, unsigned char* smem) {
-  if (__syncthreads_or(threadIdx.x == 0 && error_set(p.g.err))) return;
-  if (blockDim.x != kThreads || p.g.cq != nullptr) {
-    if (threadIdx.x == 0) set_error(p.g.err, kErrInternal, __LINE__, blockDim.x, kThreads);
-    return;
-  }
-  gemm_wide<kBNW>(p, smem);
+  if (launch_ok(p.g, /*has_cq_epilogue=*/false)) gemm_wide<kBNW>(p, smem);
 }
 
 }  // namespace fp8probe
