@@ -158,6 +158,39 @@ def e4m3_table() -> np.ndarray:
     return np.arange(256, dtype=np.uint8).view(E4M3).astype(np.float64)
 
 
+# ---- float64 oracles of the probes' GEMMs (host arrays) ---------------------------------------------
+
+def dequant_rows(q_u8: np.ndarray, sa_kmajor: np.ndarray, k: int) -> np.ndarray:
+    """float64 [r, k] of E4M3 activation rows (bytes [r, >= k]) times their 1 x 128 scales, given in the
+    GEMM's K-major layout for these rows (sa_kmajor [KB, r])."""
+    return e4m3_table()[q_u8] * np.repeat(np.asarray(sa_kmajor, dtype=np.float64).T, FP8_BLOCK, axis=1)[:, :k]
+
+
+def dequant_weight_blocks(q_u8: np.ndarray, sb: np.ndarray, n: int, k: int) -> np.ndarray:
+    """float64 [n, k] of one group's E4M3 weights (bytes [n, k]) with 128 x 128 block scales sb [NB, KB]."""
+    sbe = np.repeat(np.repeat(np.asarray(sb, dtype=np.float64), FP8_BLOCK, axis=0), FP8_BLOCK, axis=1)[:n, :k]
+    return e4m3_table()[q_u8] * sbe
+
+
+def dequant_weight_cols(q_u8: np.ndarray, sb_cols: np.ndarray, k: int) -> np.ndarray:
+    """float64 [n, k] of one group's E4M3 B rows (bytes [n, k]) with one scale per (row, K block):
+    sb_cols [KB, n] (a weight gradient's token-direction scales)."""
+    return e4m3_table()[q_u8] * np.repeat(np.asarray(sb_cols, dtype=np.float64).T, FP8_BLOCK, axis=1)[:, :k]
+
+
+def grouped_oracle(qa_u8: np.ndarray, sa_kmajor: np.ndarray, b_of_group, off: np.ndarray, n: int,
+                   k: int) -> np.ndarray:
+    """float64 C [off[-1], n] of a grouped GEMM: rows off[g] .. off[g + 1] of the dequantised A times
+    b_of_group(g)ᵀ (a float64 [n, k], from dequant_weight_blocks / dequant_weight_cols)."""
+    total = int(off[-1])
+    a = dequant_rows(qa_u8[:total], sa_kmajor[:, :total], k)
+    out = np.zeros((total, n))
+    for g in range(len(off) - 1):
+        if off[g + 1] > off[g]:
+            out[off[g]:off[g + 1]] = a[off[g]:off[g + 1]] @ b_of_group(g).T
+    return out
+
+
 def no_nan_bytes(b: np.ndarray) -> np.ndarray:
     """Random bytes with the two NaN encodings replaced by zero (works on NumPy and CuPy arrays)."""
     return b * ((b & 0x7F) != 0x7F).astype(b.dtype)

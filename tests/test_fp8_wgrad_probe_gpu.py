@@ -110,16 +110,8 @@ class Wgrad(F.Gemm):
 def _oracle(qa_u8, sa_kmajor, qb_u8, sb_cols, off, k) -> np.ndarray:
     """float64 C [off[-1], N] of the dequantised operands (host arrays): A[r, k] * s_a[kb, r] times
     B[g][n, k] * s_b[g, kb, n], summed over k."""
-    tab = H.e4m3_table()
-    total, n = int(off[-1]), qb_u8.shape[1]
-    a = tab[qa_u8[:total]] * np.repeat(sa_kmajor[:, :total].T.astype(np.float64), FP8_BLOCK, axis=1)[:, :k]
-    out = np.zeros((total, n))
-    for g in range(len(off) - 1):
-        if off[g + 1] == off[g]:
-            continue
-        b = tab[qb_u8[g]] * np.repeat(sb_cols[g].T.astype(np.float64), FP8_BLOCK, axis=1)[:, :k]
-        out[off[g]:off[g + 1]] = a[off[g]:off[g + 1]] @ b.T
-    return out
+    return H.grouped_oracle(qa_u8, sa_kmajor, lambda g: H.dequant_weight_cols(qb_u8[g], sb_cols[g], k), off,
+                            qb_u8.shape[1], k)
 
 
 def _exact_operands(rng, rows, n, k, cap):
@@ -276,22 +268,20 @@ def test_fp8_wgrad_timing(request, stream, capsys, shape):
     sb_cols = cp.random.uniform(0.5, 1.5, size=(g, kb, n)).astype(cp.float32) * np.float32(1 / 448)
     sb_blocks = cp.random.uniform(0.5, 1.5, size=(g, nb, kb)).astype(cp.float32) * np.float32(1 / 448)
     # float64 check on 2 groups x 64 rows (bf16 C).
-    tab = H.e4m3_table()
     rng = np.random.default_rng(1)
     sel = [(int(gi), np.sort(rng.choice(m, size=64, replace=False))) for gi in np.sort(rng.choice(g, 2, replace=False))]
-    a_deq = {gi: tab[cp.asnumpy(qa[cp.asarray(gi * m + r)])]
-             * np.repeat(cp.asnumpy(sa[:, cp.asarray(gi * m + r)]).T, FP8_BLOCK, axis=1)[:, :k] for gi, r in sel}
+    a_deq = {gi: H.dequant_rows(cp.asnumpy(qa[cp.asarray(gi * m + r)]), cp.asnumpy(sa[:, cp.asarray(gi * m + r)]), k)
+             for gi, r in sel}
     for kernel in (*KERNELS_1D1D, "fp8_gemm_probe"):
         kw = dict(rows=[m] * g, n=n, k=k, qa=qa, sa_kmajor=sa, qb=qb, c_bf16=True, kernel=kernel)
         gm = Wgrad(sb_cols=sb_cols, **kw) if kernel in KERNELS_1D1D else F.Gemm(sb=sb_blocks, **kw)
         c = gm.run(stream)
         got, want = [], []
         for gi, r in sel:
-            if kernel in KERNELS_1D1D:
-                sbe = np.repeat(cp.asnumpy(sb_cols[gi]).T, FP8_BLOCK, axis=1)[:, :k]
-            else:
-                sbe = np.repeat(np.repeat(cp.asnumpy(sb_blocks[gi]), FP8_BLOCK, axis=0), FP8_BLOCK, axis=1)[:n, :k]
-            want.append(a_deq[gi] @ (tab[cp.asnumpy(qb[gi])] * sbe).T)
+            qb_g = cp.asnumpy(qb[gi])
+            b_deq = (H.dequant_weight_cols(qb_g, cp.asnumpy(sb_cols[gi]), k) if kernel in KERNELS_1D1D
+                     else H.dequant_weight_blocks(qb_g, cp.asnumpy(sb_blocks[gi]), n, k))
+            want.append(a_deq[gi] @ b_deq.T)
             got.append(gm.c_f64(c[cp.asarray(gi * m + r)]))
         err = H.rel_err(np.concatenate(got), np.concatenate(want))
         assert err <= F.TOL_BF16_OUT, f"{kernel}: relative error {err:.3g}"
