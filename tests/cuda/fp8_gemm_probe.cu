@@ -212,9 +212,8 @@ __device__ void gemm(const Fp8GemmParams& p, unsigned char* smem) {
   const Ring ring{(smem_u32(smem) + 1023u) & ~1023u};
   init_ring(ring, kStages);
   if (!rows_fit(p)) return;
-  const int n_tiles = (p.n + kBN - 1) / kBN;
-  const int num_tiles = __ldg(p.tile_offset + p.groups) * n_tiles;
-  const int k_blocks = (p.k + kBK - 1) / kBK;
+  const TileSpace ts = TileSpace::of(p, kBN);
+  const int n_tiles = ts.n_tiles, num_tiles = ts.num_tiles, k_blocks = ts.k_blocks;
   const int role = threadIdx.x / 128;
 
   if (role == 0) {
@@ -243,13 +242,9 @@ __device__ void gemm(const Fp8GemmParams& p, unsigned char* smem) {
   for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const Tile t = decode(p, tile, n_tiles);
     const float* sb = p.sb + ((size_t)t.g * n_blocks + t.n0 / kBN) * k_blocks;
-    // Declared per tile: the MMAs' "+f" operands would otherwise keep the partial sets live (and
-    // in registers) through the epilogue, although scale-d = 0 never reads them.
+    // Declared per tile (zero_sets says why).
     float acc[kAccRegs], acc2[kOverlap ? kAccRegs : 1], sum[kAccRegs];
-#pragma unroll
-    for (int i = 0; i < kAccRegs; ++i) sum[i] = acc[i] = 0.f;
-#pragma unroll
-    for (int i = 0; i < (kOverlap ? kAccRegs : 1); ++i) acc2[i] = 0.f;
+    zero_sets(sum, acc, acc2);
     bool failed = false;
     const KStep st{ring, sb, consumer, local_row, (t.row0 & (kSaAlign - 1)) + local_row, w};
     k_loop<kOverlap>(st, ps, acc, acc2, sum, k_blocks, failed, arriver);

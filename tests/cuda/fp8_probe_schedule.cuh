@@ -44,6 +44,26 @@ __device__ __forceinline__ bool rows_fit(const Fp8GemmParams& p) {
   return true;
 }
 
+// A launch's tile space: N tiles of tile_n columns (times every group's 128-row tiles) and 128-deep
+// K blocks.
+struct TileSpace {
+  int n_tiles, num_tiles, k_blocks;
+  __device__ __forceinline__ static TileSpace of(const Fp8GemmParams& p, int tile_n) {
+    const int n_tiles = (p.n + tile_n - 1) / tile_n;
+    return TileSpace{n_tiles, __ldg(p.tile_offset + p.groups) * n_tiles, (p.k + kBK - 1) / kBK};
+  }
+};
+
+// A tile's accumulators, declared per tile by the caller (the MMAs' "+f" operands would otherwise
+// keep the partial sets live through the epilogue, although scale-d = 0 never reads them): all zero.
+template <int kRegs, int kRegs2>
+__device__ __forceinline__ void zero_sets(float (&sum)[kRegs], float (&acc)[kRegs], float (&acc2)[kRegs2]) {
+#pragma unroll
+  for (int i = 0; i < kRegs; ++i) sum[i] = acc[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < kRegs2; ++i) acc2[i] = 0.f;
+}
+
 // The producer thread: for each of this CTA's tiles (round-robin over the grid) and K block, wait
 // for the slot, expect `tx` bytes (out-of-range box elements load as zeros and count) and issue
 // load(slot, full barrier, tile, decoded tile, kb).

@@ -117,9 +117,8 @@ __device__ void gemm_1d1d(const Fp8WgradParams& pw, unsigned char* smem) {
   const Ring1d ring{{(smem_u32(smem) + 1023u) & ~1023u}};
   init_ring(ring, kStages);
   if (!rows_fit(p)) return;
-  const int n_tiles = (p.n + kBN - 1) / kBN;
-  const int num_tiles = __ldg(p.tile_offset + p.groups) * n_tiles;
-  const int k_blocks = (p.k + kBK - 1) / kBK;
+  const TileSpace ts = TileSpace::of(p, kBN);
+  const int n_tiles = ts.n_tiles, num_tiles = ts.num_tiles, k_blocks = ts.k_blocks;
   const int role = threadIdx.x / 128;
 
   if (role == 0) {
@@ -148,12 +147,9 @@ __device__ void gemm_1d1d(const Fp8WgradParams& pw, unsigned char* smem) {
   wg::PipeState ps;
   for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const Tile t = decode(p, tile, n_tiles);
-    // Per tile, as in fp8probe::gemm (keeps the partial sets out of the epilogue's live range).
+    // Declared per tile (zero_sets says why).
     float acc[kAccRegs], acc2[kOverlap ? kAccRegs : 1], sum[kAccRegs];
-#pragma unroll
-    for (int i = 0; i < kAccRegs; ++i) sum[i] = acc[i] = 0.f;
-#pragma unroll
-    for (int i = 0; i < (kOverlap ? kAccRegs : 1); ++i) acc2[i] = 0.f;
+    zero_sets(sum, acc, acc2);
     bool failed = false;
     const KStep1d st{ring, consumer, (t.row0 & (kSaAlign - 1)) + local_row, coord.col0, w};
     k_loop<kOverlap>(st, ps, acc, acc2, sum, k_blocks, failed, arriver);

@@ -146,9 +146,8 @@ __device__ void gemm_wide(const Fp8WideParams& pw, unsigned char* smem) {
   const RingW<C> ring{(smem_u32(smem) + 1023u) & ~1023u};
   init_ring(ring, C::kStages);
   if (!rows_fit(p)) return;
-  const int n_tiles = (p.n + C::kBN - 1) / C::kBN;
-  const int num_tiles = __ldg(p.tile_offset + p.groups) * n_tiles;
-  const int k_blocks = (p.k + kBK - 1) / kBK;
+  const TileSpace ts = TileSpace::of(p, C::kBN);
+  const int n_tiles = ts.n_tiles, num_tiles = ts.num_tiles, k_blocks = ts.k_blocks;
   const int role = threadIdx.x / 128;
 
   if (role == 0) {
@@ -181,10 +180,9 @@ __device__ void gemm_wide(const Fp8WideParams& pw, unsigned char* smem) {
     const int blk0 = n0 / kBN, blk1 = min(blk0 + 1, n_blocks - 1);
     const float* sb0 = p.sb + ((size_t)t.g * n_blocks + blk0) * k_blocks;
     const float* sb1 = p.sb + ((size_t)t.g * n_blocks + blk1) * k_blocks;
-    // Per tile, as in fp8probe::gemm (keeps the partial set out of the epilogue's live range).
+    // Declared per tile (zero_sets says why).
     float acc[C::kAccRegs], unused[1], sum[C::kAccRegs];
-#pragma unroll
-    for (int i = 0; i < C::kAccRegs; ++i) sum[i] = acc[i] = 0.f;
+    zero_sets(sum, acc, unused);
     bool failed = false;
     const KStepW<C> st{ring, sb0, sb1, consumer, (t.row0 & (kSaAlign - 1)) + local_row, (kBN - (n0 & (kBN - 1))) >> 3, w};
     k_loop<false>(st, ps, acc, unused, sum, k_blocks, failed, arriver);   // no overlap: one set of N / 2 more does not fit
