@@ -15,7 +15,8 @@ from mok_rt.runtime.driver import call, driver
 from mok_rt.runtime.cubins import Kernel
 from mok_rt.errors import ArgumentError
 
-__all__ = ["launch", "PreparedLaunch", "stream_handle", "max_shared_memory", "multiprocessor_count"]
+__all__ = ["launch", "PreparedLaunch", "stream_handle", "max_shared_memory", "multiprocessor_count",
+           "max_active_clusters"]
 
 _smem_set: dict[tuple[int, int], int] = {}  # (kernel address, device) -> bytes allowed
 
@@ -136,3 +137,14 @@ def launch(kernel: Kernel, *, grid, block, params: ctypes.Structure | None, stre
     """
     PreparedLaunch(kernel, grid=grid, block=block, params=params, stream=stream, device_id=device_id,
                    shared_mem=shared_mem, cluster=cluster, cooperative=cooperative)()
+
+
+def max_active_clusters(kernel: Kernel, *, block, cluster: Sequence[int] | int, shared_mem: int = 0,
+                        device_id: int = 0) -> int:
+    """How many clusters of ``cluster`` CTAs of ``kernel`` (``block`` threads, ``shared_mem`` bytes
+    of dynamic shared memory each) the device runs at once (cuOccupancyMaxActiveClusters).  A
+    persistent kernel launched on clusters must size its grid by this, not by the SM count: the
+    GPCs' SM counts need not be multiples of the cluster size."""
+    p = PreparedLaunch(kernel, grid=cluster, block=block, params=None, stream=0, device_id=device_id,
+                       shared_mem=shared_mem, cluster=cluster)
+    return int(call("cuOccupancyMaxActiveClusters", p._fn, p._cfg))

@@ -469,3 +469,6 @@ extern "C" __global__ void __launch_bounds__(128) fp8_quantize_frag_rows(const _
 // fp8_gemm_probe_n192 / _n160: the GEMM above with 128 x N tiles and one m64nNk32 batch per K
 // block.
 #include "fp8_wide_probe.cuh"
+
+// fp8_gemm_probe_mc: the overlap schedule on 2-CTA clusters multicasting the B tile.
+#include "fp8_mc_probe.cuh"
