@@ -25,6 +25,7 @@ import test_fp8_wide_probe_gpu as W  # noqa: E402  (Fp8WideParams)
 from mok_rt.runtime.launch import launch, max_active_clusters  # noqa: E402
 
 KERNEL, REF = "fp8_gemm_probe_mc", "fp8_gemm_probe_overlap"
+CONTROL = "fp8_gemm_probe_mc_own"   # same clusters and release protocol, B loaded by each CTA itself
 ERR_INTERNAL = 5
 
 
@@ -32,8 +33,8 @@ class Mc(F.Gemm):
     """F.Gemm through fp8_gemm_probe_mc: the B map's box is the 64-row half a CTA multicasts;
     clusters of 2 CTAs, an even grid."""
 
-    def __init__(self, **kw):
-        super().__init__(kernel=KERNEL, **kw)
+    def __init__(self, *, kernel=KERNEL, **kw):
+        super().__init__(kernel=kernel, **kw)
         wp = W.Fp8WideParams()
         wp.g = self.params
         wp.bw = F._tmap(F._ptr(self.qb), "u8", (self.k, self.n, self.groups), (self.k, self.n * self.k),
@@ -117,6 +118,7 @@ def test_mc_random(request, stream):
     c = Mc(**kw).run(stream)
     assert F._same_bits(F.Gemm(kernel=REF, **kw).run(stream), c), f"{KERNEL} and {REF} disagree"
     assert F._same_bits(Mc(**kw).run(stream), c), "two launches gave other bits"
+    assert F._same_bits(Mc(kernel=CONTROL, **kw).run(stream), c), f"{CONTROL} and {KERNEL} disagree"
     got = cp.asnumpy(c)[: sum(rows)].astype(np.float64)
     want = H.emulate_gemm(H.quantize_rows_ref(x), H.quantize_weights_ref(w)[0], H.group_offsets(rows)[0])
     err = H.rel_err(got, want)

@@ -12,7 +12,7 @@
 // Ring protocol (the standard one for multicast): a slot of CTA c is written by both CTAs, so
 // before a producer reloads slot s it needs both CTAs' consumers to be done with slot s: empty[s]
 // counts 2 x 8 consumer-warp arrivals: lane 0 of each consumer warp arrives on its own CTA's
-// empty[s] and on the peer's (mapa + mbarrier.arrive.release.cluster).  A peer's B half
+// empty[s] and on the peer's (mapa + mbarrier.arrive.shared::cluster).  A peer's B half
 // for phase p + 1 of slot s can only land after this CTA's consumers released phase p, i.e.
 // after this CTA's full[s] completed phase p, so each full barrier sees exactly one phase's bytes.
 // The cluster barrier after the barriers' init (the peer may multicast or arrive before this CTA
@@ -47,10 +47,14 @@ __device__ __forceinline__ uint32_t cluster_rank() {
 __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
 }
-// Arrive on the mbarrier at the same shared-memory offset in CTA `rank` of the cluster.
+// Arrive on the mbarrier at the same shared-memory offset in CTA `rank` of the cluster.  Default
+// semantics (release at CTA scope): what it orders is this warp's reads of the slot, done by the
+// tensor cores and retired by the wait_group before it.  With `.release.cluster` ptxas puts a
+// MEMBAR.ALL.GPU before every arrive, in the consumers' path between two MMA batches: measured,
+// the kernel ran at half speed (bench/NOTES-FP8-2.md).
 __device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t rank) {
   asm volatile("{\n\t.reg .b32 ra;\n\tmapa.shared::cluster.u32 ra, %0, %1;\n\t"
-               "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra];\n\t}"
+               "mbarrier.arrive.shared::cluster.b64 _, [ra];\n\t}"
                :: "r"(bar), "r"(rank) : "memory");
 }
 // A 3D tiled load into the same offset of every CTA in `mask`, each CTA's barrier at `bar` credited.
@@ -96,6 +100,10 @@ struct KStepMc : KStep {
   }
 };
 
+// kMulticast = false (fp8_gemm_probe_mc_own, a control): the same clusters, pairs and two-CTA
+// release protocol, but each CTA loads its whole B tile itself (g.b, box {128, 128, 1}): what the
+// coupling of the pair costs without the multicast.
+template <bool kMulticast>
 __device__ void gemm_mc(const Fp8WideParams& pw, unsigned char* smem) {
   const Fp8GemmParams& p = pw.g;
   const Ring ring{(smem_u32(smem) + 1023u) & ~1023u};
@@ -119,7 +127,7 @@ __device__ void gemm_mc(const Fp8WideParams& pw, unsigned char* smem) {
     setmaxnreg_dec<wg::kProducerRegs>();
     if (threadIdx.x == 0) {
       tma_prefetch_map(&p.a);
-      tma_prefetch_map(&pw.bw);
+      tma_prefetch_map(kMulticast ? &pw.bw : &p.b);
       tma_prefetch_map(&p.sa);
       const MbarWaitCtx w{p.err, p.timeout_ns, 0, 1};
       wg::PipeState ps;
@@ -132,8 +140,11 @@ __device__ void gemm_mc(const Fp8WideParams& pw, unsigned char* smem) {
           const uint32_t full = ring.full(ps.slot);
           mbar_arrive_expect_tx(full, kStageTx);  // A + the whole B (both halves) + the A scales
           tma_load_2d(ring.a_tile(ps.slot), &p.a, full, kb * kBK, t.row0);
-          tma_load_3d_multicast(ring.b_tile(ps.slot) + rank * kHalfBBytes, &pw.bw, full, kb * kBK,
-                                t.n0 + kHalfB * static_cast<int>(rank), t.g, 0x3);
+          if constexpr (kMulticast)
+            tma_load_3d_multicast(ring.b_tile(ps.slot) + rank * kHalfBBytes, &pw.bw, full, kb * kBK,
+                                  t.n0 + kHalfB * static_cast<int>(rank), t.g, 0x3);
+          else
+            tma_load_3d(ring.b_tile(ps.slot), &p.b, full, kb * kBK, t.n0, t.g);
           tma_load_2d(ring.sa(ps.slot), &p.sa, full, t.row0 & ~(kSaAlign - 1), kb);
           ps.advance(kStages);
         }
@@ -168,5 +179,11 @@ __device__ void gemm_mc(const Fp8WideParams& pw, unsigned char* smem) {
 extern "C" __global__ void __launch_bounds__(fp8probe::kThreads, 1)
 fp8_gemm_probe_mc(const __grid_constant__ Fp8WideParams p) {
   extern __shared__ __align__(1024) unsigned char smem[];
-  if (fp8probe::launch_ok(p.g, /*has_cq_epilogue=*/false)) fp8probe::gemm_mc(p, smem);
+  if (fp8probe::launch_ok(p.g, /*has_cq_epilogue=*/false)) fp8probe::gemm_mc<true>(p, smem);
+}
+
+extern "C" __global__ void __launch_bounds__(fp8probe::kThreads, 1)
+fp8_gemm_probe_mc_own(const __grid_constant__ Fp8WideParams p) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  if (fp8probe::launch_ok(p.g, /*has_cq_epilogue=*/false)) fp8probe::gemm_mc<false>(p, smem);
 }
