@@ -372,9 +372,10 @@ class Gemm:
         return (h.view(H.BF16) if self.c_bf16 else h).astype(np.float64)
 
 
-def _gemm_from_host(a: QTensor, b: QTensor, rows, **kw) -> Gemm:
+def _gemm_from_host(a: QTensor, b: QTensor, rows, *, cls=None, **kw) -> Gemm:
+    """A Gemm (or ``cls``, a subclass) on device copies of host-quantised operands."""
     ld = H.cdiv(a.values.shape[0], 4) * 4
-    return Gemm(rows=rows, n=b.values.shape[1], k=b.values.shape[2],
+    return (cls or Gemm)(rows=rows, n=b.values.shape[1], k=b.values.shape[2],
                 qa=cp.asarray(H.bits_u8(a.values)), sa_kmajor=cp.asarray(H.act_scales_kmajor(a.scales, ld)),
                 qb=cp.asarray(H.bits_u8(b.values)), sb=cp.asarray(np.ascontiguousarray(b.scales)), **kw)
 

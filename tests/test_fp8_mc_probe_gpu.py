@@ -68,13 +68,6 @@ def stream():
     return cp.cuda.Stream(non_blocking=True)
 
 
-def _kw(a, b, rows, cap):
-    ld = H.cdiv(cap, 4) * 4
-    return dict(rows=rows, n=b.values.shape[1], k=b.values.shape[2], qa=cp.asarray(H.bits_u8(a.values)),
-                sa_kmajor=cp.asarray(H.act_scales_kmajor(a.scales, ld)), qb=cp.asarray(H.bits_u8(b.values)),
-                sb=cp.asarray(np.ascontiguousarray(b.scales)))
-
-
 EXACT = {
     # row blocks per group: 2, 0, 2, 4; N = 320 (last tile 64 wide), K = 3 blocks + 16
     "uneven": dict(rows=[200, 0, 256, 500], n=320, k=400, extra=40),
@@ -91,15 +84,14 @@ def test_mc_exact_bitwise(request, stream, case):
     rng = np.random.default_rng(len(case) + 200)
     cap = sum(cfg["rows"]) + cfg["extra"]
     a, b = H.exact_problem(rng, cfg["rows"], cfg["n"], cfg["k"], cap)
-    kw = _kw(a, b, cfg["rows"], cap)
-    gm = Mc(**kw)
+    gm = F._gemm_from_host(a, b, cfg["rows"], cls=Mc)
     want = H.emulate_gemm(a, b, gm.off)
     c = gm.run(stream)
     got = gm.c_f64(c)
     bad = np.argwhere(got[: gm.total] != want)
     assert len(bad) == 0, f"{len(bad)} of {want.size} outputs differ, first {bad[:4].tolist()}"
     assert np.isnan(got[gm.total:]).all(), "rows past the groups were written"
-    assert F._same_bits(F.Gemm(kernel=REF, **kw).run(stream), c), f"{KERNEL} and {REF} disagree"
+    assert F._same_bits(F._gemm_from_host(a, b, cfg["rows"], kernel=REF).run(stream), c), f"{KERNEL} and {REF} disagree"
     for ctas in (2, 6, None):
         assert F._same_bits(gm.run(stream, max_ctas=ctas), c), f"a run on {ctas or 'all'} CTAs gave other bits"
 
@@ -132,7 +124,7 @@ def test_mc_odd_group_refused(request, stream):
     rng = np.random.default_rng(5)
     rows = [128, 300]   # 1 and 3 row blocks
     a, b = H.exact_problem(rng, rows, 128, 256, sum(rows))
-    gm = Mc(**_kw(a, b, rows, sum(rows)))
+    gm = F._gemm_from_host(a, b, rows, cls=Mc)
     gm.c.view(cp.uint32).fill(F.F32_NAN)
     stream.synchronize()
     gm.launch(stream)

@@ -107,14 +107,8 @@ template <bool kMulticast>
 __device__ void gemm_mc(const Fp8WideParams& pw, unsigned char* smem) {
   const Fp8GemmParams& p = pw.g;
   const Ring ring{(smem_u32(smem) + 1023u) & ~1023u};
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      mbar_init(ring.full(s), 1);
-      mbar_init(ring.empty(s), 2 * 4 * kConsumers);  // both CTAs' consumer warps
-    }
-    mbar_fence_init();
-  }
-  cluster_sync();
+  init_ring(ring, kStages, /*readers=*/2);  // both CTAs' consumer warps release a slot
+  cluster_sync();                           // the peer's barriers exist before any multicast or arrive
   const uint32_t rank = cluster_rank(), peer = rank ^ 1u;
   const Pairs pr = Pairs::of(p);
   const int clusters = gridDim.x / 2, cluster = blockIdx.x / 2;
@@ -134,9 +128,8 @@ __device__ void gemm_mc(const Fp8WideParams& pw, unsigned char* smem) {
       bool alive = true;
       for (int q = cluster; q < pr.count && alive; q += clusters) {
         const Tile t = decode(p, pr.tile(q, rank), pr.n_tiles);
-        for (int kb = 0; kb < pr.k_blocks && alive; ++kb) {
-          alive = mbar_wait(ring.empty(ps.slot), ps.phase ^ 1u, w);
-          if (!alive) break;
+        for (int kb = 0; kb < pr.k_blocks; ++kb) {
+          if (!(alive = mbar_wait(ring.empty(ps.slot), ps.phase ^ 1u, w))) break;
           const uint32_t full = ring.full(ps.slot);
           mbar_arrive_expect_tx(full, kStageTx);  // A + the whole B (both halves) + the A scales
           tma_load_2d(ring.a_tile(ps.slot), &p.a, full, kb * kBK, t.row0);

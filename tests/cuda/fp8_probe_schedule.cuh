@@ -21,13 +21,13 @@ __device__ __forceinline__ bool launch_ok(const Fp8GemmParams& p, bool has_cq_ep
 }
 
 // full[s]: one arrival (the producer's expect_tx) plus the TMA bytes; empty[s]: one arrival per
-// consumer warp.
+// consumer warp (of each CTA that reads the slot: `readers` > 1 for a cluster sharing it).
 template <class R>
-__device__ __forceinline__ void init_ring(const R& ring, int stages) {
+__device__ __forceinline__ void init_ring(const R& ring, int stages, int readers = 1) {
   if (threadIdx.x == 0) {
     for (int s = 0; s < stages; ++s) {
       mbar_init(ring.full(s), 1);
-      mbar_init(ring.empty(s), 4 * kConsumers);  // one arrival per consumer warp
+      mbar_init(ring.empty(s), 4 * kConsumers * readers);
     }
     mbar_fence_init();
   }
