@@ -10,7 +10,7 @@
   (tests/fp8_probe_host.exact_problem); within TOL_GEMM (relative Frobenius) on random operands
   quantised by the device quantisers; its epilogue quantiser bitwise against the oracle applied to
   the GEMM's own fp32 output; the same bits from every launch, from 1, 3 or all CTAs, and from
-  both consumer schedules (fp8_gemm_probe, fp8_gemm_probe_overlap).
+  every consumer schedule (fp8_gemm_probe, _overlap, _lean, _lean_turns).
 * test_fp8_timing prints "FP8PROBE <kernel> <shape> <ms> <TFLOP/s>" (median of 20 launches, bf16 output).
 
 TOL_GEMM: the fp32 side of the engine (scale products, one fma per promoted K block) costs about
@@ -61,7 +61,7 @@ SA_BOX = 132
 TIMEOUT_NS = 2_000_000_000
 # The two consumer schedules (same promotion order, so the same bits): one K block in flight per
 # warpgroup, or two (block kb + 1's MMAs overlap block kb's promotion).
-KERNELS = ("fp8_gemm_probe", "fp8_gemm_probe_overlap")
+KERNELS = ("fp8_gemm_probe", "fp8_gemm_probe_overlap", "fp8_gemm_probe_lean", "fp8_gemm_probe_lean_turns")
 F32_NAN = 0x7FC00000
 
 

@@ -8,6 +8,9 @@
 // fp8_gemm_probe_overlap  the same with two K blocks in flight per consumer warpgroup (three
 //                     accumulator sets: block kb + 1's MMAs run during block kb's promotion);
 //                     same promotion order, so the same bits.
+// fp8_gemm_probe_lean(_turns)  the plain schedule with the next stage's wait and scales taken under
+//                     the current MMAs (cuBLAS's order; fp8_lean_probe.cuh); _turns also orders the
+//                     two warpgroups' issues with a named barrier.  Same bits.
 // fp8_quantize_rows   bf16 rows -> e4m3 + 1 x 128 scales (the reference quantiser, warp layout).
 // fp8_quantize_rows_pipelined  the same through the megakernel's dispatch quantiser
 //                     (moe/tasks/quantize_rows.cuh: quad layout, BlockQuotient, div.rn fallback).
@@ -206,6 +209,35 @@ struct KStep {
   }
 };
 
+// The epilogue straight from registers: rows t.row0 + local_row + 8h, columns t.n0 + col(i), as C
+// (fp32 or bf16) and, when p.cq, quantised again (1 x 128 along N).
+__device__ __forceinline__ void store_tile(const Fp8GemmParams& p, const float (&sum)[kAccRegs], const Tile& t,
+                                           int local_row, const WgmmaAccCoord& coord) {
+  const int cols_left = p.n - t.n0 - coord.col0;  // chunk j is inside C when 8j < cols_left
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = t.row0 + local_row + 8 * h;
+    const bool row_ok = row < t.row_end;
+    const size_t base = (size_t)row * p.n + t.n0 + coord.col0;
+#pragma unroll
+    for (int j = 0; j < kAccRegs / 4; ++j) {
+      if (!row_ok || 8 * j >= cols_left) continue;
+      const float v0 = sum[4 * j + 2 * h], v1 = sum[4 * j + 2 * h + 1];
+      if (p.c_bf16) *reinterpret_cast<uint32_t*>(static_cast<bf16*>(p.c) + base + 8 * j) = pack_bf16x2(v0, v1);
+      else *reinterpret_cast<float2*>(static_cast<float*>(p.c) + base + 8 * j) = make_float2(v0, v1);
+    }
+    if (p.cq != nullptr) {  // uniform; every lane of the quad takes part in the row's amax
+      const fp8::QuantizedFragRow qr = fp8::quantize_frag_row128(sum, h);
+      if (row_ok) {
+#pragma unroll
+        for (int j = 0; j < 16; ++j)
+          if (8 * j < cols_left) *reinterpret_cast<uint16_t*>(p.cq + base + 8 * j) = qr.q[j];
+        if ((threadIdx.x & 3) == 0) p.cq_scale[(size_t)(t.n0 / kBN) * p.cq_ld + row] = qr.scale;
+      }
+    }
+  }
+}
+
 // kOverlap: keep two K blocks in flight (three accumulator sets) instead of one.
 template <bool kOverlap>
 __device__ void gemm(const Fp8GemmParams& p, unsigned char* smem) {
@@ -250,30 +282,7 @@ __device__ void gemm(const Fp8GemmParams& p, unsigned char* smem) {
     k_loop<kOverlap>(st, ps, acc, acc2, sum, k_blocks, failed, arriver);
     if (wg::warpgroup_any(failed, consumer)) return;
 
-    // Epilogue straight from registers: rows t.row0 + local_row + 8h, columns t.n0 + col(i).
-    const int cols_left = p.n - t.n0 - coord.col0;  // chunk j is inside C when 8j < cols_left
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = t.row0 + local_row + 8 * h;
-      const bool row_ok = row < t.row_end;
-      const size_t base = (size_t)row * p.n + t.n0 + coord.col0;
-#pragma unroll
-      for (int j = 0; j < kAccRegs / 4; ++j) {
-        if (!row_ok || 8 * j >= cols_left) continue;
-        const float v0 = sum[4 * j + 2 * h], v1 = sum[4 * j + 2 * h + 1];
-        if (p.c_bf16) *reinterpret_cast<uint32_t*>(static_cast<bf16*>(p.c) + base + 8 * j) = pack_bf16x2(v0, v1);
-        else *reinterpret_cast<float2*>(static_cast<float*>(p.c) + base + 8 * j) = make_float2(v0, v1);
-      }
-      if (p.cq != nullptr) {  // uniform; every lane of the quad takes part in the row's amax
-        const fp8::QuantizedFragRow qr = fp8::quantize_frag_row128(sum, h);
-        if (row_ok) {
-#pragma unroll
-          for (int j = 0; j < 16; ++j)
-            if (8 * j < cols_left) *reinterpret_cast<uint16_t*>(p.cq + base + 8 * j) = qr.q[j];
-          if ((threadIdx.x & 3) == 0) p.cq_scale[(size_t)(t.n0 / kBN) * p.cq_ld + row] = qr.scale;
-        }
-      }
-    }
+    store_tile(p, sum, t, local_row, coord);
   }
 }
 
@@ -472,3 +481,6 @@ extern "C" __global__ void __launch_bounds__(128) fp8_quantize_frag_rows(const _
 
 // fp8_gemm_probe_mc: the overlap schedule on 2-CTA clusters multicasting the B tile.
 #include "fp8_mc_probe.cuh"
+
+// fp8_gemm_probe_lean(_turns): the plain schedule with only the promotion between wait and issue.
+#include "fp8_lean_probe.cuh"

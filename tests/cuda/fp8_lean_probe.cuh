@@ -1,0 +1,133 @@
+// fp8_gemm_probe_lean(_turns): the plain schedule (one partial set, wait_group 0 per K block) with
+// nothing but the promotion between a warpgroup's wait for its MMAs and its next MMAs.
+//
+// Why (bench/NOTES-FP8-2.md, round 13): ncu's per-instruction view of cuBLAS's block-scaled kernel
+// (1.2-1.3k TFLOP/s on our operands, our bits) shows the plain schedule, not two sets in flight:
+// issue a K block's four MMAs, then -- while they run -- wait for the next stage's full barrier and
+// load its scales, then wait_group 0, promote (64 FFMA), release the slot, issue the next block.
+// Its critical path (wait -> next MMA) is ~75 instructions with no load latency in it.  Ours
+// (fp8_gemm_probe) puts the full-barrier wait, the vote, the scale loads and products and the
+// descriptor moves (R2UR) after the promotion: all in the path while the tensor cores wait.
+// Here the next block's barrier and scales are taken under the current MMAs, and the warpgroup
+// index comes from a shuffle so that the descriptors are warp-uniform (uniform registers, no
+// R2UR per MMA).  kTurns: cuBLAS also orders the two warpgroups' issues with a named barrier
+// (consumer 0 issues, then both meet; consumer 1 issues after meeting), measured on and off.
+//
+// Same products, same fma order per element: the plain probe's bits (tested).  Launch, params,
+// maps: those of fp8_gemm_probe.  Included at the end of fp8_gemm_probe.cu.
+#pragma once
+
+namespace mok {
+namespace fp8probe {
+
+constexpr int kLeanTurnBarrier = 3;   // named barriers: 0 __syncthreads, 1-2 the warpgroup votes
+
+// The next K block's stage, ready to issue: its slot and the promotion scales of the thread's rows.
+struct LeanBlock {
+  int slot;
+  float s_lo, s_hi;
+};
+
+__device__ __forceinline__ void lean_issue(const Ring& ring, int slot, int consumer, float (&acc)[kAccRegs]) {
+  wgmma_fence();  // acc was read by the last promotion
+  wgmma_e4m3_kblock<kBN>(acc, smem_desc_kmajor_sw128(ring.a_tile(slot) + consumer * 64 * kBK),
+                         smem_desc_kmajor_sw128(ring.b_tile(slot)));
+  wgmma_commit();
+}
+
+// True for every consumer thread when any of the 256 passes true (the turn barrier, as a reduction).
+__device__ __forceinline__ bool consumers_any(bool v) {
+  uint32_t r;
+  asm volatile("{\n\t.reg .pred p, q;\n\tsetp.ne.u32 q, %1, 0;\n\t"
+               "bar.red.or.pred p, %2, 256, q;\n\tselp.u32 %0, 1, 0, p;\n\t}"
+               : "=r"(r) : "r"(static_cast<uint32_t>(v)), "r"(kLeanTurnBarrier) : "memory");
+  return r != 0;
+}
+
+template <bool kTurns>
+__device__ void gemm_lean(const Fp8GemmParams& p, unsigned char* smem) {
+  const Ring ring{(smem_u32(smem) + 1023u) & ~1023u};
+  init_ring(ring, kStages);
+  if (!rows_fit(p)) return;
+  const TileSpace ts = TileSpace::of(p, kBN);
+  const int role = __shfl_sync(~0u, static_cast<int>(threadIdx.x) / 128, 0);  // warp-uniform by construction
+
+  if (role == 0) {
+    setmaxnreg_dec<wg::kProducerRegs>();
+    if (threadIdx.x != 0) return;
+    tma_prefetch_map(&p.a);
+    tma_prefetch_map(&p.b);
+    tma_prefetch_map(&p.sa);
+    produce<kStages>(p, ring, ts.n_tiles, ts.num_tiles, ts.k_blocks, kStageTx,
+                     [&](int slot, uint32_t full, int, const Tile& t, int kb) {
+                       tma_load_2d(ring.a_tile(slot), &p.a, full, kb * kBK, t.row0);
+                       tma_load_3d(ring.b_tile(slot), &p.b, full, kb * kBK, t.n0, t.g);
+                       tma_load_2d(ring.sa(slot), &p.sa, full, t.row0 & ~(kSaAlign - 1), kb);
+                     });
+    return;
+  }
+
+  setmaxnreg_inc<wg::kConsumerRegs>();
+  const int consumer = role - 1;
+  const MbarWaitCtx w{p.err, p.timeout_ns, 0, 2};
+  const WgmmaAccCoord coord = WgmmaAccCoord::of_thread(threadIdx.x & 127);
+  const int local_row = 64 * consumer + coord.row0;
+  const bool arriver = (threadIdx.x & 31) == 0;
+  const int n_blocks = (p.n + kBN - 1) / kBN;
+  const int k_blocks = ts.k_blocks;
+  wg::PipeState ps;
+  for (int tile = blockIdx.x; tile < ts.num_tiles; tile += gridDim.x) {
+    const Tile t = decode(p, tile, ts.n_tiles);
+    const float* sb = p.sb + ((size_t)t.g * n_blocks + t.n0 / kBN) * k_blocks;
+    const uint32_t sa_off = 4u * static_cast<uint32_t>((t.row0 & (kSaAlign - 1)) + local_row);
+    bool failed = false;
+    // Waits for the stage at ps (a warp vote, as KStep::issue says why) and reads block kb's scales.
+    auto prepare = [&](int kb) -> LeanBlock {
+      const float s_b = __ldg(sb + kb);
+      if (!failed && !__all_sync(~0u, mbar_try_wait(ring.full(ps.slot), ps.phase)))
+        failed = !__all_sync(~0u, mbar_wait(ring.full(ps.slot), ps.phase, w));
+      const uint32_t sa = ring.sa(ps.slot) + sa_off;
+      return LeanBlock{ps.slot, ld_shared_f32(sa) * s_b, ld_shared_f32(sa + 32u) * s_b};
+    };
+    auto retire = [&](float (&sum)[kAccRegs], float (&acc)[kAccRegs], const LeanBlock& b) {
+      wgmma_wait<0>();
+      wgmma_fence_operand(acc);
+      fp8_promote(sum, acc, b.s_lo, b.s_hi);
+      if (arriver) mbar_arrive(ring.empty(b.slot));
+    };
+    float acc[kAccRegs], sum[kAccRegs], unused[1];
+    zero_sets(sum, acc, unused);
+    LeanBlock next = prepare(0);
+    ps.advance(kStages);
+    lean_issue(ring, next.slot, consumer, acc);
+    for (int kb = 1; kb < k_blocks; ++kb) {  // block kb - 1 in flight
+      const LeanBlock cur = next;
+      next = prepare(kb);   // under block kb - 1's MMAs
+      ps.advance(kStages);
+      retire(sum, acc, cur);
+      if constexpr (kTurns) { if (consumer == 1) named_bar_sync(kLeanTurnBarrier, 256); }
+      lean_issue(ring, next.slot, consumer, acc);
+      if constexpr (kTurns) { if (consumer == 0) named_bar_sync(kLeanTurnBarrier, 256); }
+    }
+    retire(sum, acc, next);
+    // With turns both warpgroups decide together: one leaving alone would leave the other waiting
+    // at the turn barrier of the next tile.
+    if (kTurns ? consumers_any(failed) : wg::warpgroup_any(failed, consumer)) return;
+    store_tile(p, sum, t, local_row, coord);
+  }
+}
+
+}  // namespace fp8probe
+}  // namespace mok
+
+extern "C" __global__ void __launch_bounds__(fp8probe::kThreads, 1)
+fp8_gemm_probe_lean(const __grid_constant__ Fp8GemmParams p) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  if (fp8probe::launch_ok(p, /*has_cq_epilogue=*/true)) fp8probe::gemm_lean<false>(p, smem);
+}
+
+extern "C" __global__ void __launch_bounds__(fp8probe::kThreads, 1)
+fp8_gemm_probe_lean_turns(const __grid_constant__ Fp8GemmParams p) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  if (fp8probe::launch_ok(p, /*has_cq_epilogue=*/true)) fp8probe::gemm_lean<true>(p, smem);
+}
