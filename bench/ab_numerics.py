@@ -2,7 +2,7 @@
 """Bitwise A/B of two source trees: run the same layer cases through the public API of the
 tree on PYTHONPATH and save every output's bits, or compare two such files.
 
-    PYTHONPATH=old python bench/ab_numerics.py --save old.npz
+    PYTHONPATH=old python bench/ab_numerics.py --save old.npz [--precision fp8_block]
     PYTHONPATH=new python bench/ab_numerics.py --save new.npz
     python bench/ab_numerics.py --compare old.npz new.npz
 
@@ -72,10 +72,12 @@ def make_inputs(name):
     return cfg, w, ranks, P
 
 
-def run_case(name):
+def run_case(name, precision="bf16"):
     import cupy as cp
     import mok_rt as mok
     cfg_kw, w, ranks, P = make_inputs(name)
+    if precision != "bf16":
+        cfg_kw = dict(cfg_kw, precision=precision)
     cfg = mok.MoEConfig(**cfg_kw)
     El = cfg.num_experts // P
     grouped = hasattr(mok, "ExpertWeights")
@@ -136,13 +138,15 @@ def main():
     ap.add_argument("--save", help="run every case on GPU 0 and save the output bits here (.npz)")
     ap.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare two saved files bit for bit")
     ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--precision", default="bf16", choices=("bf16", "fp8_block"),
+                    help="MoEConfig.precision of every case (default bf16)")
     a = ap.parse_args()
     if a.save:
         import mok_rt
         print(f"mok_rt from {mok_rt.__file__}", flush=True)
         bits = {}
         for name in a.cases.split(","):
-            bits.update(run_case(name))
+            bits.update(run_case(name, a.precision))
             print(f"ran {name}", flush=True)
         np.savez(a.save, **bits)
         return 0

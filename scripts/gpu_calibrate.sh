@@ -5,24 +5,30 @@
 #     bash scripts/gpu_calibrate.sh [mctests|calibrate|ncu|ncu_gemm]...   (default: calibrate ncu)
 #   mctests   tests/test_fp8_mc_probe_gpu.py (the multicast probe against the overlap probe and float64)
 #   ncu_gemm  ncu sections of cuBLAS's block-scaled kernel and the probe schedules (gate|up, deepseek-v3 slice)
-# The probe's cubin: .carry/fp8_gemm_probe.sm_90a.cubin when carried, else built with nvcc there.
+#   ncu_src   ncu's per-instruction SASS page (stall samples, executed instructions) of the same kernels,
+#             as CSV: where each engine's warps wait ($MOK_NCU_KERNELS, $MOK_NCU_APP: other kernels / program)
+# The probe's cubin: $MOK_FP8_PROBE_CUBIN, else .carry/fp8_gemm_probe.sm_90a.cubin when carried, else
+# built with nvcc there.  $MOK_TAG (default empty) suffixes the calibrate logs (variants in one call);
+# $MOK_SHAPES restricts bench/fp8_calibrate.py's shapes.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-[ -f .carry/fp8_gemm_probe.sm_90a.cubin ] && export MOK_FP8_PROBE_CUBIN="$PWD/.carry/fp8_gemm_probe.sm_90a.cubin"
+[ -z "${MOK_FP8_PROBE_CUBIN:-}" ] && [ -f .carry/fp8_gemm_probe.sm_90a.cubin ] && export MOK_FP8_PROBE_CUBIN="$PWD/.carry/fp8_gemm_probe.sm_90a.cubin"
 for part in "${@:-calibrate ncu}"; do
   for p in $part; do
     case "$p" in
       calibrate)
         nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,power.limit,temperature.gpu,clocks_event_reasons.active \
-            --format=csv -lms 250 > "$out/smi.csv" 2>&1 &
+            --format=csv -lms 250 > "$out/smi${MOK_TAG:-}.csv" 2>&1 &
         smi=$!
-        timeout 300 python3 bench/fp8_calibrate.py --json "$out/calibrate.json" > "$out/calibrate.txt" 2>&1
-        echo "calibrate rc=$?" >> "$out/calibrate.txt"
+        log="$out/calibrate${MOK_TAG:-}.txt"
+        timeout 300 python3 bench/fp8_calibrate.py ${MOK_SHAPES:+--shapes "$MOK_SHAPES"} \
+            --json "$out/calibrate${MOK_TAG:-}.json" > "$log" 2>&1
+        echo "calibrate rc=$?" >> "$log"
         kill $smi 2>/dev/null
-        echo "== calibrate"; tail -32 "$out/calibrate.txt"
+        echo "== calibrate${MOK_TAG:-} ($MOK_FP8_PROBE_CUBIN)"; sed -n '/^shape /,$p' "$log"
         echo "== clocks (SM MHz, W: min / median / max while running)"
-        python3 - "$out/smi.csv" <<'PY'
+        python3 - "$out/smi${MOK_TAG:-}.csv" <<'PY'
 import csv, statistics, sys
 rows = [r for r in csv.reader(open(sys.argv[1])) if r and r[0][:2] == "20"]
 for i, name in ((1, "sm MHz"), (3, "power W")):
@@ -50,6 +56,17 @@ PY
           echo "ncu rc=$?" >> "$out/ncu_gemm.txt"
         done
         echo "== ncu_gemm"; grep -E "^  [a-zA-Z_].*\(|Registers Per|Threads  |Cluster Size|Duration|Compute \(SM\) Th|L2 Cache Th|DRAM Th|Shared Memory Configuration Size|Dynamic Shared|Warp Cycles Per Issued|Issue Slots Busy|No Eligible|rc=" "$out/ncu_gemm.txt" | head -80 ;;
+      ncu_src)
+        for k in ${MOK_NCU_KERNELS:-'regex:^(?!fp8_gemm).*(nvjet|xmma|cutlass|gemm|Gemm)' 'regex:^fp8_gemm_probe$' 'regex:fp8_gemm_probe_overlap'}; do
+          tag=$(echo "$k" | tr -c 'a-zA-Z0-9_\n' '_' | cut -c1-40)
+          timeout 200 ncu --clock-control none -k "$k" -c 1 --section SourceCounters --section WarpStateStats \
+              --section SpeedOfLight -o "/tmp/src_$tag" -f \
+              python3 ${MOK_NCU_APP:-bench/fp8_calibrate.py --shapes dsv3slice_gate_up --iters 1} > /tmp/src_$tag.log 2>&1
+          echo "ncu $k rc=$?"
+          ncu -i "/tmp/src_$tag.ncu-rep" --page source --csv --print-source sass >> "$out/ncu_src.csv" 2>&1
+          ncu -i "/tmp/src_$tag.ncu-rep" --page details >> "$out/ncu_src_details.txt" 2>&1
+        done
+        wc -l "$out/ncu_src.csv"; grep -E "^  [a-zA-Z_].*\(|Duration|Compute \(SM\)" "$out/ncu_src_details.txt" ;;
       *) echo "unknown part: $p"; exit 2 ;;
     esac
   done
