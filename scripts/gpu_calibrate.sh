@@ -14,6 +14,8 @@ set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 [ -z "${MOK_FP8_PROBE_CUBIN:-}" ] && [ -f .carry/fp8_gemm_probe.sm_90a.cubin ] && export MOK_FP8_PROBE_CUBIN="$PWD/.carry/fp8_gemm_probe.sm_90a.cubin"
+# ncu_gemm / ncu_src: cuBLAS's block-scaled kernel and the two probe schedules, unless $MOK_NCU_KERNELS
+set -f; ncu_kernels=(${MOK_NCU_KERNELS:-'regex:^(?!fp8_gemm).*(nvjet|xmma|cutlass|gemm|Gemm)' 'regex:^fp8_gemm_probe$' 'regex:fp8_gemm_probe_overlap'}); set +f   # no pathname expansion of the patterns
 for part in "${@:-calibrate ncu}"; do
   for p in $part; do
     case "$p" in
@@ -48,7 +50,7 @@ PY
       ncu_gemm)
         # The cuBLAS block-scaled kernel's name (tile, cluster, schedule), launch shape and stall
         # profile next to the probe's two schedules, at the deepseek-v3 slice's gate|up shape.
-        for k in ${MOK_NCU_KERNELS:-'regex:^(?!fp8_gemm).*(nvjet|xmma|cutlass|gemm|Gemm)' 'regex:^fp8_gemm_probe$' 'regex:fp8_gemm_probe_overlap'}; do
+        for k in "${ncu_kernels[@]}"; do
           timeout 200 ncu --clock-control none -k "$k" -c 3 --section LaunchStats --section Occupancy \
               --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
               --section WarpStateStats --section SchedulerStats \
@@ -57,7 +59,7 @@ PY
         done
         echo "== ncu_gemm"; grep -E "^  [a-zA-Z_].*\(|Registers Per|Threads  |Cluster Size|Duration|Compute \(SM\) Th|L2 Cache Th|DRAM Th|Shared Memory Configuration Size|Dynamic Shared|Warp Cycles Per Issued|Issue Slots Busy|No Eligible|rc=" "$out/ncu_gemm.txt" | head -80 ;;
       ncu_src)
-        for k in ${MOK_NCU_KERNELS:-'regex:^(?!fp8_gemm).*(nvjet|xmma|cutlass|gemm|Gemm)' 'regex:^fp8_gemm_probe$' 'regex:fp8_gemm_probe_overlap'}; do
+        for k in "${ncu_kernels[@]}"; do
           tag=$(echo "$k" | tr -c 'a-zA-Z0-9_\n' '_' | cut -c1-40)
           timeout 200 ncu --clock-control none -k "$k" -c 1 --section SourceCounters --section WarpStateStats \
               --section SpeedOfLight -o "/tmp/src_$tag" -f \

@@ -238,6 +238,20 @@ __device__ __forceinline__ void store_tile(const Fp8GemmParams& p, const float (
   }
 }
 
+// The producer thread of the 128 x 128 probe schedules (plain, overlap, lean): per stage the A
+// and B tiles and A's scales.
+__device__ __forceinline__ void produce_ab(const Fp8GemmParams& p, const Ring& ring, const TileSpace& ts) {
+  tma_prefetch_map(&p.a);
+  tma_prefetch_map(&p.b);
+  tma_prefetch_map(&p.sa);
+  produce<kStages>(p, ring, ts.n_tiles, ts.num_tiles, ts.k_blocks, kStageTx,
+                   [&](int slot, uint32_t full, int, const Tile& t, int kb) {
+                     tma_load_2d(ring.a_tile(slot), &p.a, full, kb * kBK, t.row0);
+                     tma_load_3d(ring.b_tile(slot), &p.b, full, kb * kBK, t.n0, t.g);
+                     tma_load_2d(ring.sa(slot), &p.sa, full, t.row0 & ~(kSaAlign - 1), kb);  // 16-byte aligned start
+                   });
+}
+
 // kOverlap: keep two K blocks in flight (three accumulator sets) instead of one.
 template <bool kOverlap>
 __device__ void gemm(const Fp8GemmParams& p, unsigned char* smem) {
@@ -250,16 +264,7 @@ __device__ void gemm(const Fp8GemmParams& p, unsigned char* smem) {
 
   if (role == 0) {
     setmaxnreg_dec<wg::kProducerRegs>();
-    if (threadIdx.x != 0) return;
-    tma_prefetch_map(&p.a);
-    tma_prefetch_map(&p.b);
-    tma_prefetch_map(&p.sa);
-    produce<kStages>(p, ring, n_tiles, num_tiles, k_blocks, kStageTx,
-                     [&](int slot, uint32_t full, int, const Tile& t, int kb) {
-                       tma_load_2d(ring.a_tile(slot), &p.a, full, kb * kBK, t.row0);
-                       tma_load_3d(ring.b_tile(slot), &p.b, full, kb * kBK, t.n0, t.g);
-                       tma_load_2d(ring.sa(slot), &p.sa, full, t.row0 & ~(kSaAlign - 1), kb);  // 16-byte aligned start
-                     });
+    if (threadIdx.x == 0) produce_ab(p, ring, ts);
     return;
   }
 

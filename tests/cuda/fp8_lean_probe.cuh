@@ -54,16 +54,7 @@ __device__ void gemm_lean(const Fp8GemmParams& p, unsigned char* smem) {
 
   if (role == 0) {
     setmaxnreg_dec<wg::kProducerRegs>();
-    if (threadIdx.x != 0) return;
-    tma_prefetch_map(&p.a);
-    tma_prefetch_map(&p.b);
-    tma_prefetch_map(&p.sa);
-    produce<kStages>(p, ring, ts.n_tiles, ts.num_tiles, ts.k_blocks, kStageTx,
-                     [&](int slot, uint32_t full, int, const Tile& t, int kb) {
-                       tma_load_2d(ring.a_tile(slot), &p.a, full, kb * kBK, t.row0);
-                       tma_load_3d(ring.b_tile(slot), &p.b, full, kb * kBK, t.n0, t.g);
-                       tma_load_2d(ring.sa(slot), &p.sa, full, t.row0 & ~(kSaAlign - 1), kb);
-                     });
+    if (threadIdx.x == 0) produce_ab(p, ring, ts);
     return;
   }
 
