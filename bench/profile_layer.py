@@ -9,7 +9,9 @@
         # expert parallelism, 2 ranks sharing GPU 0 (one process): per-rank timelines on one clock,
         # and per rank how long its GEMM tiles ran under its own push (trace.LaunchTrace.push_overlap)
 
-Kernel durations come from ncu (or from the device-time column when the host is not the limit).
+Kernel durations come from ncu (or from the device-time column when the host is not the limit),
+or, with ``--kernels``, from PyTorch's profiler (CUPTI: every kernel and memset of the process,
+whoever launched it): per kind its device time, and per iteration the device's span and gaps.
 """
 from __future__ import annotations
 
@@ -41,6 +43,13 @@ def main() -> int:
     ap.add_argument("--trace", default=None, metavar="PATH",
                     help="record per-task timelines (Workspace(trace=True)); print the last iteration's "
                          "per-phase summary and write it as a Chrome trace (chrome://tracing, ui.perfetto.dev)")
+    ap.add_argument("--kernels", action="store_true",
+                    help="time every kernel and memset on the device (torch.profiler, needs PyTorch) and print "
+                         "them by name with the gaps between them")
+    ap.add_argument("--pipelined", type=int, default=0, metavar="N",
+                    help="after the iterations, N more enqueued back to back (as bench_moe.py times them): "
+                         "the host time of each call (a call that waits for the device shows it), and with "
+                         "--kernels the device activity of those N")
     ap.add_argument("--tokens", type=int, default=None, help="tokens (default: the shape's)")
     ap.add_argument("--grad-dtype", choices=("float32", "bfloat16"), default="float32",
                     help="dtype of the weight gradients (caller buffers)")
@@ -89,10 +98,14 @@ def main() -> int:
                         precision=args.precision)
     flops = cfg.forward_flops(T)
     last = []
+    prof = _kernel_profiler() if args.kernels else None
     with mok.Workspace(cfg, mok.SingleProcessGroup(devices=[0]), max_tokens=T, trace=bool(args.trace)) as ws:
         stream = ws.stream
         weights = mok.quantize_weights(ws, experts) if fp8 else experts
         for it in range(args.iters):
+            if prof is not None and it == args.iters - 1 and not args.pipelined:
+                cp.cuda.runtime.deviceSynchronize()
+                prof.start()
             cp.cuda.runtime.deviceSynchronize()
             t0 = time.perf_counter()
             sched = mok.schedule(ws, ids)
@@ -119,13 +132,85 @@ def main() -> int:
             del out, ctx, g
             if args.trace:
                 last = ws.take_traces()   # tracing adds ~30 us per launch (a memset and the records)
+        if args.pipelined:
+            _pipelined(mok, ws, args.pipelined, prof, lambda: mok.schedule(ws, ids),
+                       lambda sched: mok.forward(ws, sched, x, tw, weights),
+                       None if fp8 and not args.fp8_backward else (lambda ctx: mok.backward(ws, ctx, dout, dw=dw)))
+        elif prof is not None:
+            prof.stop()
+            print(_kernel_table(prof))
     if args.trace:
         from mok_rt.kernels.trace import write_chrome_trace
         for t in last:
             print(t.summary())
+            print(t.gaps_summary())
         write_chrome_trace(args.trace, last)
         print(f"chrome trace: {args.trace}")
     return 0
+
+
+def _pipelined(mok, ws, steps, prof, schedule, forward, backward) -> None:
+    """``steps`` steps enqueued back to back, one synchronisation at the end: the host time of
+    each call, and (``prof``) the device's activity over the steps."""
+    ws.synchronize()
+    if prof is not None:
+        prof.start()
+    host, keep = [], []
+    t_start = time.perf_counter()
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        sched = schedule()
+        t1 = time.perf_counter()
+        out, ctx = forward(sched)
+        t2 = time.perf_counter()
+        g = backward(ctx) if backward is not None else None
+        t3 = time.perf_counter()
+        host.append((t1 - t0, t2 - t1, t3 - t2))
+        keep = [out, ctx, g]   # the previous step's results die here, as in a training loop
+    t_enq = time.perf_counter()
+    ws.synchronize()
+    t_end = time.perf_counter()
+    del keep
+    med = [1e3 * float(np.median([h[i] for h in host])) for i in range(3)]
+    print(f"pipelined, {steps} steps: host per step schedule {med[0]:.3f} / forward {med[1]:.3f} / backward "
+          f"{med[2]:.3f} ms (median; max forward {1e3 * max(h[1] for h in host):.3f}); enqueue of all "
+          f"{1e3 * (t_enq - t_start):.2f} ms, until done {1e3 * (t_end - t_start):.2f} ms "
+          f"({1e3 * (t_end - t_start) / steps:.3f} ms per step)", flush=True)
+    if prof is not None:
+        prof.stop()
+        print(_kernel_table(prof, label=f"the {steps} pipelined steps"))
+
+
+def _kernel_profiler():
+    """A torch.profiler that records the device's kernels and memsets (CUPTI sees the driver-API
+    launches of mok_rt and CuPy too)."""
+    import torch
+    torch.cuda.init()
+    return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+
+
+def _kernel_table(prof, *, label: str = "the last iteration") -> str:
+    """The device activity of what ``prof`` recorded: per name, calls and device us; then the span from the
+    first start to the last end and the idle time between activities inside it."""
+    evs = [e for e in prof.events() if e.device_type.name == "CUDA" and e.time_range.elapsed_us() >= 0]
+    if not evs:
+        return "no device activity recorded"
+    by: dict[str, list[float]] = {}
+    for e in evs:
+        by.setdefault(e.name, []).append(e.time_range.elapsed_us())
+    iv = sorted((e.time_range.start, e.time_range.end) for e in evs)
+    busy, end, gaps = 0.0, iv[0][0], 0.0
+    for a, b in iv:
+        if a > end:
+            gaps += a - end
+        busy += max(0.0, b - max(a, end))
+        end = max(end, b)
+    lines = [f"device activity of {label}: span {end - iv[0][0]:.1f} us, busy {busy:.1f} us, "
+             f"idle between activities {gaps:.1f} us",
+             f"  {'us':>10} {'calls':>6}  name"]
+    for name, ts in sorted(by.items(), key=lambda kv: -sum(kv[1])):
+        lines.append(f"  {sum(ts):>10.1f} {len(ts):>6}  {name[:90]}")
+    return "\n".join(lines)
 
 
 def run_ep(args) -> int:
@@ -184,6 +269,7 @@ def run_ep(args) -> int:
     if args.trace:
         for t in sorted(last, key=lambda t: (t.kind, t.rank)):
             print(t.summary())
+            print(t.gaps_summary())
         for t in sorted(last, key=lambda t: (t.kind, t.rank)):
             print(t.overlap_summary())
         write_chrome_trace(args.trace, sorted(last, key=lambda t: (t.kind, t.rank)), aligned=True)

@@ -72,6 +72,13 @@ def test_decode_spans_statistics_and_chrome_events(tmp_path):
     assert t.tail_idle_us() == pytest.approx(10.0 - 9.0)   # SM 3 ended at 9 us, SM 7 at 10 us
     text = t.summary()
     assert "routed_gate_up" in text and "1 unfinished" in text and "rank 1" in text
+    gaps = t.idle_gaps(window_us=1.0)   # SM 7 starts 0.1 us late; SM 3 idles 2.0-2.5 us
+    assert gaps["by_phase"].keys() == {"dispatch", "routed_gate_up"}
+    assert gaps["by_phase"]["dispatch"] == (pytest.approx(0.1), 1)
+    assert gaps["by_phase"]["routed_gate_up"] == (pytest.approx(0.5), 1)
+    assert len(gaps["by_window"]) == 11 and gaps["by_window"][0] == pytest.approx(0.1)
+    assert gaps["by_window"][2] == pytest.approx(0.5) and sum(gaps["by_window"]) == pytest.approx(0.6)
+    assert "routed_gate_up" in t.gaps_summary(window_us=2.5)
     ev = [e for e in t.chrome_events() if e["ph"] == "X"]
     assert sum(e["cat"] == "wait" for e in ev) == 1 and sum(e["cat"] == "forward" for e in ev) == 5
     assert {e["tid"] for e in ev if e["cat"] == "wait"} == {LaunchTrace.WAIT_ROW + 3}

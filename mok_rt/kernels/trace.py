@@ -170,6 +170,51 @@ class LaunchTrace:
         span = self.span_us
         return sum(span - t for t in last.values())
 
+    def idle_gaps(self, *, window_us: float = 0.0) -> dict:
+        """Where the SMs sat idle between tasks: for each task, how long its SM had nothing running
+        before it (its ``ready`` minus the end of that SM's previous task, or minus the launch's
+        first grab for an SM's first task), summed by the task's phase (``by_phase``: SM-us,
+        tasks that waited).  ``window_us`` > 0 adds ``by_window``: the idle SM-us per window of
+        the launch's time (the gap split over the windows it spans), to tell a slow start from
+        stalls spread over the run.  The tail (each SM's last end to the launch's end) is
+        :meth:`tail_idle_us`."""
+        by_phase: dict[str, list[float]] = {}
+        nwin = int(self.span_us // window_us) + 1 if window_us > 0 else 0
+        by_window = [0.0] * nwin
+        last: dict[int, float] = {}
+        for s in sorted(self.spans, key=lambda s: (s.sm, s.ready_us)):
+            prev = last.get(s.sm, 0.0)
+            gap = s.ready_us - prev
+            last[s.sm] = max(prev, s.end_us)
+            if gap <= 0:
+                continue
+            acc = by_phase.setdefault(s.phase, [0.0, 0])
+            acc[0] += gap
+            acc[1] += 1
+            a = prev
+            while nwin and a < s.ready_us:
+                w = min(int(a // window_us), nwin - 1)
+                b = min(s.ready_us, (w + 1) * window_us)
+                by_window[w] += b - a
+                a = b
+        return {"by_phase": {k: (v[0], int(v[1])) for k, v in by_phase.items()}, "by_window": by_window,
+                "window_us": window_us}
+
+    def gaps_summary(self, *, window_us: float = 250.0) -> str:
+        g = self.idle_gaps(window_us=window_us)
+        sms = max(len(self.sm_busy_fraction()), 1)
+        total = self.span_us * sms
+        lines = [f"{self.kind} (rank {self.rank}): idle SM-us before tasks, by the task's phase "
+                 f"(share of {total:.0f} SM-us)"]
+        for name, (us, n) in g["by_phase"].items():
+            dur = np.array([s.end_us - s.ready_us for s in self.spans if s.phase == name])
+            lines.append(f"  {name:<16}{us:>11.1f} ({100 * us / total:4.1f} %) over {n} tasks; task time "
+                         f"median {np.median(dur):.1f} us, p90 {np.percentile(dur, 90):.1f} us")
+        lines.append(f"  {'tail':<16}{self.tail_idle_us():>11.1f} ({100 * self.tail_idle_us() / total:4.1f} %)")
+        lines.append(f"  idle SMs on average per {window_us:.0f} us window: "
+                     + " ".join(f"{w / window_us:.1f}" for w in g["by_window"]))
+        return "\n".join(lines)
+
     def summary(self) -> str:
         lines = [f"{self.kind} (rank {self.rank}, device {self.device_id}): {len(self.spans)} tasks "
                  f"over {len(self.sm_busy_fraction())} SMs in {self.span_us:.1f} us"

@@ -13,7 +13,12 @@ namespace pipe {
 //   [lead GEMMs (shared expert)] [dispatch 0 .. D-1]
 //   [dispatch b + D, GEMM tiles of block b] for each block b  (the last D blocks: tiles only)
 //   [trail (tasks nothing waits on)]
-// D = two waves of tasks ahead, so a block's rows are in place before its tiles are grabbed.
+// D = kAheadWaves waves of tasks ahead, so a block's rows are in place before its tiles are
+// grabbed: a dispatch task runs on one SM for about as long as 1.7 FP8 gate|up tiles (deepseek-v3
+// slice: 95 vs 56 us) but 0.5 bf16 ones, so two waves hide it for bf16 and four for FP8 (two
+// left ~18 SMs waiting on dispatch throughout the FP8 forward's gate|up phase: bench/NOTES.md).
+// kDispatchWave: at least one dispatch per CTA in front, so that at the start every SM copies rows
+// (together they run near HBM bandwidth) instead of most SMs waiting on the first D blocks.
 // A later row-block GEMM phase (`tiled`: the forward's down, the backward's dX) is walked in
 // block groups (BlockGroups).  Every task still comes after everything it waits on (tiles of b
 // after dispatch b; the lead, trail and tiled phases wait only on earlier phases), so the
@@ -47,7 +52,8 @@ struct BlockGroups {
 // consecutive grabs, each block's A rows re-read m grabs apart.  The tile slots of blocks
 // [s, s + m) are permuted among themselves, so a tile of block b' lands in a slot of some block
 // b >= s, b' < s + m: it still comes after dispatch b' when m <= ahead + 1 (AheadOrder puts
-// dispatch b + ahead before the slots of block b; larger experts keep block-major).  Reads the
+// dispatch b + ahead before the slots of block b; larger experts keep block-major, and so do
+// experts of more blocks than two waves' worth, whose A rows would not stay in L2).  Reads the
 // schedule (block_expert, expert_offset, expert_count) per grab: three loads on the producer.
 struct ExpertWalk {
   const int* block_expert;
@@ -94,7 +100,9 @@ struct ScheduledBlocks {
   }
 };
 
-template <class Blocks>
+constexpr int kWalkWaves = 2;  // ExpertWalk: the longest expert walked tile-major, in waves of tasks
+
+template <class Blocks, int kAheadWaves, bool kDispatchWave>
 struct AheadOrderOf : Blocks {
   int begin, end;                // the reordered index range (contiguous phases)
   PhaseRange lead, dispatch, gemm, trail, tiled;
@@ -110,10 +118,13 @@ struct AheadOrderOf : Blocks {
     AheadOrderOf o{{}, 0, 0, lead, dispatch, gemm, trail, tiled, per_block, 0, {}, {}};
     o.begin = min_int(min_int(lead.begin, dispatch.begin), trail.count > 0 ? trail.begin : dispatch.begin);
     o.end = o.begin + lead.count + dispatch.count + gemm.count + trail.count;
-    o.ahead = min_int(dispatch.count, ceil_div(2 * static_cast<int>(gridDim.x), per_block + 1));
+    const int grid = static_cast<int>(gridDim.x);
+    const int waves = ceil_div(kAheadWaves * grid, per_block + 1);
+    o.ahead = min_int(dispatch.count, kDispatchWave && grid > waves ? grid : waves);
     o.tiled_walk = BlockGroups{tiled_per_block > 0 ? tiled.count / tiled_per_block : 0, tiled_per_block, kBlockGroup};
     o.gemm_walk = ExpertWalk{sc.block_expert, sc.expert_offset, sc.expert_count, experts,
-                             min_int(num_blocks, dispatch.count), o.ahead + 1};
+                             min_int(num_blocks, dispatch.count),
+                             min_int(o.ahead, ceil_div(kWalkWaves * grid, per_block + 1)) + 1};
     o.set_order(block_order, min_int(num_blocks, dispatch.count));
     return o;
   }
@@ -150,9 +161,10 @@ struct AheadOrderOf : Blocks {
   }
 };
 
-// The FP8 kernels: plan block order.  The bf16 kernels (one GPU or EP): the schedule's with EP.
-using AheadOrder = AheadOrderOf<PlanBlocks>;
-using ScheduledOrder = AheadOrderOf<ScheduledBlocks>;
+// The FP8 kernels: plan block order, four waves ahead, a dispatch wave first.  The bf16 kernels
+// (one GPU or EP): the schedule's block order with EP, two waves ahead.
+using AheadOrder = AheadOrderOf<PlanBlocks, 4, true>;
+using ScheduledOrder = AheadOrderOf<ScheduledBlocks, 2, false>;
 
 }  // namespace pipe
 }  // namespace mok
