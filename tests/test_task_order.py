@@ -130,21 +130,44 @@ def test_tile_counts():
 
 # ---- the grab order with expert parallelism (cuda_src/moe/pipeline/task_order.cuh) --------------
 
-def _ahead_map(plan, names, *, per_block, tiled_per_block, grid, num_blocks, order):
-    """Python twin of pipe::AheadOrder::map with a block order (the expert walk is then off):
-    grab position -> plan task."""
+def _ahead_map(plan, names, *, per_block, tiled_per_block, grid, num_blocks, order=None, waves=2,
+               dispatch_wave=False, walk=None):
+    """Python twin of pipe::AheadOrderOf<Blocks, waves, dispatch_wave>::map: grab position -> plan
+    task.  ``order``: the schedule's block order (ScheduledBlocks; the expert walk is then off);
+    None: plan block order, with the expert walk over ``walk`` = (block_expert, expert_offset,
+    expert_count) when given."""
     lead, dispatch, gemm, tiled = (plan.phase(n) for n in names)
     trail_count = 0
     begin = min(lead.begin, dispatch.begin)
     end = begin + lead.count + dispatch.count + gemm.count + trail_count
-    ahead = min(dispatch.count, -(-2 * grid // (per_block + 1)))
+    in_waves = -(-waves * grid // (per_block + 1))
+    ahead = min(dispatch.count, grid if dispatch_wave and grid > in_waves else in_waves)
     order_blocks = min(num_blocks, dispatch.count)
+    walk_max = min(ahead, -(-2 * grid // (per_block + 1))) + 1   # pipe::kWalkWaves = 2
 
     def block_at(i):
+        if order is None:
+            return i
         return order[i] if i < order_blocks and 0 <= order[i] < order_blocks else i
+
+    def walked(q, per):   # pipe::ExpertWalk::map
+        b = q // per
+        if walk is None or b >= order_blocks:
+            return q
+        block_expert, offset, count = walk
+        e = block_expert[b]
+        s, m = offset[e] // 128, -(-count[e] // 128)
+        if m <= 1 or m > walk_max or b < s or b >= s + m:
+            return q
+        j = q - s * per
+        n = j // m
+        return (s + (j - n * m)) * per + n
 
     def permuted(q, per):
         return block_at(q // per) * per + q % per
+
+    def gemm_tile(q, per):
+        return permuted(q, per) if order is not None else walked(q, per)
 
     def groups(j, blocks, per, group=8):
         span = group * per
@@ -171,10 +194,56 @@ def _ahead_map(plan, names, *, per_block, tiled_per_block, grid, num_blocks, ord
         mid = (blocks - d) * (g + 1)
         if u < mid:
             b, r = divmod(u, g + 1)
-            return dispatch.begin + block_at(b + d) if r == 0 else gemm.begin + permuted(b * g + r - 1, g)
+            return dispatch.begin + block_at(b + d) if r == 0 else gemm.begin + gemm_tile(b * g + r - 1, g)
         u -= mid
-        return gemm.begin + permuted((blocks - d) * g + u, g)
+        return gemm.begin + gemm_tile((blocks - d) * g + u, g)
     return f
+
+
+def _check_waits(plan, f, *, nb, gu, hd):
+    """f is a permutation of the plan in which every block's gate|up tiles come after its dispatch
+    and its down tiles after all of its gate|up tiles; returns grab position by task."""
+    where = {}
+    for t in range(plan.total):
+        task = f(t)
+        assert task not in where and 0 <= task < plan.total
+        where[task] = t
+    disp, rgu, rdown = plan.phase("dispatch"), plan.phase("routed_gu"), plan.phase("routed_down")
+    for b in range(nb):
+        at_dispatch = where[disp.begin + b]
+        gu_at = [where[rgu.begin + b * gu + n] for n in range(gu)]
+        assert min(gu_at) > at_dispatch, b
+        assert min(where[rdown.begin + b * hd + h] for h in range(hd)) > max(gu_at), b
+    return where
+
+
+@pytest.mark.parametrize("grid", [132, 66, 8])
+@pytest.mark.parametrize("T,H,I,E,k", [(8192, 7168, 2048, 32, 8), (4096, 2048, 768, 16, 4), (300, 512, 256, 5, 2)])
+def test_fp8_order_keeps_every_task_after_what_it_waits_on(grid, T, H, I, E, k):
+    """The FP8 kernels' order (pipe::AheadOrder: four waves ahead, a dispatch per CTA first, the
+    expert walk over the schedule): a permutation of the FP8 plan with every wait satisfied by
+    earlier grabs, for experts of one block, of a few and of more than the walk takes."""
+    import numpy as np
+    d = _dims(T, H, I, 0, E, k)
+    plan = _moe_plan.forward_plan(d, precision="fp8_block")
+    st = plan.struct()
+    gu, hd, mb = st.gu_tiles, st.h_tiles, d.max_blocks
+    rng = np.random.default_rng(T + grid)
+    count = rng.multinomial(T * k, rng.dirichlet(np.full(E, 0.3)))   # skewed: empty and large experts
+    blocks = -(-count // 128)
+    offset = np.concatenate([[0], np.cumsum(blocks)[:-1]]) * 128
+    nb = int(blocks.sum())
+    assert nb <= mb
+    block_expert = np.full(mb, -1)
+    for e in range(E):
+        block_expert[offset[e] // 128: offset[e] // 128 + blocks[e]] = e
+    f = _ahead_map(plan, ("shared_gu", "dispatch", "routed_gu", "routed_down"), per_block=gu, tiled_per_block=hd,
+                   grid=grid, num_blocks=nb, waves=4, dispatch_wave=True, walk=(block_expert, offset, count))
+    where = _check_waits(plan, f, nb=nb, gu=gu, hd=hd)
+    disp = plan.phase("dispatch")
+    first = min(disp.count, max(grid, -(-4 * grid // (gu + 1))))
+    # the first `first` grabs after the lead are dispatches (every CTA starts by copying rows)
+    assert sorted(where[disp.begin + b] for b in range(first)) == list(range(first))
 
 
 @pytest.mark.parametrize("grid,used", [(132, 1.0), (66, 0.6), (8, 0.3)])
@@ -192,16 +261,7 @@ def test_block_order_keeps_every_task_after_what_it_waits_on(grid, used):
     order = np.concatenate([np.random.default_rng(grid).permutation(nb), np.arange(nb, mb)])
     f = _ahead_map(plan, ("shared_gu", "dispatch", "routed_gu", "routed_down"), per_block=gu, tiled_per_block=hd,
                    grid=grid, num_blocks=nb, order=order)
-    where = {}
-    for t in range(plan.total):
-        task = f(t)
-        assert task not in where and 0 <= task < plan.total
-        where[task] = t
-    disp, rgu, rdown = plan.phase("dispatch"), plan.phase("routed_gu"), plan.phase("routed_down")
-    for b in range(nb):
-        at_dispatch = where[disp.begin + b]
-        gu_at = [where[rgu.begin + b * gu + n] for n in range(gu)]
-        assert min(gu_at) > at_dispatch
-        assert min(where[rdown.begin + b * hd + h] for h in range(hd)) > max(gu_at)
+    where = _check_waits(plan, f, nb=nb, gu=gu, hd=hd)
+    disp = plan.phase("dispatch")
     # the dispatches come in the schedule's order
     assert sorted(range(nb), key=lambda b: where[disp.begin + b]) == list(order[:nb])
