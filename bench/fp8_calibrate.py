@@ -119,7 +119,8 @@ def run_shape(name: str, iters: int) -> list[dict]:
     sa_c, sb_c = cp.from_dlpack(sa_km), cp.from_dlpack(sb)
     first = {}   # the plain probe's bits per label: every other engine must match them
     engines = [(name, lambda _name=name, **kw: P.Gemm(kernel=_name, **kw)) for name in P.KERNELS]
-    engines += [("fp8_gemm_probe_mc", M.Mc), ("fp8_gemm_probe_mc_own", lambda **kw: M.Mc(kernel=M.CONTROL, **kw))]
+    engines += [("fp8_gemm_probe_mc", M.Mc), ("fp8_gemm_probe_mc_own", lambda **kw: M.Mc(kernel=M.CONTROL, **kw)),
+                ("fp8_gemm_probe_lean_mc", lambda **kw: M.Mc(kernel=M.LEAN, **kw))]
     for kernel, make in engines:
         for label, grp in (("dense", False), ("grouped", True)):
             if not grp and groups > 1:

@@ -3,7 +3,7 @@
 # the clocks and power under that load (nvidia-smi, read only), and the kernels of one FP8 forward
 # at the deepseek-v3 slice (ncu durations: the megakernel against the schedule kernels around it).
 #     bash scripts/gpu_calibrate.sh [mctests|calibrate|ncu|ncu_gemm]...   (default: calibrate ncu)
-#   mctests   tests/test_fp8_mc_probe_gpu.py (the multicast probe against the overlap probe and float64)
+#   mctests   tests/test_fp8_mc_probe_gpu.py (the multicast probes, overlap and lean, against the overlap probe and float64)
 #   ncu_gemm  ncu sections of cuBLAS's block-scaled kernel and the probe schedules (gate|up, deepseek-v3 slice)
 #   ncu_src   ncu's per-instruction SASS page (stall samples, executed instructions) of the same kernels,
 #             as CSV: where each engine's warps wait ($MOK_NCU_KERNELS, $MOK_NCU_APP: other kernels / program)

@@ -1,5 +1,6 @@
-"""GPU test of fp8_gemm_probe_mc: the overlap schedule on 2-CTA clusters sharing B by TMA multicast
-(tests/cuda/fp8_mc_probe.cuh, compiled into the fp8_gemm_probe.cu cubin).
+"""GPU test of fp8_gemm_probe_mc and fp8_gemm_probe_lean_mc: the overlap and the lean schedule on
+2-CTA clusters sharing B by TMA multicast (tests/cuda/fp8_mc_probe.cuh, compiled into the
+fp8_gemm_probe.cu cubin).
 
 * test_mc_exact_bitwise: operands on which no step rounds (fp8_probe_host.exact_problem), groups
   with an even number of row blocks (one empty, rows off the 128 grid), N off the tile grid, K not
@@ -26,6 +27,8 @@ from mok_rt.runtime.launch import launch, max_active_clusters  # noqa: E402
 
 KERNEL, REF = "fp8_gemm_probe_mc", "fp8_gemm_probe_overlap"
 CONTROL = "fp8_gemm_probe_mc_own"   # same clusters and release protocol, B loaded by each CTA itself
+LEAN = "fp8_gemm_probe_lean_mc"     # the same clusters with the lean consumers
+MC_KERNELS = (KERNEL, LEAN)
 ERR_INTERNAL = 5
 
 
@@ -76,27 +79,29 @@ EXACT = {
 }
 
 
+@pytest.mark.parametrize("kernel", MC_KERNELS)
 @pytest.mark.parametrize("case", sorted(EXACT))
-def test_mc_exact_bitwise(request, stream, case):
+def test_mc_exact_bitwise(request, stream, case, kernel):
     if run_isolated(request, env=_child_env()) is not None:
         return
     cfg = EXACT[case]
     rng = np.random.default_rng(len(case) + 200)
     cap = sum(cfg["rows"]) + cfg["extra"]
     a, b = H.exact_problem(rng, cfg["rows"], cfg["n"], cfg["k"], cap)
-    gm = F._gemm_from_host(a, b, cfg["rows"], cls=Mc)
+    gm = F._gemm_from_host(a, b, cfg["rows"], cls=Mc, kernel=kernel)
     want = H.emulate_gemm(a, b, gm.off)
     c = gm.run(stream)
     got = gm.c_f64(c)
     bad = np.argwhere(got[: gm.total] != want)
     assert len(bad) == 0, f"{len(bad)} of {want.size} outputs differ, first {bad[:4].tolist()}"
     assert np.isnan(got[gm.total:]).all(), "rows past the groups were written"
-    assert F._same_bits(F._gemm_from_host(a, b, cfg["rows"], kernel=REF).run(stream), c), f"{KERNEL} and {REF} disagree"
+    assert F._same_bits(F._gemm_from_host(a, b, cfg["rows"], kernel=REF).run(stream), c), f"{kernel} and {REF} disagree"
     for ctas in (2, 6, None):
         assert F._same_bits(gm.run(stream, max_ctas=ctas), c), f"a run on {ctas or 'all'} CTAs gave other bits"
 
 
-def test_mc_random(request, stream):
+@pytest.mark.parametrize("kernel", MC_KERNELS)
+def test_mc_random(request, stream, kernel):
     if run_isolated(request, env=_child_env()) is not None:
         return
     rows, n, k = [256, 130, 0, 1024], 384, 2048
@@ -107,24 +112,25 @@ def test_mc_random(request, stream):
     qa, sa = F.quantize_rows_dev(stream, F._dev_bf16(x), k, scale_ld=ld)
     qb, sb, _, _ = F.quantize_weights_dev(stream, F._dev_bf16(w), len(rows), n, k)
     kw = dict(rows=rows, n=n, k=k, qa=qa, sa_kmajor=sa, qb=qb, sb=sb)
-    c = Mc(**kw).run(stream)
-    assert F._same_bits(F.Gemm(kernel=REF, **kw).run(stream), c), f"{KERNEL} and {REF} disagree"
-    assert F._same_bits(Mc(**kw).run(stream), c), "two launches gave other bits"
-    assert F._same_bits(Mc(kernel=CONTROL, **kw).run(stream), c), f"{CONTROL} and {KERNEL} disagree"
+    c = Mc(kernel=kernel, **kw).run(stream)
+    assert F._same_bits(F.Gemm(kernel=REF, **kw).run(stream), c), f"{kernel} and {REF} disagree"
+    assert F._same_bits(Mc(kernel=kernel, **kw).run(stream), c), "two launches gave other bits"
+    assert F._same_bits(Mc(kernel=CONTROL, **kw).run(stream), c), f"{CONTROL} and {kernel} disagree"
     got = cp.asnumpy(c)[: sum(rows)].astype(np.float64)
     want = H.emulate_gemm(H.quantize_rows_ref(x), H.quantize_weights_ref(w)[0], H.group_offsets(rows)[0])
     err = H.rel_err(got, want)
-    print(f"\nFP8ERR {KERNEL} random frobenius {err:.3g}")
+    print(f"\nFP8ERR {kernel} random frobenius {err:.3g}")
     assert err <= F.TOL_GEMM
 
 
-def test_mc_odd_group_refused(request, stream):
+@pytest.mark.parametrize("kernel", MC_KERNELS)
+def test_mc_odd_group_refused(request, stream, kernel):
     if run_isolated(request, env=_child_env()) is not None:
         return
     rng = np.random.default_rng(5)
     rows = [128, 300]   # 1 and 3 row blocks
     a, b = H.exact_problem(rng, rows, 128, 256, sum(rows))
-    gm = F._gemm_from_host(a, b, rows, cls=Mc)
+    gm = F._gemm_from_host(a, b, rows, cls=Mc, kernel=kernel)
     gm.c.view(cp.uint32).fill(F.F32_NAN)
     stream.synchronize()
     gm.launch(stream)

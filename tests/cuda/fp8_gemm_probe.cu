@@ -484,8 +484,8 @@ extern "C" __global__ void __launch_bounds__(128) fp8_quantize_frag_rows(const _
 // block.
 #include "fp8_wide_probe.cuh"
 
-// fp8_gemm_probe_mc: the overlap schedule on 2-CTA clusters multicasting the B tile.
-#include "fp8_mc_probe.cuh"
-
 // fp8_gemm_probe_lean(_turns): the plain schedule with only the promotion between wait and issue.
 #include "fp8_lean_probe.cuh"
+
+// fp8_gemm_probe_mc / _lean_mc: the overlap / lean schedule on 2-CTA clusters multicasting the B tile.
+#include "fp8_mc_probe.cuh"

@@ -44,6 +44,53 @@ __device__ __forceinline__ bool consumers_any(bool v) {
   return r != 0;
 }
 
+// This CTA's slot release: lane 0 of each consumer warp arrives on the slot's empty barrier
+// (fp8_mc_probe.cuh releases in both CTAs of a pair).
+struct ReleaseLocal {
+  __device__ __forceinline__ void operator()(const Ring& ring, int slot) const { mbar_arrive(ring.empty(slot)); }
+};
+
+// One tile's K loop in the lean order; sum = the tile's fp32 totals of this thread's rows.
+// Returns whether a ring wait failed (this warpgroup's verdict; the caller makes it common).
+// sb: the tile's B scales per K block; sa_off: this thread's rows in a stage's A scales.
+template <bool kTurns, class Release>
+__device__ __forceinline__ bool lean_tile(const Ring& ring, const float* sb, uint32_t sa_off, int consumer,
+                                          const MbarWaitCtx& w, wg::PipeState& ps, float (&sum)[kAccRegs],
+                                          int k_blocks, const Release& release) {
+  const bool arriver = (threadIdx.x & 31) == 0;
+  bool failed = false;
+  // Waits for the stage at ps (a warp vote, as KStep::issue says why) and reads block kb's scales.
+  auto prepare = [&](int kb) -> LeanBlock {
+    const float s_b = __ldg(sb + kb);
+    if (!failed && !__all_sync(~0u, mbar_try_wait(ring.full(ps.slot), ps.phase)))
+      failed = !__all_sync(~0u, mbar_wait(ring.full(ps.slot), ps.phase, w));
+    const uint32_t sa = ring.sa(ps.slot) + sa_off;
+    return LeanBlock{ps.slot, ld_shared_f32(sa) * s_b, ld_shared_f32(sa + 32u) * s_b};
+  };
+  auto retire = [&](float (&acc)[kAccRegs], const LeanBlock& b) {
+    wgmma_wait<0>();
+    wgmma_fence_operand(acc);
+    fp8_promote(sum, acc, b.s_lo, b.s_hi);
+    if (arriver) release(ring, b.slot);
+  };
+  float acc[kAccRegs], unused[1];
+  zero_sets(sum, acc, unused);
+  LeanBlock next = prepare(0);
+  ps.advance(kStages);
+  lean_issue(ring, next.slot, consumer, acc);
+  for (int kb = 1; kb < k_blocks; ++kb) {  // block kb - 1 in flight
+    const LeanBlock cur = next;
+    next = prepare(kb);   // under block kb - 1's MMAs
+    ps.advance(kStages);
+    retire(acc, cur);
+    if constexpr (kTurns) { if (consumer == 1) named_bar_sync(kLeanTurnBarrier, 256); }
+    lean_issue(ring, next.slot, consumer, acc);
+    if constexpr (kTurns) { if (consumer == 0) named_bar_sync(kLeanTurnBarrier, 256); }
+  }
+  retire(acc, next);
+  return failed;
+}
+
 template <bool kTurns>
 __device__ void gemm_lean(const Fp8GemmParams& p, unsigned char* smem) {
   const Ring ring{(smem_u32(smem) + 1023u) & ~1023u};
@@ -63,44 +110,14 @@ __device__ void gemm_lean(const Fp8GemmParams& p, unsigned char* smem) {
   const MbarWaitCtx w{p.err, p.timeout_ns, 0, 2};
   const WgmmaAccCoord coord = WgmmaAccCoord::of_thread(threadIdx.x & 127);
   const int local_row = 64 * consumer + coord.row0;
-  const bool arriver = (threadIdx.x & 31) == 0;
   const int n_blocks = (p.n + kBN - 1) / kBN;
-  const int k_blocks = ts.k_blocks;
   wg::PipeState ps;
   for (int tile = blockIdx.x; tile < ts.num_tiles; tile += gridDim.x) {
     const Tile t = decode(p, tile, ts.n_tiles);
-    const float* sb = p.sb + ((size_t)t.g * n_blocks + t.n0 / kBN) * k_blocks;
+    const float* sb = p.sb + ((size_t)t.g * n_blocks + t.n0 / kBN) * ts.k_blocks;
     const uint32_t sa_off = 4u * static_cast<uint32_t>((t.row0 & (kSaAlign - 1)) + local_row);
-    bool failed = false;
-    // Waits for the stage at ps (a warp vote, as KStep::issue says why) and reads block kb's scales.
-    auto prepare = [&](int kb) -> LeanBlock {
-      const float s_b = __ldg(sb + kb);
-      if (!failed && !__all_sync(~0u, mbar_try_wait(ring.full(ps.slot), ps.phase)))
-        failed = !__all_sync(~0u, mbar_wait(ring.full(ps.slot), ps.phase, w));
-      const uint32_t sa = ring.sa(ps.slot) + sa_off;
-      return LeanBlock{ps.slot, ld_shared_f32(sa) * s_b, ld_shared_f32(sa + 32u) * s_b};
-    };
-    auto retire = [&](float (&sum)[kAccRegs], float (&acc)[kAccRegs], const LeanBlock& b) {
-      wgmma_wait<0>();
-      wgmma_fence_operand(acc);
-      fp8_promote(sum, acc, b.s_lo, b.s_hi);
-      if (arriver) mbar_arrive(ring.empty(b.slot));
-    };
-    float acc[kAccRegs], sum[kAccRegs], unused[1];
-    zero_sets(sum, acc, unused);
-    LeanBlock next = prepare(0);
-    ps.advance(kStages);
-    lean_issue(ring, next.slot, consumer, acc);
-    for (int kb = 1; kb < k_blocks; ++kb) {  // block kb - 1 in flight
-      const LeanBlock cur = next;
-      next = prepare(kb);   // under block kb - 1's MMAs
-      ps.advance(kStages);
-      retire(sum, acc, cur);
-      if constexpr (kTurns) { if (consumer == 1) named_bar_sync(kLeanTurnBarrier, 256); }
-      lean_issue(ring, next.slot, consumer, acc);
-      if constexpr (kTurns) { if (consumer == 0) named_bar_sync(kLeanTurnBarrier, 256); }
-    }
-    retire(sum, acc, next);
+    float sum[kAccRegs];
+    const bool failed = lean_tile<kTurns>(ring, sb, sa_off, consumer, w, ps, sum, ts.k_blocks, ReleaseLocal{});
     // With turns both warpgroups decide together: one leaving alone would leave the other waiting
     // at the turn barrier of the next tile.
     if (kTurns ? consumers_any(failed) : wg::warpgroup_any(failed, consumer)) return;

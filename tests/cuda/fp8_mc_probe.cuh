@@ -1,5 +1,9 @@
 // fp8_gemm_probe_mc: fp8_gemm_probe_overlap (128 x 128 tiles, two K blocks in flight per consumer
 // warpgroup, 6 stages) on 2-CTA clusters that share the B tile through TMA multicast.
+// fp8_gemm_probe_lean_mc: the same clusters with fp8_gemm_probe_lean's consumers (fp8_lean_probe.cuh:
+// the next stage taken under the running MMAs, warp-uniform descriptors).  The lean probe is the
+// fastest of ours at the dense shapes and, with its short consumer path, waits on data (L2 78 %
+// busy, round 13); multicast cut L2 from 82 % to 61 % for the overlap probe (round 12).
 //
 // Why (bench/NOTES-FP8-2.md, "cuBLAS's block-scaled GEMM"): on the same operands cuBLAS's
 // 1 x 128 / 128 x 128 block-scaled kernel (nvjet ... 128x128_128x6_2x1 ... coopA: 128 x 128 x 128
@@ -28,7 +32,8 @@
 // Fp8WideParams (fp8_wide_probe.cuh) with bw = B, UINT8 dims {K, N, groups}, box {128, 64, 1},
 // SWIZZLE_128B (the 64-row half).
 //
-// Included at the end of fp8_gemm_probe.cu (after fp8_wide_probe.cuh, for Fp8WideParams).
+// Included at the end of fp8_gemm_probe.cu (after fp8_wide_probe.cuh, for Fp8WideParams, and
+// fp8_lean_probe.cuh, for lean_tile).
 #pragma once
 
 namespace mok {
@@ -86,6 +91,15 @@ __device__ __forceinline__ bool pairs_ok(const Fp8GemmParams& p) {
   return ok;
 }
 
+// The lean consumers' release of a slot in both CTAs (lane 0 of each consumer warp).
+struct ReleasePair {
+  uint32_t peer;
+  __device__ __forceinline__ void operator()(const Ring& ring, int slot) const {
+    mbar_arrive(ring.empty(slot));
+    mbar_arrive_cluster(ring.empty(slot), peer);
+  }
+};
+
 // KStep with the slot released in both CTAs (lane 0 arrives on this CTA's empty barrier and the peer's).
 struct KStepMc : KStep {
   uint32_t peer;
@@ -102,8 +116,8 @@ struct KStepMc : KStep {
 
 // kMulticast = false (fp8_gemm_probe_mc_own, a control): the same clusters, pairs and two-CTA
 // release protocol, but each CTA loads its whole B tile itself (g.b, box {128, 128, 1}): what the
-// coupling of the pair costs without the multicast.
-template <bool kMulticast>
+// coupling of the pair costs without the multicast.  kLean: fp8_gemm_probe_lean's consumers.
+template <bool kMulticast, bool kLean = false>
 __device__ void gemm_mc(const Fp8WideParams& pw, unsigned char* smem) {
   const Fp8GemmParams& p = pw.g;
   const Ring ring{(smem_u32(smem) + 1023u) & ~1023u};
@@ -112,7 +126,8 @@ __device__ void gemm_mc(const Fp8WideParams& pw, unsigned char* smem) {
   const uint32_t rank = cluster_rank(), peer = rank ^ 1u;
   const Pairs pr = Pairs::of(p);
   const int clusters = gridDim.x / 2, cluster = blockIdx.x / 2;
-  const int role = threadIdx.x / 128;
+  // Lean: warp-uniform by construction (its descriptors then live in uniform registers).
+  const int role = kLean ? __shfl_sync(~0u, static_cast<int>(threadIdx.x) / 128, 0) : threadIdx.x / 128;
   if (!rows_fit(p) || !pairs_ok(p)) {  // the same verdict in both CTAs
     cluster_sync();
     return;
@@ -155,10 +170,15 @@ __device__ void gemm_mc(const Fp8WideParams& pw, unsigned char* smem) {
       const Tile t = decode(p, pr.tile(q, rank), pr.n_tiles);
       const float* sb = p.sb + ((size_t)t.g * n_blocks + t.n0 / kBN) * pr.k_blocks;
       float acc[kAccRegs], acc2[kAccRegs], sum[kAccRegs];
-      zero_sets(sum, acc, acc2);
+      if constexpr (!kLean) zero_sets(sum, acc, acc2);
       bool failed = false;
-      const KStepMc st{{ring, sb, consumer, local_row, (t.row0 & (kSaAlign - 1)) + local_row, w}, peer};
-      k_loop<true>(st, ps, acc, acc2, sum, pr.k_blocks, failed, (threadIdx.x & 31) == 0);
+      if constexpr (kLean) {
+        const uint32_t sa_off = 4u * static_cast<uint32_t>((t.row0 & (kSaAlign - 1)) + local_row);
+        failed = lean_tile<false>(ring, sb, sa_off, consumer, w, ps, sum, pr.k_blocks, ReleasePair{peer});
+      } else {
+        const KStepMc st{{ring, sb, consumer, local_row, (t.row0 & (kSaAlign - 1)) + local_row, w}, peer};
+        k_loop<true>(st, ps, acc, acc2, sum, pr.k_blocks, failed, (threadIdx.x & 31) == 0);
+      }
       if (wg::warpgroup_any(failed, consumer)) return;  // exited threads do not hold the cluster barrier
       store_c(p, sum, t.row0, t.row_end, t.n0, local_row, coord);
     }
@@ -179,4 +199,10 @@ extern "C" __global__ void __launch_bounds__(fp8probe::kThreads, 1)
 fp8_gemm_probe_mc_own(const __grid_constant__ Fp8WideParams p) {
   extern __shared__ __align__(1024) unsigned char smem[];
   if (fp8probe::launch_ok(p.g, /*has_cq_epilogue=*/false)) fp8probe::gemm_mc<false>(p, smem);
+}
+
+extern "C" __global__ void __launch_bounds__(fp8probe::kThreads, 1)
+fp8_gemm_probe_lean_mc(const __grid_constant__ Fp8WideParams p) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  if (fp8probe::launch_ok(p.g, /*has_cq_epilogue=*/false)) fp8probe::gemm_mc<true, true>(p, smem);
 }
