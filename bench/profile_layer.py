@@ -45,7 +45,7 @@ def main() -> int:
                          "per-phase summary and write it as a Chrome trace (chrome://tracing, ui.perfetto.dev)")
     ap.add_argument("--kernels", action="store_true",
                     help="time every kernel and memset on the device (torch.profiler, needs PyTorch) and print "
-                         "them by name with the gaps between them")
+                         "them by name, with the device's span, busy and idle time")
     ap.add_argument("--pipelined", type=int, default=0, metavar="N",
                     help="after the iterations, N more enqueued back to back (as bench_moe.py times them): "
                          "the host time of each call (a call that waits for the device shows it), and with "
@@ -65,6 +65,12 @@ def main() -> int:
     ap.add_argument("--devices", default=None, metavar="D0,D1,...",
                     help="--ep: the ranks' GPUs (default: all on GPU 0), e.g. 0,1 on a two-GPU machine")
     args = ap.parse_args()
+    if args.iters < 1 or args.pipelined < 0:
+        ap.error("--iters must be >= 1 and --pipelined >= 0")
+    if args.ep > 1 and (args.kernels or args.pipelined):
+        ap.error("--kernels and --pipelined are one-rank options (not with --ep)")
+    if args.kernels and args.iters < 2 and not args.pipelined:
+        print("note: --kernels profiles the last iteration; with --iters 1 that is the cold first one", flush=True)
     if args.ep > 1:
         return run_ep(args)
     import cupy as cp
@@ -133,9 +139,9 @@ def main() -> int:
             if args.trace:
                 last = ws.take_traces()   # tracing adds ~30 us per launch (a memset and the records)
         if args.pipelined:
-            _pipelined(mok, ws, args.pipelined, prof, lambda: mok.schedule(ws, ids),
-                       lambda sched: mok.forward(ws, sched, x, tw, weights),
-                       None if fp8 and not args.fp8_backward else (lambda ctx: mok.backward(ws, ctx, dout, dw=dw)))
+            _pipelined(ws, steps=args.pipelined, prof=prof, schedule=lambda: mok.schedule(ws, ids),
+                       forward=lambda sched: mok.forward(ws, sched, x, tw, weights),
+                       backward=None if fp8 and not args.fp8_backward else (lambda ctx: mok.backward(ws, ctx, dout, dw=dw)))
         elif prof is not None:
             prof.stop()
             print(_kernel_table(prof))
@@ -149,9 +155,10 @@ def main() -> int:
     return 0
 
 
-def _pipelined(mok, ws, steps, prof, schedule, forward, backward) -> None:
+def _pipelined(ws, *, steps, prof, schedule, forward, backward) -> None:
     """``steps`` steps enqueued back to back, one synchronisation at the end: the host time of
-    each call, and (``prof``) the device's activity over the steps."""
+    each call, and (``prof``, or None) the device's activity over the steps.  ``backward``: None
+    for forward-only steps."""
     ws.synchronize()
     if prof is not None:
         prof.start()
@@ -172,8 +179,9 @@ def _pipelined(mok, ws, steps, prof, schedule, forward, backward) -> None:
     t_end = time.perf_counter()
     del keep
     med = [1e3 * float(np.median([h[i] for h in host])) for i in range(3)]
+    bwd = "-" if backward is None else f"{med[2]:.3f}"
     print(f"pipelined, {steps} steps: host per step schedule {med[0]:.3f} / forward {med[1]:.3f} / backward "
-          f"{med[2]:.3f} ms (median; max forward {1e3 * max(h[1] for h in host):.3f}); enqueue of all "
+          f"{bwd} ms (median; max forward {1e3 * max(h[1] for h in host):.3f}); enqueue of all "
           f"{1e3 * (t_enq - t_start):.2f} ms, until done {1e3 * (t_end - t_start):.2f} ms "
           f"({1e3 * (t_end - t_start) / steps:.3f} ms per step)", flush=True)
     if prof is not None:
@@ -192,7 +200,7 @@ def _kernel_profiler():
 def _kernel_table(prof, *, label: str = "the last iteration") -> str:
     """The device activity of what ``prof`` recorded: per name, calls and device us; then the span from the
     first start to the last end and the idle time between activities inside it."""
-    evs = [e for e in prof.events() if e.device_type.name == "CUDA" and e.time_range.elapsed_us() >= 0]
+    evs = [e for e in prof.events() if e.device_type.name == "CUDA"]
     if not evs:
         return "no device activity recorded"
     by: dict[str, list[float]] = {}

@@ -131,19 +131,22 @@ def test_tile_counts():
 # ---- the grab order with expert parallelism (cuda_src/moe/pipeline/task_order.cuh) --------------
 
 def _ahead_map(plan, names, *, per_block, tiled_per_block, grid, num_blocks, order=None, waves=2,
-               dispatch_wave=False, walk=None):
+               dispatch_wave=False, walk=None, trail=None, walk_extra=0):
     """Python twin of pipe::AheadOrderOf<Blocks, waves, dispatch_wave>::map: grab position -> plan
-    task.  ``order``: the schedule's block order (ScheduledBlocks; the expert walk is then off);
-    None: plan block order, with the expert walk over ``walk`` = (block_expert, expert_offset,
-    expert_count) when given."""
+    task.  ``names``: the lead, dispatch, GEMM and tiled phases; ``trail``: the trail phase's name
+    (None: empty).  ``order``: the schedule's block order (ScheduledBlocks; the expert walk is then
+    off); None: plan block order, with the expert walk over ``walk`` = (block_expert,
+    expert_offset, expert_count) when given.  ``walk_extra``: added to the walk's block cap (a
+    mutation: the tests show that a longer walk breaks the order)."""
     lead, dispatch, gemm, tiled = (plan.phase(n) for n in names)
-    trail_count = 0
-    begin = min(lead.begin, dispatch.begin)
+    tr = plan.phase(trail) if trail else None
+    trail_count = tr.count if tr else 0
+    begin = min(lead.begin, dispatch.begin, tr.begin if trail_count else dispatch.begin)
     end = begin + lead.count + dispatch.count + gemm.count + trail_count
     in_waves = -(-waves * grid // (per_block + 1))
     ahead = min(dispatch.count, grid if dispatch_wave and grid > in_waves else in_waves)
     order_blocks = min(num_blocks, dispatch.count)
-    walk_max = min(ahead, -(-2 * grid // (per_block + 1))) + 1   # pipe::kWalkWaves = 2
+    walk_max = min(ahead, -(-2 * grid // (per_block + 1))) + 1 + walk_extra   # pipe::kWalkWaves = 2
 
     def block_at(i):
         if order is None:
@@ -196,19 +199,23 @@ def _ahead_map(plan, names, *, per_block, tiled_per_block, grid, num_blocks, ord
             b, r = divmod(u, g + 1)
             return dispatch.begin + block_at(b + d) if r == 0 else gemm.begin + gemm_tile(b * g + r - 1, g)
         u -= mid
-        return gemm.begin + gemm_tile((blocks - d) * g + u, g)
+        if u < d * g:
+            return gemm.begin + gemm_tile((blocks - d) * g + u, g)
+        return tr.begin + (u - d * g)
+    f.ahead, f.walk_max = ahead, walk_max
     return f
 
 
-def _check_waits(plan, f, *, nb, gu, hd):
-    """f is a permutation of the plan in which every block's gate|up tiles come after its dispatch
-    and its down tiles after all of its gate|up tiles; returns grab position by task."""
+def _check_waits(plan, f, *, nb, gu, hd, names=("dispatch", "routed_gu", "routed_down")):
+    """f is a permutation of the plan in which every block's first GEMM tiles (gate|up, dA) come
+    after its dispatch and its second (down, dX) after all of its first; returns grab position by
+    task."""
     where = {}
     for t in range(plan.total):
         task = f(t)
         assert task not in where and 0 <= task < plan.total
         where[task] = t
-    disp, rgu, rdown = plan.phase("dispatch"), plan.phase("routed_gu"), plan.phase("routed_down")
+    disp, rgu, rdown = (plan.phase(n) for n in names)
     for b in range(nb):
         at_dispatch = where[disp.begin + b]
         gu_at = [where[rgu.begin + b * gu + n] for n in range(gu)]
@@ -217,19 +224,18 @@ def _check_waits(plan, f, *, nb, gu, hd):
     return where
 
 
-@pytest.mark.parametrize("grid", [132, 66, 8])
-@pytest.mark.parametrize("T,H,I,E,k", [(8192, 7168, 2048, 32, 8), (4096, 2048, 768, 16, 4), (300, 512, 256, 5, 2)])
-def test_fp8_order_keeps_every_task_after_what_it_waits_on(grid, T, H, I, E, k):
-    """The FP8 kernels' order (pipe::AheadOrder: four waves ahead, a dispatch per CTA first, the
-    expert walk over the schedule): a permutation of the FP8 plan with every wait satisfied by
-    earlier grabs, for experts of one block, of a few and of more than the walk takes."""
+def _schedule(rng, T, E, k, mb, *, sizes=None):
+    """A routing's schedule arrays as the kernels read them: (block_expert [mb], expert_offset
+    (rows, multiples of 128), expert_count), and the blocks in use.  Skewed top-k routing (each
+    token picks k distinct experts, Gumbel top-k over Dirichlet weights), or ``sizes``: given
+    per-expert row counts."""
     import numpy as np
-    d = _dims(T, H, I, 0, E, k)
-    plan = _moe_plan.forward_plan(d, precision="fp8_block")
-    st = plan.struct()
-    gu, hd, mb = st.gu_tiles, st.h_tiles, d.max_blocks
-    rng = np.random.default_rng(T + grid)
-    count = rng.multinomial(T * k, rng.dirichlet(np.full(E, 0.3)))   # skewed: empty and large experts
+    if sizes is None:
+        logp = np.log(rng.dirichlet(np.full(E, 0.3)) + 1e-12)
+        ids = np.argsort(-(logp + rng.gumbel(size=(T, E))), axis=1)[:, :k]
+        count = np.bincount(ids.ravel(), minlength=E)
+    else:
+        count = np.asarray(sizes)
     blocks = -(-count // 128)
     offset = np.concatenate([[0], np.cumsum(blocks)[:-1]]) * 128
     nb = int(blocks.sum())
@@ -237,13 +243,68 @@ def test_fp8_order_keeps_every_task_after_what_it_waits_on(grid, T, H, I, E, k):
     block_expert = np.full(mb, -1)
     for e in range(E):
         block_expert[offset[e] // 128: offset[e] // 128 + blocks[e]] = e
-    f = _ahead_map(plan, ("shared_gu", "dispatch", "routed_gu", "routed_down"), per_block=gu, tiled_per_block=hd,
-                   grid=grid, num_blocks=nb, waves=4, dispatch_wave=True, walk=(block_expert, offset, count))
-    where = _check_waits(plan, f, nb=nb, gu=gu, hd=hd)
+    return (block_expert, offset, count), nb
+
+
+_FP8_FWD = ("shared_gu", "dispatch", "routed_gu", "routed_down")
+
+
+@pytest.mark.parametrize("grid", [132, 66, 8])
+@pytest.mark.parametrize("T,H,I,E,k", [(8192, 7168, 2048, 32, 8), (4096, 2048, 768, 16, 4), (300, 512, 256, 5, 2)])
+def test_fp8_order_keeps_every_task_after_what_it_waits_on(grid, T, H, I, E, k):
+    """The FP8 kernels' orders (pipe::AheadOrder: D = max(grid, four waves), the expert walk over
+    the schedule): permutations of the FP8 forward and backward plans with every wait satisfied by
+    earlier grabs, for empty experts, experts of one block, of a few and of more than the walk
+    takes."""
+    import numpy as np
+    d = _dims(T, H, I, 0, E, k)
+    walk, nb = _schedule(np.random.default_rng(T + grid), T, E, k, d.max_blocks)
+    plan = _moe_plan.forward_plan(d, precision="fp8_block")
+    st = plan.struct()
+    f = _ahead_map(plan, _FP8_FWD, per_block=st.gu_tiles, tiled_per_block=st.h_tiles, grid=grid, num_blocks=nb,
+                   waves=4, dispatch_wave=True, walk=walk)
+    where = _check_waits(plan, f, nb=nb, gu=st.gu_tiles, hd=st.h_tiles)
     disp = plan.phase("dispatch")
-    first = min(disp.count, max(grid, -(-4 * grid // (gu + 1))))
-    # the first `first` grabs after the lead are dispatches (every CTA starts by copying rows)
-    assert sorted(where[disp.begin + b] for b in range(first)) == list(range(first))
+    four_waves = -(-4 * grid // (st.gu_tiles + 1))
+    assert f.ahead == min(disp.count, max(grid, four_waves))
+    # the first `ahead` grabs after quant_x are dispatches (every CTA starts by copying rows)
+    assert sorted(where[disp.begin + b] for b in range(f.ahead)) == list(range(disp.begin, disp.begin + f.ahead))
+    # The backward (TmaBackwardFp8::make_order, one GPU): lead shared dA, dispatch, dA tiles, trail
+    # the d_weights tasks, tiled dX.
+    bplan = _moe_plan.backward_plan(d, precision="fp8_block")
+    bs = bplan.struct()
+    fb = _ahead_map(bplan, ("shared_da", "dispatch", "routed_da", "routed_dx"), per_block=bs.i_tiles,
+                    tiled_per_block=bs.h_tiles, grid=grid, num_blocks=nb, waves=4, dispatch_wave=True, walk=walk,
+                    trail="d_weights")
+    _check_waits(bplan, fb, nb=nb, gu=bs.i_tiles, hd=bs.h_tiles, names=("dispatch", "routed_da", "routed_dx"))
+
+
+@pytest.mark.parametrize("grid", [132, 8])
+def test_fp8_expert_walk_stops_at_its_bound(grid):
+    """Experts of exactly the walk's longest length are walked tile-major and keep the order; a
+    walk over an expert twice the look-ahead long (a mutated cap) puts a tile before its block's
+    dispatch.  (m <= ahead + 1 is what the kernel's argument needs; with per_block tiles the walk
+    first breaks the order near m = ahead * per_block / (per_block - 1).)"""
+    import numpy as np
+    T, E, k = 65536, 8, 8   # an expert of 2 x 132 + 4 blocks needs that many tokens
+    d = _dims(T, 7168, 2048, 0, E, k)
+    plan = _moe_plan.forward_plan(d, precision="fp8_block")
+    st = plan.struct()
+    kw = dict(per_block=st.gu_tiles, tiled_per_block=st.h_tiles, grid=grid, waves=4, dispatch_wave=True)
+    cap = _ahead_map(plan, _FP8_FWD, num_blocks=0, **kw).walk_max   # the longest expert walked tile-major
+    ahead = _ahead_map(plan, _FP8_FWD, num_blocks=0, **kw).ahead
+    # expert 0: small; expert 1: the cap exactly; expert 2: 2 ahead + 4 blocks
+    long = 2 * ahead + 4
+    sizes = [300, 128 * cap, 128 * long] + [128] * (E - 3)
+    walk, nb = _schedule(np.random.default_rng(0), T, E, k, d.max_blocks, sizes=sizes)
+    good = _ahead_map(plan, _FP8_FWD, num_blocks=nb, walk=walk, **kw)
+    where = _check_waits(plan, good, nb=nb, gu=st.gu_tiles, hd=st.h_tiles)
+    s1 = walk[1][1] // 128   # expert 1 walked tile-major: tile 1 of its first block right after tile 0 of its last
+    rgu = plan.phase("routed_gu")
+    assert where[rgu.begin + s1 * st.gu_tiles + 1] == where[rgu.begin + (s1 + cap - 1) * st.gu_tiles] + 1
+    bad = _ahead_map(plan, _FP8_FWD, num_blocks=nb, walk=walk, walk_extra=long - cap, **kw)
+    with pytest.raises(AssertionError):
+        _check_waits(plan, bad, nb=nb, gu=st.gu_tiles, hd=st.h_tiles)
 
 
 @pytest.mark.parametrize("grid,used", [(132, 1.0), (66, 0.6), (8, 0.3)])

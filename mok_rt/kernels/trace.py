@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -173,13 +174,15 @@ class LaunchTrace:
     def idle_gaps(self, *, window_us: float = 0.0) -> dict:
         """Where the SMs sat idle between tasks: for each task, how long its SM had nothing running
         before it (its ``ready`` minus the end of that SM's previous task, or minus the launch's
-        first grab for an SM's first task), summed by the task's phase (``by_phase``: SM-us,
-        tasks that waited).  ``window_us`` > 0 adds ``by_window``: the idle SM-us per window of
-        the launch's time (the gap split over the windows it spans), to tell a slow start from
-        stalls spread over the run.  The tail (each SM's last end to the launch's end) is
-        :meth:`tail_idle_us`."""
-        by_phase: dict[str, list[float]] = {}
-        nwin = int(self.span_us // window_us) + 1 if window_us > 0 else 0
+        first grab for an SM's first task), summed by the task's phase, in plan order
+        (``by_phase``: SM-us, tasks that waited).  ``window_us`` > 0 adds ``by_window``: the idle
+        SM-us per window of the launch's time (each gap split over the windows it spans; the last
+        window may be partial, ``last_window_us`` long), to tell a slow start from stalls spread
+        over the run.  The tail (each SM's last end to the launch's end) is :meth:`tail_idle_us`,
+        in neither."""
+        acc: dict[str, list[float]] = {}
+        span = self.span_us
+        nwin = max(1, math.ceil(span / window_us)) if window_us > 0 else 0
         by_window = [0.0] * nwin
         last: dict[int, float] = {}
         for s in sorted(self.spans, key=lambda s: (s.sm, s.ready_us)):
@@ -188,22 +191,25 @@ class LaunchTrace:
             last[s.sm] = max(prev, s.end_us)
             if gap <= 0:
                 continue
-            acc = by_phase.setdefault(s.phase, [0.0, 0])
-            acc[0] += gap
-            acc[1] += 1
-            a = prev
-            while nwin and a < s.ready_us:
-                w = min(int(a // window_us), nwin - 1)
-                b = min(s.ready_us, (w + 1) * window_us)
-                by_window[w] += b - a
-                a = b
-        return {"by_phase": {k: (v[0], int(v[1])) for k, v in by_phase.items()}, "by_window": by_window,
-                "window_us": window_us}
+            a = acc.setdefault(s.phase, [0.0, 0])
+            a[0] += gap
+            a[1] += 1
+            # Each window's share of [prev, ready): a bounded loop over window indices (stepping
+            # by window edges can stall where (w + 1) * window_us rounds back into window w).
+            for w in range(min(int(prev // window_us), nwin - 1) if nwin else 0,
+                           min(int(s.ready_us // window_us), nwin - 1) + 1 if nwin else 0):
+                by_window[w] += max(0.0, min(s.ready_us, (w + 1) * window_us) - max(prev, w * window_us))
+        order = [name for name, _ in self.phases if name in acc]
+        return {"by_phase": {k: (acc[k][0], int(acc[k][1])) for k in order}, "by_window": by_window,
+                "window_us": window_us, "last_window_us": span - (nwin - 1) * window_us if nwin else 0.0}
 
     def gaps_summary(self, *, window_us: float = 250.0) -> str:
+        """:meth:`idle_gaps` as text: per phase the idle SM time before its tasks (share of the
+        launch's SM time) and its tasks' median and p90 durations; the tail; the average number of
+        idle SMs per window."""
         g = self.idle_gaps(window_us=window_us)
         sms = max(len(self.sm_busy_fraction()), 1)
-        total = self.span_us * sms
+        total = self.span_us * sms or 1.0
         lines = [f"{self.kind} (rank {self.rank}): idle SM-us before tasks, by the task's phase "
                  f"(share of {total:.0f} SM-us)"]
         for name, (us, n) in g["by_phase"].items():
@@ -211,8 +217,9 @@ class LaunchTrace:
             lines.append(f"  {name:<16}{us:>11.1f} ({100 * us / total:4.1f} %) over {n} tasks; task time "
                          f"median {np.median(dur):.1f} us, p90 {np.percentile(dur, 90):.1f} us")
         lines.append(f"  {'tail':<16}{self.tail_idle_us():>11.1f} ({100 * self.tail_idle_us() / total:4.1f} %)")
-        lines.append(f"  idle SMs on average per {window_us:.0f} us window: "
-                     + " ".join(f"{w / window_us:.1f}" for w in g["by_window"]))
+        widths = [window_us] * (len(g["by_window"]) - 1) + [g["last_window_us"]]
+        lines.append(f"  idle SMs on average per {window_us:.0f} us window (the tail not counted): "
+                     + " ".join(f"{w / max(d, 1e-9):.1f}" for w, d in zip(g["by_window"], widths)))
         return "\n".join(lines)
 
     def summary(self) -> str:

@@ -13,12 +13,15 @@ namespace pipe {
 //   [lead GEMMs (shared expert)] [dispatch 0 .. D-1]
 //   [dispatch b + D, GEMM tiles of block b] for each block b  (the last D blocks: tiles only)
 //   [trail (tasks nothing waits on)]
-// D = kAheadWaves waves of tasks ahead, so a block's rows are in place before its tiles are
-// grabbed: a dispatch task runs on one SM for about as long as 1.7 FP8 gate|up tiles (deepseek-v3
-// slice: 95 vs 56 us) but 0.5 bf16 ones, so two waves hide it for bf16 and four for FP8 (two
-// left ~18 SMs waiting on dispatch throughout the FP8 forward's gate|up phase: bench/NOTES.md).
-// kDispatchWave: at least one dispatch per CTA in front, so that at the start every SM copies rows
-// (together they run near HBM bandwidth) instead of most SMs waiting on the first D blocks.
+// D blocks ahead, so that a block's rows are in place before its tiles are grabbed: at least
+// kAheadWaves waves of tasks (ceil(waves * grid / (per_block + 1)) blocks), and with kDispatchWave
+// at least one block per CTA.  bf16: two waves (its dispatch task is half a gate|up tile long).
+// FP8: a dispatch task runs as long as 1.7 gate|up tiles (deepseek-v3 slice: 95 vs 56 us); two
+// waves left ~18 SMs waiting on dispatch throughout the gate|up phase (bench/NOTES-FP8-2.md round
+// 14), four still left the start waiting on the first D blocks.  With a block per CTA every SM
+// copies rows first (together near HBM bandwidth), and since four waves are fewer blocks than CTAs
+// wherever a block has 3 or more tiles, D = grid then holds for the whole phase: at the slice's
+// 16 tiles per block that is 17 waves ahead.
 // A later row-block GEMM phase (`tiled`: the forward's down, the backward's dX) is walked in
 // block groups (BlockGroups).  Every task still comes after everything it waits on (tiles of b
 // after dispatch b; the lead, trail and tiled phases wait only on earlier phases), so the
@@ -161,8 +164,8 @@ struct AheadOrderOf : Blocks {
   }
 };
 
-// The FP8 kernels: plan block order, four waves ahead, a dispatch wave first.  The bf16 kernels
-// (one GPU or EP): the schedule's block order with EP, two waves ahead.
+// The FP8 kernels: plan block order, D = max(grid, four waves).  The bf16 kernels (one GPU or EP):
+// the schedule's block order with EP, two waves ahead.
 using AheadOrder = AheadOrderOf<PlanBlocks, 4, true>;
 using ScheduledOrder = AheadOrderOf<ScheduledBlocks, 2, false>;
 
