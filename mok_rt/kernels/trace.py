@@ -194,11 +194,12 @@ class LaunchTrace:
             a = acc.setdefault(s.phase, [0.0, 0])
             a[0] += gap
             a[1] += 1
-            # Each window's share of [prev, ready): a bounded loop over window indices (stepping
-            # by window edges can stall where (w + 1) * window_us rounds back into window w).
-            for w in range(min(int(prev // window_us), nwin - 1) if nwin else 0,
-                           min(int(s.ready_us // window_us), nwin - 1) + 1 if nwin else 0):
-                by_window[w] += max(0.0, min(s.ready_us, (w + 1) * window_us) - max(prev, w * window_us))
+            if nwin:
+                # Each window's share of [prev, ready): a bounded loop over window indices (stepping
+                # by window edges can stall where (w + 1) * window_us rounds back into window w).
+                first, last_w = (min(int(v // window_us), nwin - 1) for v in (prev, s.ready_us))
+                for w in range(first, last_w + 1):
+                    by_window[w] += max(0.0, min(s.ready_us, (w + 1) * window_us) - max(prev, w * window_us))
         order = [name for name, _ in self.phases if name in acc]
         return {"by_phase": {k: (acc[k][0], int(acc[k][1])) for k in order}, "by_window": by_window,
                 "window_us": window_us, "last_window_us": span - (nwin - 1) * window_us if nwin else 0.0}

@@ -252,6 +252,28 @@ __device__ __forceinline__ void produce_ab(const Fp8GemmParams& p, const Ring& r
                    });
 }
 
+// A consumer warpgroup of the 128 x 128 probes (role 1 or 2 of the CTA's 384 threads): what it
+// derives once, and the per-tile pointers every schedule takes.
+struct Consumer {
+  int index;            // 0 or 1: tile rows 64 index ..
+  MbarWaitCtx w;        // its ring waits
+  WgmmaAccCoord coord;  // this thread's accumulator fragment
+  int local_row;        // tile row of register pair 0 (pair 2: + 8)
+  int n_blocks;         // 128-column B-scale blocks
+  __device__ __forceinline__ static Consumer of(const Fp8GemmParams& p, int role) {
+    const int index = role - 1;
+    const WgmmaAccCoord coord = WgmmaAccCoord::of_thread(threadIdx.x & 127);
+    return Consumer{index, MbarWaitCtx{p.err, p.timeout_ns, 0, 2}, coord, 64 * index + coord.row0,
+                    (p.n + kBN - 1) / kBN};
+  }
+  // Tile t's B scales, one per K block.
+  __device__ __forceinline__ const float* b_scales(const Fp8GemmParams& p, const Tile& t, int k_blocks) const {
+    return p.sb + ((size_t)t.g * n_blocks + t.n0 / kBN) * k_blocks;
+  }
+  // This thread's row g in a stage's A-scale box (it starts at row0 & ~3).
+  __device__ __forceinline__ int sa_row(const Tile& t) const { return (t.row0 & (kSaAlign - 1)) + local_row; }
+};
+
 // kOverlap: keep two K blocks in flight (three accumulator sets) instead of one.
 template <bool kOverlap>
 __device__ void gemm(const Fp8GemmParams& p, unsigned char* smem) {
@@ -269,25 +291,20 @@ __device__ void gemm(const Fp8GemmParams& p, unsigned char* smem) {
   }
 
   setmaxnreg_inc<wg::kConsumerRegs>();
-  const int consumer = role - 1;
-  const MbarWaitCtx w{p.err, p.timeout_ns, 0, 2};
-  const WgmmaAccCoord coord = WgmmaAccCoord::of_thread(threadIdx.x & 127);
-  const int local_row = 64 * consumer + coord.row0;   // tile row of register pair 0 (pair 2: + 8)
+  const Consumer c = Consumer::of(p, role);
   const bool arriver = (threadIdx.x & 31) == 0;
-  const int n_blocks = (p.n + kBN - 1) / kBN;
   wg::PipeState ps;
   for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const Tile t = decode(p, tile, n_tiles);
-    const float* sb = p.sb + ((size_t)t.g * n_blocks + t.n0 / kBN) * k_blocks;
     // Declared per tile (zero_sets says why).
     float acc[kAccRegs], acc2[kOverlap ? kAccRegs : 1], sum[kAccRegs];
     zero_sets(sum, acc, acc2);
     bool failed = false;
-    const KStep st{ring, sb, consumer, local_row, (t.row0 & (kSaAlign - 1)) + local_row, w};
+    const KStep st{ring, c.b_scales(p, t, k_blocks), c.index, c.local_row, c.sa_row(t), c.w};
     k_loop<kOverlap>(st, ps, acc, acc2, sum, k_blocks, failed, arriver);
-    if (wg::warpgroup_any(failed, consumer)) return;
+    if (wg::warpgroup_any(failed, c.index)) return;
 
-    store_tile(p, sum, t, local_row, coord);
+    store_tile(p, sum, t, c.local_row, c.coord);
   }
 }
 

@@ -22,12 +22,6 @@ namespace fp8probe {
 
 constexpr int kLeanTurnBarrier = 3;   // named barriers: 0 __syncthreads, 1-2 the warpgroup votes
 
-// The next K block's stage, ready to issue: its slot and the promotion scales of the thread's rows.
-struct LeanBlock {
-  int slot;
-  float s_lo, s_hi;
-};
-
 __device__ __forceinline__ void lean_issue(const Ring& ring, int slot, int consumer, float (&acc)[kAccRegs]) {
   wgmma_fence();  // acc was read by the last promotion
   wgmma_e4m3_kblock<kBN>(acc, smem_desc_kmajor_sw128(ring.a_tile(slot) + consumer * 64 * kBK),
@@ -60,14 +54,14 @@ __device__ __forceinline__ bool lean_tile(const Ring& ring, const float* sb, uin
   const bool arriver = (threadIdx.x & 31) == 0;
   bool failed = false;
   // Waits for the stage at ps (a warp vote, as KStep::issue says why) and reads block kb's scales.
-  auto prepare = [&](int kb) -> LeanBlock {
+  auto prepare = [&](int kb) -> KBlock {
     const float s_b = __ldg(sb + kb);
     if (!failed && !__all_sync(~0u, mbar_try_wait(ring.full(ps.slot), ps.phase)))
       failed = !__all_sync(~0u, mbar_wait(ring.full(ps.slot), ps.phase, w));
     const uint32_t sa = ring.sa(ps.slot) + sa_off;
-    return LeanBlock{ps.slot, ld_shared_f32(sa) * s_b, ld_shared_f32(sa + 32u) * s_b};
+    return KBlock{ps.slot, ld_shared_f32(sa) * s_b, ld_shared_f32(sa + 32u) * s_b};
   };
-  auto retire = [&](float (&acc)[kAccRegs], const LeanBlock& b) {
+  auto retire = [&](float (&acc)[kAccRegs], const KBlock& b) {
     wgmma_wait<0>();
     wgmma_fence_operand(acc);
     fp8_promote(sum, acc, b.s_lo, b.s_hi);
@@ -75,11 +69,11 @@ __device__ __forceinline__ bool lean_tile(const Ring& ring, const float* sb, uin
   };
   float acc[kAccRegs], unused[1];
   zero_sets(sum, acc, unused);
-  LeanBlock next = prepare(0);
+  KBlock next = prepare(0);
   ps.advance(kStages);
   lean_issue(ring, next.slot, consumer, acc);
   for (int kb = 1; kb < k_blocks; ++kb) {  // block kb - 1 in flight
-    const LeanBlock cur = next;
+    const KBlock cur = next;
     next = prepare(kb);   // under block kb - 1's MMAs
     ps.advance(kStages);
     retire(acc, cur);
@@ -106,22 +100,17 @@ __device__ void gemm_lean(const Fp8GemmParams& p, unsigned char* smem) {
   }
 
   setmaxnreg_inc<wg::kConsumerRegs>();
-  const int consumer = role - 1;
-  const MbarWaitCtx w{p.err, p.timeout_ns, 0, 2};
-  const WgmmaAccCoord coord = WgmmaAccCoord::of_thread(threadIdx.x & 127);
-  const int local_row = 64 * consumer + coord.row0;
-  const int n_blocks = (p.n + kBN - 1) / kBN;
+  const Consumer c = Consumer::of(p, role);
   wg::PipeState ps;
   for (int tile = blockIdx.x; tile < ts.num_tiles; tile += gridDim.x) {
     const Tile t = decode(p, tile, ts.n_tiles);
-    const float* sb = p.sb + ((size_t)t.g * n_blocks + t.n0 / kBN) * ts.k_blocks;
-    const uint32_t sa_off = 4u * static_cast<uint32_t>((t.row0 & (kSaAlign - 1)) + local_row);
     float sum[kAccRegs];
-    const bool failed = lean_tile<kTurns>(ring, sb, sa_off, consumer, w, ps, sum, ts.k_blocks, ReleaseLocal{});
+    const bool failed = lean_tile<kTurns>(ring, c.b_scales(p, t, ts.k_blocks), 4u * c.sa_row(t), c.index, c.w, ps,
+                                          sum, ts.k_blocks, ReleaseLocal{});
     // With turns both warpgroups decide together: one leaving alone would leave the other waiting
     // at the turn barrier of the next tile.
-    if (kTurns ? consumers_any(failed) : wg::warpgroup_any(failed, consumer)) return;
-    store_tile(p, sum, t, local_row, coord);
+    if (kTurns ? consumers_any(failed) : wg::warpgroup_any(failed, c.index)) return;
+    store_tile(p, sum, t, c.local_row, c.coord);
   }
 }
 

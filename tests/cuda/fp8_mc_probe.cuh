@@ -160,27 +160,22 @@ __device__ void gemm_mc(const Fp8WideParams& pw, unsigned char* smem) {
     }
   } else {
     setmaxnreg_inc<wg::kConsumerRegs>();
-    const int consumer = role - 1;
-    const MbarWaitCtx w{p.err, p.timeout_ns, 0, 2};
-    const WgmmaAccCoord coord = WgmmaAccCoord::of_thread(threadIdx.x & 127);
-    const int local_row = 64 * consumer + coord.row0;
-    const int n_blocks = (p.n + kBN - 1) / kBN;
+    const Consumer c = Consumer::of(p, role);
     wg::PipeState ps;
     for (int q = cluster; q < pr.count; q += clusters) {
       const Tile t = decode(p, pr.tile(q, rank), pr.n_tiles);
-      const float* sb = p.sb + ((size_t)t.g * n_blocks + t.n0 / kBN) * pr.k_blocks;
+      const float* sb = c.b_scales(p, t, pr.k_blocks);
       float acc[kAccRegs], acc2[kAccRegs], sum[kAccRegs];
       if constexpr (!kLean) zero_sets(sum, acc, acc2);
       bool failed = false;
       if constexpr (kLean) {
-        const uint32_t sa_off = 4u * static_cast<uint32_t>((t.row0 & (kSaAlign - 1)) + local_row);
-        failed = lean_tile<false>(ring, sb, sa_off, consumer, w, ps, sum, pr.k_blocks, ReleasePair{peer});
+        failed = lean_tile<false>(ring, sb, 4u * c.sa_row(t), c.index, c.w, ps, sum, pr.k_blocks, ReleasePair{peer});
       } else {
-        const KStepMc st{{ring, sb, consumer, local_row, (t.row0 & (kSaAlign - 1)) + local_row, w}, peer};
+        const KStepMc st{{ring, sb, c.index, c.local_row, c.sa_row(t), c.w}, peer};
         k_loop<true>(st, ps, acc, acc2, sum, pr.k_blocks, failed, (threadIdx.x & 31) == 0);
       }
-      if (wg::warpgroup_any(failed, consumer)) return;  // exited threads do not hold the cluster barrier
-      store_c(p, sum, t.row0, t.row_end, t.n0, local_row, coord);
+      if (wg::warpgroup_any(failed, c.index)) return;  // exited threads do not hold the cluster barrier
+      store_c(p, sum, t.row0, t.row_end, t.n0, c.local_row, c.coord);
     }
   }
   cluster_sync();
