@@ -42,6 +42,32 @@ __device__ __forceinline__ void quad_transpose(uint32_t (&w)[4]) {
   if (b0) { w[0] = t0; w[2] = t1; } else { w[1] = t0; w[3] = t1; }
 }
 
+// One row's 1 x 128 block of E4M3 in the fragment layout (q[j]: this lane's 2 bytes of chunk j, at
+// bytes 8j + 2 quad) -> this lane's 16 bytes at 16 quad (lo) and at 64 + 16 quad (hi): so each warp
+// store covers 64 contiguous bytes of each of its 8 rows (two full sectors), where 16 2-byte
+// stores per lane cost 8x the L1 wavefronts and half-filled sectors.  Two quad transposes of the
+// chunk pairs, then the bytes of a chunk put back in lane order (chunk m of a pair at 8m, lane k's
+// 2 bytes at 8m + 2k).  Every lane must take part.  Columns: lo is I block columns [0, 64), hi
+// [64, 128): all in or all out for I a multiple of 64.
+struct E4m3RowPieces {
+  uint4 lo, hi;
+};
+__device__ __forceinline__ E4m3RowPieces e4m3_row_pieces(const uint16_t (&q)[16]) {
+  uint32_t a[4], b[4];  // a[g]: chunks 2g, 2g + 1; b[g]: chunks 8 + 2g, 9 + 2g
+#pragma unroll
+  for (int g = 0; g < 4; ++g) {
+    a[g] = static_cast<uint32_t>(q[2 * g]) | static_cast<uint32_t>(q[2 * g + 1]) << 16;
+    b[g] = static_cast<uint32_t>(q[8 + 2 * g]) | static_cast<uint32_t>(q[9 + 2 * g]) << 16;
+  }
+  quad_transpose(a);  // a[k]: lane k's bytes of chunks 2 quad, 2 quad + 1
+  quad_transpose(b);
+  const auto in_order = [](const uint32_t (&w)[4]) {
+    return make_uint4(__byte_perm(w[0], w[1], 0x5410), __byte_perm(w[2], w[3], 0x5410),
+                      __byte_perm(w[0], w[1], 0x7632), __byte_perm(w[2], w[3], 0x7632));
+  };
+  return E4m3RowPieces{in_order(a), in_order(b)};
+}
+
 // Group q of row half h: this lane's chunk (Frag::chunk_col) as 8 bf16 ...
 __device__ __forceinline__ uint4 group_bf16(const float (&acc)[kAccRegs], int q, int h) {
   uint32_t w[4];

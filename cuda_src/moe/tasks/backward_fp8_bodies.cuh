@@ -236,18 +236,28 @@ struct DaOut {
 __device__ __forceinline__ void store_quantized_half(const float (&v)[fp8g::kRegs], int h, const pipe::Frag& f,
                                                      const DaOut& o, int i0, int col_off, int bf_off) {
   const fp8::QuantizedFragRow qr = fp8::quantize_frag_row128(v, h);
+  // 16-byte stores: the e4m3 bytes through pipe::e4m3_row_pieces, the bf16 words of each group of
+  // 4 chunks through a quad transpose (lane c: chunk 4g + c); the shuffles before the row check.
+  const pipe::E4m3RowPieces pc = pipe::e4m3_row_pieces(qr.q);
+  uint32_t w[fp8::kBlock / 32][4];
+#pragma unroll
+  for (int g = 0; g < 4; ++g) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float2 x = fp8::e4m3x2_to_f32(qr.q[4 * g + k]);  // exact; times the scale: one rounding to fp32
+      w[g][k] = pack_bf16x2(x.x * qr.scale, x.y * qr.scale);
+    }
+    pipe::quad_transpose(w[g]);
+  }
   const int r = f.row0 + 8 * h;
   if (r >= o.rows) return;
-  uint8_t* const qrow = o.dguq + (size_t)r * 2 * o.ip + col_off + i0 + f.col0;
-  bf16* const brow = o.dgu + (size_t)r * 2 * o.inter + bf_off + i0 + f.col0;
+  uint8_t* const qrow = o.dguq + (size_t)r * 2 * o.ip + col_off + i0 + 16 * f.quad;
+  *reinterpret_cast<uint4*>(qrow) = pc.lo;
+  *reinterpret_cast<uint4*>(qrow + 64) = pc.hi;
+  bf16* const brow = o.dgu + (size_t)r * 2 * o.inter + bf_off + i0 + 8 * f.quad;
 #pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    *reinterpret_cast<uint16_t*>(qrow + 8 * j) = qr.q[j];
-    if (i0 + f.col0 + 8 * j < o.inter) {
-      const float2 w = fp8::e4m3x2_to_f32(qr.q[j]);  // exact; times the scale: one rounding to fp32
-      *reinterpret_cast<uint32_t*>(brow + 8 * j) = pack_bf16x2(w.x * qr.scale, w.y * qr.scale);
-    }
-  }
+  for (int g = 0; g < 4; ++g)
+    if (i0 + 32 * g < o.inter) *reinterpret_cast<uint4*>(brow + 32 * g) = make_uint4(w[g][0], w[g][1], w[g][2], w[g][3]);
   if (f.quad == 0) o.scale[(size_t)(o.hb + (col_off + i0) / fp8::kBlock) * o.ld + o.row_base + r] = qr.scale;
 }
 
@@ -259,7 +269,8 @@ __device__ __forceinline__ void store_quantized_half(const float (&v)[fp8g::kReg
 // live (64) next to dU (64), the other sub-tile's totals (64) and the quantiser's copy, ptxas
 // spilled 288 bytes at 232 registers; by halves the peak is ~32 lower.
 // gu is read 4 bytes per register pair (the bf16 backward quad-transposes to 16-byte loads; here
-// the quantiser needs the fragment layout, so the loads follow it; ~8 KB per task, L2 resident).
+// the quantiser needs the fragment layout, so the loads follow it; ~8 KB per task, L2 resident;
+// 16-byte loads transposed back spilled 32 bytes).
 __device__ __forceinline__ void da_subtile(float (&t)[fp8g::kRegs], const pipe::Frag& f, const DaOut& o, int i0,
                                           float tw0, float tw1, const SwiGLU& sw) {
 #pragma unroll

@@ -77,20 +77,21 @@ __device__ __forceinline__ void gate_up_subtile(const float (&t)[fp8g::kRegs], c
 }
 
 // aq = Q(a) of the 128-column I block i0 (act: its fragment; zeros past `inter`): e4m3 to aq (the
-// tile's row 0; row pitch inter) for tile rows r < rows, the row's scale to scale[(i0 / 128) * ld +
-// row_base + r].  Every lane of each quad takes part (the row's amax is a quad reduction).
+// tile's row 0; row pitch inter) for tile rows r < rows, 16-byte stores (pipe::e4m3_row_pieces), the
+// row's scale to scale[(i0 / 128) * ld + row_base + r].  Every lane of each quad takes part (the
+// row's amax is a quad reduction, then the quad transposes).
 __device__ __forceinline__ void store_act_quantized(const float (&act)[fp8g::kRegs], const pipe::Frag& f, int rows,
                                                    uint8_t* aq, float* scale, size_t ld, int row_base, int inter,
                                                    int i0) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const fp8::QuantizedFragRow qr = fp8::quantize_frag_row128(act, h);
+    const pipe::E4m3RowPieces pc = pipe::e4m3_row_pieces(qr.q);
     const int r = f.row0 + 8 * h;
     if (r >= rows) continue;
-    uint8_t* const row = aq + (size_t)r * inter + i0 + f.col0;
-#pragma unroll
-    for (int j = 0; j < 16; ++j)
-      if (i0 + f.col0 + 8 * j < inter) *reinterpret_cast<uint16_t*>(row + 8 * j) = qr.q[j];
+    uint8_t* const row = aq + (size_t)r * inter + i0 + 16 * f.quad;
+    *reinterpret_cast<uint4*>(row) = pc.lo;
+    if (i0 + 64 < inter) *reinterpret_cast<uint4*>(row + 64) = pc.hi;
     if (f.quad == 0) scale[(size_t)(i0 / fp8::kBlock) * ld + row_base + r] = qr.scale;
   }
 }
