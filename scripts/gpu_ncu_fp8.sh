@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One ncu capture of the FP8 forward megakernel at the deepseek-v3 EP = 8 slice (bench/NOTES.md,
+# One ncu capture of the FP8 forward megakernel at the deepseek-v3 EP = 8 slice (bench/NOTES-2026-12-02.md,
 # round 10, "Next"): is the FP8 tile engine bound by shared memory (SS-mode wgmma rereading A per
 # 128-column sub-tile, plus the TMA writes) rather than by the tensor pipe?  Compare
 #   "Shared Memory" throughput (MemoryWorkloadAnalysis_Tables) and the tensor pipe's active share
