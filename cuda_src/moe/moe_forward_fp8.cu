@@ -35,6 +35,8 @@ __device__ __forceinline__ void run_fp8_forward(const MoEFp8ForwardTmaParams& tp
   if (__syncthreads_or(threadIdx.x == 0 && error_set(p.err))) return;
   if (!check_capacity(num_blocks, p.dims, p.err)) return;
   pipe::init(s);
+  const pipe::Signals sig = pipe::Signals::of();
+  if (threadIdx.x == 0) sig.init();
   __syncthreads();
   const ForwardTasks tasks{p, plan.f, num_blocks};
   const TmaForwardFp8 k{tp.maps, q, plan, tasks, order, num_blocks};
@@ -46,11 +48,14 @@ __device__ __forceinline__ void run_fp8_forward(const MoEFp8ForwardTmaParams& tp
       for (int i = 0; i < static_cast<int>(sizeof(MoEFp8ForwardMaps) / sizeof(TensorMap)); ++i)
         if ((first[i].opaque[0] | first[i].opaque[1]) != 0) tma_prefetch_map(first + i);  // unused views: zeros
       pipe::producer_loop(k, s, p.cnt.task_next, plan.f.total, wc);
+    } else if (threadIdx.x == 32) {
+      sig.run();  // the workers' releases (pipeline/signaler.cuh)
     }
     return;
   }
   setmaxnreg_inc<kFp8WorkerRegs>();
   pipe::worker_loop(k, s, wc);
+  if (worker_tid() == 0) sig.post(nullptr, 0, MbarWaitCtx{p.err, p.dims.timeout_ns, p.dims.rank, pipe::kWhatSignalPost, false});  // stop
   if (ep::enabled(p.peers)) ep::end_of_launch(p.peers, p.cnt.ctas_done, p.err, p.dims.timeout_ns);
 }
 

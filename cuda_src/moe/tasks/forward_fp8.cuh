@@ -24,6 +24,7 @@
 //   F5 (wait for every destination; the bf16 body reads the slot rows).
 #pragma once
 #include "common/fp8.cuh"
+#include "moe/pipeline/signaler.cuh"
 #include "moe/pipeline/task_order.cuh"
 #include "moe/tasks/ep_fp8.cuh"
 #include "moe/tasks/forward_fp8_bodies.cuh"
@@ -262,7 +263,8 @@ struct TmaForwardFp8 {
     uint8_t* const aq = (shared ? q.qctx.saq : q.qctx.aq) + (size_t)row0 * o.inter;
     fp8f::store_act_quantized(act, f, o.rows, aq, shared ? q.qctx.saq_s : q.qctx.aq_s,
                               shared ? (size_t)q.plan8.token_ld : (size_t)d.max_rows, row0, o.inter, i0);
-    signal_counter((shared ? q.p.cnt.token_sact_ready : q.p.cnt.block_act_ready) + job.a);
+    // aq is the down GEMM's A (TMA): fenced against the async proxy.
+    pipe::signal_posted<true>(pipe::Signals::of(), (shared ? q.p.cnt.token_sact_ready : q.p.cnt.block_act_ready) + job.a, w);
     return true;
   }
 
@@ -286,7 +288,7 @@ struct TmaForwardFp8 {
       const int rows = min_int(kBlockM, d.tokens - row0);
       fp8g::store_f32(t0, f, y, d.hidden, rows, cols0);
       if (two) fp8g::store_f32(t1, f, y + fp8g::kBN, d.hidden, rows, cols1);
-      signal_counter(p.cnt.token_shared_done + job.a);
+      pipe::signal_posted<false>(pipe::Signals::of(), p.cnt.token_shared_done + job.a, w);  // the combine's ld.cg reads
     } else {
       // With EP straight into the source rank's slot rows (ep::return_row_ptr), as the bf16 down.
       const bool ep_on = ep::enabled(p.peers);
@@ -299,7 +301,7 @@ struct TmaForwardFp8 {
       if (ep_on) {
         ep::signal_counter_sys(p.cnt.down_done);
       } else {
-        signal_counter(p.cnt.down_done);
+        pipe::signal_posted<false>(pipe::Signals::of(), p.cnt.down_done, w);  // read by the combine's ld.cg only
       }
     }
     return true;

@@ -12,7 +12,8 @@ namespace mok {
 struct TraceRec {
   unsigned long long grab;   // %globaltimer ns
   unsigned long long ready;  // work starts: the workers took the task (its producer waited before)
-  unsigned long long end;    // counters signalled (0: the task did not finish: an error stopped it)
+  unsigned long long end;    // counters signalled, or their release posted to the signaler
+                             // (pipeline/signaler.cuh); 0: the task did not finish (an error stopped it)
   unsigned long long info;   // plan task << 32 | SM id
 };
 static_assert(sizeof(TraceRec) == 32, "mok_rt/kernels/trace.py reads 4 x u64 per record");
