@@ -55,7 +55,7 @@ __device__ __forceinline__ void run_fp8_forward(const MoEFp8ForwardTmaParams& tp
   }
   setmaxnreg_inc<kFp8WorkerRegs>();
   pipe::worker_loop(k, s, wc);
-  if (worker_tid() == 0) sig.post(nullptr, 0, MbarWaitCtx{p.err, p.dims.timeout_ns, p.dims.rank, pipe::kWhatSignalPost, false});  // stop
+  if (worker_tid() == 0) sig.stop(p.err, p.dims.timeout_ns, p.dims.rank);
   if (ep::enabled(p.peers)) ep::end_of_launch(p.peers, p.cnt.ctas_done, p.err, p.dims.timeout_ns);
 }
 

@@ -55,17 +55,24 @@ struct Signals {
   }
 
   // Worker 0 (after the worker barrier that follows the writes): hand counter += add to the
-  // signaler.  False when no entry came free in time (kErrTimeout recorded).
+  // signaler.  False when no entry came free in time (kErrTimeout recorded, what = kWhatSignalPost).
   __device__ __forceinline__ bool post(int* c, int a, const MbarWaitCtx& w) const {
     const int n = *head;
     const int i = n % kEntries;
     const uint32_t phase = static_cast<uint32_t>(n / kEntries) & 1u;
-    if (!mbar_wait(empty(i), phase ^ 1u, w)) return false;
+    MbarWaitCtx wp = w;
+    wp.what = kWhatSignalPost;
+    if (!mbar_wait(empty(i), phase ^ 1u, wp)) return false;
     counter[i] = c;
     add[i] = a;
     mbar_arrive(full(i));  // release.cta: the entry and what the workers wrote before their barrier
     *head = n + 1;
     return true;
+  }
+  // Worker 0, when the worker loop has returned: the stop entry.  Its wait does not watch the
+  // error word (the signaler must end either way).
+  __device__ __forceinline__ void stop(int* err, long long timeout_ns, int rank) const {
+    post(nullptr, 0, MbarWaitCtx{err, timeout_ns, rank, kWhatSignalPost, false});
   }
 
   // The signaler thread: releases until the stop entry (unbounded waits: see the top of the file).
@@ -90,11 +97,7 @@ template <bool kForTma>
 __device__ __forceinline__ void signal_posted(const Signals& sg, int* counter, const MbarWaitCtx& w, int add = 1) {
   if (kForTma) proxy_fence_for_tma();
   workers_sync();
-  if (worker_tid() == 0) {
-    MbarWaitCtx wp = w;
-    wp.what = kWhatSignalPost;
-    sg.post(counter, add, wp);
-  }
+  if (worker_tid() == 0) sg.post(counter, add, w);
 }
 
 }  // namespace pipe

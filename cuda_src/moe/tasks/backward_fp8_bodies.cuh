@@ -257,7 +257,8 @@ __device__ __forceinline__ void store_quantized_half(const float (&v)[fp8g::kReg
   bf16* const brow = o.dgu + (size_t)r * 2 * o.inter + bf_off + i0 + 8 * f.quad;
 #pragma unroll
   for (int g = 0; g < 4; ++g)
-    if (i0 + 32 * g < o.inter) *reinterpret_cast<uint4*>(brow + 32 * g) = make_uint4(w[g][0], w[g][1], w[g][2], w[g][3]);
+    if (i0 + 32 * g < o.inter)
+      *reinterpret_cast<uint4*>(brow + 32 * g) = make_uint4(w[g][0], w[g][1], w[g][2], w[g][3]);
   if (f.quad == 0) o.scale[(size_t)(o.hb + (col_off + i0) / fp8::kBlock) * o.ld + o.row_base + r] = qr.scale;
 }
 

@@ -264,7 +264,8 @@ struct TmaForwardFp8 {
     fp8f::store_act_quantized(act, f, o.rows, aq, shared ? q.qctx.saq_s : q.qctx.aq_s,
                               shared ? (size_t)q.plan8.token_ld : (size_t)d.max_rows, row0, o.inter, i0);
     // aq is the down GEMM's A (TMA): fenced against the async proxy.
-    pipe::signal_posted<true>(pipe::Signals::of(), (shared ? q.p.cnt.token_sact_ready : q.p.cnt.block_act_ready) + job.a, w);
+    int* const ready = (shared ? q.p.cnt.token_sact_ready : q.p.cnt.block_act_ready) + job.a;
+    pipe::signal_posted<true>(pipe::Signals::of(), ready, w);
     return true;
   }
 
