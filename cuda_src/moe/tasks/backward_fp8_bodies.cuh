@@ -270,8 +270,10 @@ __device__ __forceinline__ void store_quantized_half(const float (&v)[fp8g::kReg
 // live (64) next to dU (64), the other sub-tile's totals (64) and the quantiser's copy, ptxas
 // spilled 288 bytes at 232 registers; by halves the peak is ~32 lower.
 // gu is read 4 bytes per register pair (the bf16 backward quad-transposes to 16-byte loads; here
-// the quantiser needs the fragment layout, so the loads follow it; ~8 KB per task, L2 resident;
-// 16-byte loads transposed back spilled 32 bytes).
+// the quantiser needs the fragment layout, so the loads follow it; 16-byte loads transposed back
+// spilled 32 bytes): 128 KB per task, from HBM (the forward wrote it long before).  Each pair is
+// waited for at its use; issuing them in groups of 8 ahead of the arithmetic, with or without an
+// L2 prefetch, was measured not faster (bench/NOTES-FP8-2.md round 17).
 __device__ __forceinline__ void da_subtile(float (&t)[fp8g::kRegs], const pipe::Frag& f, const DaOut& o, int i0,
                                           float tw0, float tw1, const SwiGLU& sw) {
 #pragma unroll
