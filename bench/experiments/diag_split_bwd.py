@@ -27,14 +27,14 @@ for name, (H, I, E, k, T) in shapes.items():
         for t in tr:
             if "backward" not in t.kind: continue
             print(f"== {name} {t.kind} span {t.span_us:.1f} us")
+            # dA tasks while the dispatch still runs vs after it
+            last_disp = max((s.end_us for s in t.spans if s.phase == "dispatch"), default=0)
             for ph in ("routed_da", "routed_dx", "dispatch", "widen", "wgrad_down", "wgrad_gate_up"):
                 sp = [s for s in t.spans if s.phase == ph]
                 if not sp: continue
                 ml = statistics.median(s.grab_us - s.ready_us for s in sp)
                 ep = statistics.median(s.end_us - s.grab_us for s in sp)
                 tot = statistics.median(s.end_us - s.ready_us for s in sp)
-                # dA tasks while the dispatch still runs vs after it
-                last_disp = max((s.end_us for s in t.spans if s.phase == "dispatch"), default=0)
                 late = [s for s in sp if s.ready_us > last_disp]
                 lt = statistics.median(s.end_us - s.ready_us for s in late) if late else float("nan")
                 lm = statistics.median(s.grab_us - s.ready_us for s in late) if late else float("nan")

@@ -14,8 +14,9 @@ the previous task's busy interval (the producer runs ahead), so the Chrome trace
 separate row per SM.
 "end" is stamped by worker 0 after the task's body: for tasks that signal counters that is after
 a barrier of all workers (the FP8 forward's GEMM tasks hand the release itself to a signaler
-thread, so their counters move a little later); the weight-gradient tiles signal nothing, so their "end" is
-when worker 0's warpgroup finished its stores (the other warpgroup may still be storing).
+thread, so their counters move a little later); the weight-gradient tiles signal nothing, so
+their "end" is when worker 0's warpgroup finished its stores (the other warpgroup may still be
+storing).
 """
 from __future__ import annotations
 
