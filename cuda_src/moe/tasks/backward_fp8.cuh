@@ -17,7 +17,7 @@
 // Waits beyond the bf16 backward's: shared dA on token_dq_ready[tb] (P), the routed wgrads also on
 // expert_widen_ready[e] (W), the shared wgrads on prep_done (P).  Each waits only on earlier phases.
 // The dA tile is 128 x 256 as two 128-wide sub-tiles = two I blocks, so each sub-tile's dG and dU
-// rows are whole quantisation blocks, quantised from registers in the epilogue (fp8b::da_subtile).
+// rows are whole quantisation blocks, quantised from registers in the epilogue (fp8b::da_tile).
 // With expert parallelism (tasks/ep_fp8.cuh) the order is the bf16 EP backward's:
 //   Bp push          token block tb:  P's first half (dq, dq_bf of tb; token_dq_ready), the E4M3 rows,
 //                                     scales and routing weights to every route's destination, then
@@ -409,8 +409,7 @@ struct TmaBackwardFp8 {
     const pipe::Frag f = fp8b::frag_here();
     const float tw0 = route_weight(job, f.row0), tw1 = route_weight(job, f.row0 + 8);
     const int i0 = job.b * fp8g::kTileN;
-    fp8b::da_subtile(t0, f, da_out(job), i0, tw0, tw1, make_swiglu(d));
-    if (two) fp8b::da_subtile(t1, f, da_out(job), i0 + fp8g::kBN, tw0, tw1, make_swiglu(d));
+    fp8b::da_tile(t0, t1, two, f, da_out(job), i0, tw0, tw1, make_swiglu(d));
     if (shared)
       signal_counters(p.cnt.token_dsgu_ready + job.a, p.cnt.dsgu_done);
     else

@@ -9,7 +9,7 @@
 //   widen_rows      bf16(q * s) of the forward's quantised context: P's xq_bf, sact
 //                   (token_prep_widen) and W's x_routed, act (widen_block), the wgrads' B / A.
 //   d_weights       B1: d_topk_weights = <d_out, y_slot> (the bf16 body's arithmetic, see there).
-//   da_subtile      one 128-column I block of dA: da = tw * acc, dSwiGLU against the bf16 gu of
+//   da_tile         a dA task's epilogue, per 128-column I block: da = tw * acc, dSwiGLU against the bf16 gu of
 //                   the forward's context, dG and dU quantised per row (one 1 x 128 block each) into
 //                   dguq (the dX GEMM's A) and their dequantised values rounded to bf16 into dgu (the
 //                   wgrads' operand: never quantised twice).
@@ -227,15 +227,15 @@ struct DaOut {
   int hb;           // H / 128 (dA's K blocks, in front of dguq's in the scale array)
 };
 
-// Row half h's e4m3 + scale of a 1 x 128 I block held in a 64-register fragment (v; only the
-// row half's 32 registers are read), stored at I columns i0 + (this lane's columns) of dguq
+// Row half h's e4m3 + scale of a 1 x 128 I block held in register half 0 of a 64-register
+// fragment (v; da_tile moves each row half there), stored at I columns i0 + (this lane's columns) of dguq
 // (col_off: 0 for dG, ip for dU), and the dequantised values as bf16 into dgu at column offset
 // bf_off (0 or inter), columns < inter only.  The columns in [inter, ip) of dguq are written too: v
 // is zero there (B zero-filled past I), so q is zero, as the dX GEMM's A needs (NaN * 0 would
 // poison the sum; FP8_DESIGN "Ip").  Every lane calls it (the row's amax is a quad reduction).
 __device__ __forceinline__ void store_quantized_half(const float (&v)[fp8g::kRegs], int h, const pipe::Frag& f,
                                                      const DaOut& o, int i0, int col_off, int bf_off) {
-  const fp8::QuantizedFragRow qr = fp8::quantize_frag_row128(v, h);
+  const fp8::QuantizedFragRow qr = fp8::quantize_frag_row128(v, 0);
   // 16-byte stores: the e4m3 bytes through pipe::e4m3_row_pieces, the bf16 words of each group of
   // 4 chunks through a quad transpose (lane c: chunk 4g + c); the shuffles before the row check.
   const pipe::E4m3RowPieces pc = pipe::e4m3_row_pieces(qr.q);
@@ -262,46 +262,67 @@ __device__ __forceinline__ void store_quantized_half(const float (&v)[fp8g::kReg
   if (f.quad == 0) o.scale[(size_t)(o.hb + (col_off + i0) / fp8::kBlock) * o.ld + o.row_base + r] = qr.scale;
 }
 
-// The dA epilogue of one sub-tile (t: dA of I columns i0 .. i0 + 127, fragment layout: register
-// 4j + 2h + e is row f.row0 + 8h, column f.col0 + 8j + e).  tw: the row halves' routing weights
-// (1 for the shared expert, 0 for padding rows).  One row half at a time: its dG into dg (32 of
-// the 64 registers used), its dU over t (da is dead once dG and dU of a register are computed),
-// both quantised and stored before the next half.  Why by halves: with the whole sub-tile's dG
-// live (64) next to dU (64), the other sub-tile's totals (64) and the quantiser's copy, ptxas
-// spilled 288 bytes at 232 registers; by halves the peak is ~32 lower.
+// One row half of a dA sub-tile's epilogue (t: dA of I columns i0 .. i0 + 127 in register half
+// 0, i.e. register 4j + e is row f.row0 + 8h, column f.col0 + 8j + e).  tw: the row's routing
+// weight (1 for the shared expert, 0 for padding rows).  Its dG into dg, its dU over t (da is dead
+// once dG and dU of a register are computed), both quantised and stored.
 // gu is read 4 bytes per register pair (the bf16 backward quad-transposes to 16-byte loads; here
 // the quantiser needs the fragment layout, so the loads follow it; 16-byte loads transposed back
 // spilled 32 bytes): 128 KB per task, from HBM (the forward wrote it long before).  Each pair is
 // waited for at its use; issuing them in groups of 8 ahead of the arithmetic, with or without an
 // L2 prefetch, was measured not faster (bench/NOTES-FP8-2.md round 17).
-__device__ __forceinline__ void da_subtile(float (&t)[fp8g::kRegs], const pipe::Frag& f, const DaOut& o, int i0,
-                                          float tw0, float tw1, const SwiGLU& sw) {
+__device__ __forceinline__ void da_half(float (&t)[fp8g::kRegs], const pipe::Frag& f, const DaOut& o, int i0, int h,
+                                        float tw, const SwiGLU& sw) {
+  float dg[fp8g::kRegs];
+  const int r = f.row0 + 8 * h;
+  const bf16* const g_row = o.gu + (size_t)r * 2 * o.inter;
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float dg[fp8g::kRegs];
-    const int r = f.row0 + 8 * h;
-    const bf16* const g_row = o.gu + (size_t)r * 2 * o.inter;
-    const float tw = h ? tw1 : tw0;
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      const int c = i0 + f.col0 + 8 * j;
-      uint32_t gw = 0u, uw = 0u;  // past I or past the rows: g = u = 0 (and da = 0: dG = dU = 0)
-      if (r < o.rows && c < o.inter) {
-        gw = *reinterpret_cast<const uint32_t*>(g_row + c);
-        uw = *reinterpret_cast<const uint32_t*>(g_row + o.inter + c);
-      }
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int i = 4 * j + 2 * h + e;
-        const float g = fp8::bf16_bits_to_f32(e ? gw >> 16 : gw & 0xffffu);
-        const float u = fp8::bf16_bits_to_f32(e ? uw >> 16 : uw & 0xffffu);
-        float du;
-        sw.grad(g, u, tw * t[i], dg[i], du);
-        t[i] = du;
-      }
+  for (int j = 0; j < 16; ++j) {
+    const int c = i0 + f.col0 + 8 * j;
+    uint32_t gw = 0u, uw = 0u;  // past I or past the rows: g = u = 0 (and da = 0: dG = dU = 0)
+    if (r < o.rows && c < o.inter) {
+      gw = *reinterpret_cast<const uint32_t*>(g_row + c);
+      uw = *reinterpret_cast<const uint32_t*>(g_row + o.inter + c);
     }
-    store_quantized_half(dg, h, f, o, i0, 0, 0);
-    store_quantized_half(t, h, f, o, i0, o.ip, o.inter);
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int i = 4 * j + e;
+      const float g = fp8::bf16_bits_to_f32(e ? gw >> 16 : gw & 0xffffu);
+      const float u = fp8::bf16_bits_to_f32(e ? uw >> 16 : uw & 0xffffu);
+      float du;
+      sw.grad(g, u, tw * t[i], dg[i], du);
+      t[i] = du;
+    }
+  }
+  store_quantized_half(dg, h, f, o, i0, 0, 0);
+  store_quantized_half(t, h, f, o, i0, o.ip, o.inter);
+}
+
+// The dA epilogue of a task: sub-tile 0 (t0: I columns i0 ..) and, when `two`, sub-tile 1 (t1:
+// i0 + 128 ..), each by row halves.  One copy of the row half's code (da_half), run up to four
+// times, each run's registers moved into t0's half 0 before it: fully unrolled (four copies,
+// ~9,400 instructions, ~150 KB of code per task, against the forward gate|up epilogue's ~2,500)
+// the epilogue ran from the instruction cache's misses: 54-61 us a task, ~20 us a sub-tile
+// with its gu loads or its stores removed.  Rolled, a dA task takes 51 / 81 us at qwen3 / the
+// deepseek-v3 slice against 79 / 108 (bench/NOTES-FP8-3.md round 18).  Why by row halves:
+// with a whole sub-tile's dG live (64) next to its dU (64), the other sub-tile's totals (64) and
+// the quantiser's copy, ptxas spilled 288 bytes at 232 registers; by halves the peak is ~32 lower.
+__device__ __forceinline__ void da_tile(float (&t0)[fp8g::kRegs], float (&t1)[fp8g::kRegs], bool two,
+                                        const pipe::Frag& f, const DaOut& o, int i0, float tw0, float tw1,
+                                        const SwiGLU& sw) {
+  const int passes = two ? 4 : 2;
+#pragma unroll 1
+  for (int pass = 0; pass < passes; ++pass) {
+    const int h = pass & 1;
+    da_half(t0, f, o, i0 + (pass >> 1) * fp8g::kBN, h, h ? tw1 : tw0, sw);
+    if (h == 0) {  // row half 1 of the same sub-tile next
+#pragma unroll
+      for (int j = 0; j < 16; ++j) t0[4 * j] = t0[4 * j + 2], t0[4 * j + 1] = t0[4 * j + 3];
+    } else {  // sub-tile 1 next, its row half 0 in place (after the last pass a dead copy:
+              // guarding it spilled 88 B)
+#pragma unroll
+      for (int i = 0; i < fp8g::kRegs; ++i) t0[i] = t1[i];
+    }
   }
 }
 
