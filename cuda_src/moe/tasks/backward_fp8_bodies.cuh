@@ -265,37 +265,54 @@ __device__ __forceinline__ void store_quantized_half(const float (&v)[fp8g::kReg
 // One row half of a dA sub-tile's epilogue (t: dA of I columns i0 .. i0 + 127 in register half
 // 0, i.e. register 4j + e is row f.row0 + 8h, column f.col0 + 8j + e).  tw: the row's routing
 // weight (1 for the shared expert, 0 for padding rows).  Its dG into dg, its dU over t (da is dead
-// once dG and dU of a register are computed), both quantised and stored.
+// once dG and dU of a register are computed), both quantised and stored.  kClamp: the SwiGLU
+// clamp known on (1) or off (0), so that the body has no branch per element.
 // gu is read 4 bytes per register pair (the bf16 backward quad-transposes to 16-byte loads; here
 // the quantiser needs the fragment layout, so the loads follow it; 16-byte loads transposed back
-// spilled 32 bytes): 128 KB per task, from HBM (the forward wrote it long before).  Each pair is
-// waited for at its use; issuing them in groups of 8 ahead of the arithmetic, with or without an
-// L2 prefetch, was measured not faster (bench/NOTES-FP8-2.md round 17).
-__device__ __forceinline__ void da_half(float (&t)[fp8g::kRegs], const pipe::Frag& f, const DaOut& o, int i0, int h,
-                                        float tw, const SwiGLU& sw) {
+// spilled 32 bytes): 128 KB per task, from HBM (the forward wrote it long before).  The loads go
+// in groups of kJ pairs, each group issued before its arithmetic: with the clamp's branch in every
+// element, ptxas kept each pair next to its use, one HBM round trip each, 16 per row half
+// (bench/NOTES-FP8-3.md round 18: a dA task 51 -> 37 us at qwen3-30b-a3b).
+template <int kClamp>
+__device__ __forceinline__ void da_half_as(float (&t)[fp8g::kRegs], const pipe::Frag& f, const DaOut& o, int i0, int h,
+                                           float tw, const SwiGLU& sw) {
+  constexpr int kJ = 8;  // 16 spilled 8 bytes more, no faster
   float dg[fp8g::kRegs];
   const int r = f.row0 + 8 * h;
   const bf16* const g_row = o.gu + (size_t)r * 2 * o.inter;
+  const bool row_ok = r < o.rows;
 #pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    const int c = i0 + f.col0 + 8 * j;
-    uint32_t gw = 0u, uw = 0u;  // past I or past the rows: g = u = 0 (and da = 0: dG = dU = 0)
-    if (r < o.rows && c < o.inter) {
-      gw = *reinterpret_cast<const uint32_t*>(g_row + c);
-      uw = *reinterpret_cast<const uint32_t*>(g_row + o.inter + c);
+  for (int j0 = 0; j0 < 16; j0 += kJ) {
+    uint32_t gw[kJ], uw[kJ];  // past I or past the rows: g = u = 0 (and da = 0: dG = dU = 0)
+#pragma unroll
+    for (int jj = 0; jj < kJ; ++jj) {
+      const int c = i0 + f.col0 + 8 * (j0 + jj);
+      const bool ok = row_ok && c < o.inter;
+      gw[jj] = ok ? __ldg(reinterpret_cast<const unsigned int*>(g_row + c)) : 0u;
+      uw[jj] = ok ? __ldg(reinterpret_cast<const unsigned int*>(g_row + o.inter + c)) : 0u;
     }
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int i = 4 * j + e;
-      const float g = fp8::bf16_bits_to_f32(e ? gw >> 16 : gw & 0xffffu);
-      const float u = fp8::bf16_bits_to_f32(e ? uw >> 16 : uw & 0xffffu);
-      float du;
-      sw.grad(g, u, tw * t[i], dg[i], du);
-      t[i] = du;
+    for (int jj = 0; jj < kJ; ++jj) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int i = 4 * (j0 + jj) + e;
+        const float g = fp8::bf16_bits_to_f32(e ? gw[jj] >> 16 : gw[jj] & 0xffffu);
+        const float u = fp8::bf16_bits_to_f32(e ? uw[jj] >> 16 : uw[jj] & 0xffffu);
+        float du;
+        sw.grad<kClamp>(g, u, tw * t[i], dg[i], du);
+        t[i] = du;
+      }
     }
   }
   store_quantized_half(dg, h, f, o, i0, 0, 0);
   store_quantized_half(t, h, f, o, i0, o.ip, o.inter);
+}
+__device__ __forceinline__ void da_half(float (&t)[fp8g::kRegs], const pipe::Frag& f, const DaOut& o, int i0, int h,
+                                        float tw, const SwiGLU& sw) {
+  if (sw.limited)
+    da_half_as<1>(t, f, o, i0, h, tw, sw);
+  else
+    da_half_as<0>(t, f, o, i0, h, tw, sw);
 }
 
 // The dA epilogue of a task: sub-tile 0 (t0: I columns i0 ..) and, when `two`, sub-tile 1 (t1:

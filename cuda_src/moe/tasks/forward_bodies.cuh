@@ -38,10 +38,13 @@ struct SwiGLU {
     }
     return g * sigmoid(g) * u;
   }
-  // dg = da * u_c * silu'(g_c) * [g <= L],  du = da * silu(g_c) * [|u| <= L]
+  // dg = da * u_c * silu'(g_c) * [g <= L],  du = da * silu(g_c) * [|u| <= L].  kClamp: -1 the
+  // clamp as `limited` says (a branch per call), 1 / 0 known on / off: no branch, which lets ptxas
+  // move loads across the calls (the FP8 dA epilogue, da_half_as).
+  template <int kClamp = -1>
   __device__ __forceinline__ void grad(float g, float u, float da, float& dg, float& du) const {
     bool pass_g = true, pass_u = true;
-    if (limited) {
+    if (kClamp == 1 || (kClamp < 0 && limited)) {
       pass_g = g <= limit;
       pass_u = fabsf(u) <= limit;
       g = fminf(g, limit);
