@@ -28,12 +28,24 @@ __all__ = ["Fp8ForwardBuffers", "forward_plan", "forward_buffer_bytes", "map_spe
            "push_tasks", "fp8_peers", "check_push_tasks", "prepare"]
 
 _KERNELS = L._Kernels("moe_forward_fp8", "moe_forward_fp8", "", P.THREADS, P.SMEM_BYTES)
+# The same forward with the gate|up tiles' g, u stored through shared memory by TMA (cuda_src/moe/
+# pipeline/staged_tile.cuh): faster where the gate|up K (H) is long, slower where it is short (the
+# borrowed ring slot delays the next tile's last stage; bench/NOTES-FP8-3.md).  Same bits.
+_KERNELS_STAGED = L._Kernels("moe_forward_fp8", "moe_forward_fp8_staged", "", P.THREADS, P.SMEM_BYTES)
+STAGED_MIN_K_BLOCKS = 32   # H >= 31 * 128 + 1: deepseek-v3 (H = 7168, 56 K blocks) staged, qwen3 (2048, 16) not
+
+
+def staged(dims: L.LayerDims) -> bool:
+    """Whether the forward of ``dims`` runs the staged gate|up kernel (``moe_forward_fp8_staged``):
+    where the gate|up K has at least STAGED_MIN_K_BLOCKS blocks of 128 (read at each launch)."""
+    return -(-dims.hidden // _BOX) >= STAGED_MIN_K_BLOCKS
 
 
 def prepare(device_id: int) -> int:
-    """Load the FP8 forward on ``device_id`` and set its launch attributes now (before any expert-
-    parallel launch: see ``moe_launch.prepare``); returns how many of its CTAs fit on one SM."""
-    return L.prepare(device_id, _KERNELS)
+    """Load the FP8 forward's two kernels on ``device_id`` and set their launch attributes now
+    (before any expert-parallel launch: see ``moe_launch.prepare``); returns how many of their
+    CTAs fit on one SM."""
+    return min(L.prepare(device_id, _KERNELS), L.prepare(device_id, _KERNELS_STAGED))
 
 
 _TABLE = tuple(b for b in F.FP8_FORWARD_BUFFERS if b.role != "schedule")
@@ -98,8 +110,18 @@ def _b(address: int, n: int, k: int, box_rows: int, groups: int = 1) -> TensorMa
                          swizzle=Swizzle.B128, dtype="u8")
 
 
+def _staged_gu(address: int, rows: int, inter: int) -> TensorMapSpec | None:
+    """bf16 gu [rows, 2 I] (gate | up): dims {2 I, rows}, box {64, 128}, 128B-swizzled: the staged
+    gate|up tiles' TMA stores (cuda_src/moe/pipeline/staged_tile.cuh)."""
+    if not address or rows <= 0 or inter <= 0:
+        return None
+    return TensorMapSpec(address=address, dims=(2 * inter, rows), strides=(4 * inter,), box=(64, _BOX),
+                         swizzle=Swizzle.B128, dtype="bf16")
+
+
 def map_specs(bufs, dims: L.LayerDims) -> dict[str, TensorMapSpec | None]:
-    """The spec of every map of moe_forward_fp8 in the struct's field order (None: unused, zeros)."""
+    """The spec of every map of moe_forward_fp8 in the struct's field order (None: unused, zeros;
+    gu_st / sgu_st are read only by the staged kernel, :func:`staged`, and given to both)."""
     d, b = dims, bufs
     T, H, I, Is, R, E = (d.tokens, d.hidden, d.intermediate, d.shared_intermediate, d.capacity_rows,
                          d.local_experts)
@@ -119,6 +141,8 @@ def map_specs(bufs, dims: L.LayerDims) -> dict[str, TensorMapSpec | None]:
         "shared_gate_k": _b(b.shared_gate, Is, H, _BOX // 2) if Is else None,
         "shared_up_k": _b(b.shared_up, Is, H, _BOX // 2) if Is else None,
         "shared_down_k": _b(b.shared_down, H, Is, _BOX) if Is else None,
+        "gu_st": _staged_gu(b.gu, R, I),
+        "sgu_st": _staged_gu(b.sgu, T, Is) if Is else None,
     }
     assert tuple(specs) == F.FP8_FORWARD_MAP_NAMES
     return specs
@@ -186,7 +210,7 @@ def launch_forward_fp8(bufs, sched: L.ScheduleBuffers, dims: L.LayerDims, *, str
          driver.CUstream(stream_handle(stream)))
     if plan.total == 0:
         return
-    eng = _KERNELS
+    eng = _KERNELS_STAGED if staged(dims) else _KERNELS
     kernel = get_kernel(eng.cubin, eng.forward, device_id)
     launch(kernel, grid=L._grid(kernel, device_id, knobs, plan.total, eng), block=eng.threads, params=params,
            stream=stream, device_id=device_id, shared_mem=eng.smem_bytes)

@@ -111,7 +111,7 @@ class MoEFp8ForwardParams(ctypes.Structure):
 
 
 FP8_FORWARD_MAP_NAMES = ("xq_k", "xrq_k", "saq_k", "aq_k", "xq_s", "xrq_s", "saq_s", "aq_s", "gate_k", "up_k",
-                         "down_k", "shared_gate_k", "shared_up_k", "shared_down_k")
+                         "down_k", "shared_gate_k", "shared_up_k", "shared_down_k", "gu_st", "sgu_st")
 
 
 class MoEFp8ForwardMaps(ctypes.Structure):
@@ -119,7 +119,7 @@ class MoEFp8ForwardMaps(ctypes.Structure):
 
 
 class MoEFp8ForwardTmaParams(ctypes.Structure):
-    _fields_ = [("maps", MoEFp8ForwardMaps), ("p", MoEFp8ForwardParams)]   # 1792 + 1216: a multiple of 64
+    _fields_ = [("maps", MoEFp8ForwardMaps), ("p", MoEFp8ForwardParams)]   # 2048 + 1216: a multiple of 64
 
 
 LAYOUT = {
@@ -127,8 +127,8 @@ LAYOUT = {
     MoEFp8Context: (64, {"aq": 32}),
     MoEFp8Plan: (16, {}),
     MoEFp8ForwardParams: (1216, {"wq": 1032, "qctx": 1128, "token_xq_ready": 1192, "plan8": 1200}),
-    MoEFp8ForwardMaps: (14 * 128, {}),
-    MoEFp8ForwardTmaParams: (3008, {"p": 1792}),
+    MoEFp8ForwardMaps: (16 * 128, {}),
+    MoEFp8ForwardTmaParams: (3264, {"p": 2048}),
 }
 for _cls, (_size, _offsets) in LAYOUT.items():
     assert ctypes.sizeof(_cls) == _size, (_cls.__name__, ctypes.sizeof(_cls), _size)

@@ -145,8 +145,9 @@ __device__ __forceinline__ void release(const pipe::Shared& s, int slot) {
 // tile's sub-tile 1 reuses them), and with kTwo a compile-time constant sub-tile 1's MMAs share a
 // basic block with sub-tile 0's, so ptxas builds their descriptors under the first MMAs instead of
 // after the promotion (ptxas moves no code across blocks).  Registers decide the rest: at ~225
-// live, a value kept across a wait costs a spill elsewhere.
-template <bool kGateUp, bool kTwo, bool kIdle, class SB>
+// live, a value kept across a wait costs a spill elsewhere.  kHold: the last K block's slot is not
+// released (the staged gate|up tile borrows it: pipeline/staged_tile.cuh).
+template <bool kGateUp, bool kTwo, bool kIdle, bool kHold, class SB>
 __device__ __forceinline__ bool mainloop_copy(const pipe::Shared& s, wg::PipeState& ps, float (&t0)[kRegs],
                                               float (&t1)[kRegs], int k_blocks, int consumer, const MbarWaitCtx& w,
                                               SB sb) {
@@ -182,9 +183,9 @@ __device__ __forceinline__ bool mainloop_copy(const pipe::Shared& s, wg::PipeSta
         wgmma_wait<0>();
         wgmma_fence_operand(partial);
       }
-      release(s, ps.slot);  // before sub-tile 1's promotion, so the refill overlaps it
+      if (!kHold || kb > 1) release(s, ps.slot);  // before sub-tile 1's promotion, so the refill overlaps it
       if constexpr (kTwo) promote(t1, partial, p1);
-    } else {
+    } else if (!kHold || kb > 1) {
       release(s, ps.slot);
     }
     sb.advance();
@@ -199,14 +200,14 @@ __device__ __forceinline__ bool mainloop_copy(const pipe::Shared& s, wg::PipeSta
 // when no wait failed, for both warpgroups (one vote of the workers).  Three copies of the loop
 // (the idle one has no MMA; ~5 % more code in the forward cubin): `two` is the same for both
 // warpgroups of a task and false only at the end of N, so both run one copy, except where one is
-// idle.
-template <bool kGateUp, class SB = BScales>
+// idle.  kHold: see mainloop_copy.
+template <bool kGateUp, bool kHold = false, class SB = BScales>
 __device__ __forceinline__ bool mainloop(const pipe::Shared& s, wg::PipeState& ps, float (&t0)[kRegs],
                                          float (&t1)[kRegs], int k_blocks, int consumer, const MbarWaitCtx& w,
                                          bool idle, bool two, SB sb) {
-  if (idle) return mainloop_copy<kGateUp, false, true>(s, ps, t0, t1, k_blocks, consumer, w, sb);
-  if (two) return mainloop_copy<kGateUp, true, false>(s, ps, t0, t1, k_blocks, consumer, w, sb);
-  return mainloop_copy<kGateUp, false, false>(s, ps, t0, t1, k_blocks, consumer, w, sb);
+  if (idle) return mainloop_copy<kGateUp, false, true, kHold>(s, ps, t0, t1, k_blocks, consumer, w, sb);
+  if (two) return mainloop_copy<kGateUp, true, false, kHold>(s, ps, t0, t1, k_blocks, consumer, w, sb);
+  return mainloop_copy<kGateUp, false, false, kHold>(s, ps, t0, t1, k_blocks, consumer, w, sb);
 }
 
 // ---- epilogue helpers (64-register fragments: the accumulator layout of common/wgmma.cuh) ---------

@@ -51,6 +51,9 @@ struct Fp8Plans {
 
 __device__ __forceinline__ int k_blocks(int k) { return (k + fp8g::kBK - 1) / fp8g::kBK; }
 
+// kStaged: the gate|up tiles' g, u go through shared memory and the signaler's TMA stores
+// (pipeline/staged_tile.cuh; the kernel moe_forward_fp8_staged, chosen by the host where K is long).
+template <bool kStaged>
 struct TmaForwardFp8 {
   const MoEFp8ForwardMaps& maps;
   const MoEFp8ForwardParams& q;
@@ -234,6 +237,9 @@ struct TmaForwardFp8 {
   }
 
   // A gate|up task: both sub-tiles over one pass of K (t0, t1), then g, u, a and aq with its scales.
+  // Staged, g and u go to the boxes and the signaler stores them to gu; aq is stored here either
+  // way (the down GEMM's TMA reads it in this launch, and its release must not wait for gu's
+  // stores, which only the backward reads).
   __device__ bool gate_up(const pipe::Job& job, const pipe::Shared& s, wg::PipeState& ps, int consumer,
                           const MbarWaitCtx& w) const {
     const MoEDims& d = q.p.dims;
@@ -246,15 +252,26 @@ struct TmaForwardFp8 {
       float t0[fp8g::kRegs], t1[fp8g::kRegs];
 #pragma unroll
       for (int i = 0; i < fp8g::kRegs; ++i) t0[i] = 0.f, t1[i] = 0.f;
-      if (!fp8g::mainloop<true>(s, ps, t0, t1, kbs, consumer, w, idle, two, sb)) return false;
-      const GateUpOut o = gate_up_out(job);
+      if (!fp8g::mainloop<true, kStaged>(s, ps, t0, t1, kbs, consumer, w, idle, two, sb)) return false;
       const pipe::Frag f = pipe::Frag::of(consumer);
-      fp8f::gate_up_subtile<0>(t0, f, o.rows, o.gu, o.inter, job.b * 128, make_swiglu(d), act);
-      if (two) {
-        fp8f::gate_up_subtile<1>(t1, f, o.rows, o.gu, o.inter, job.b * 128 + 64, make_swiglu(d), act);
+      if constexpr (kStaged) {
+        if (!pipe::Signals::of().begin_staged(w)) return false;
+        const fp8f::GuStaged out{pipe::Staging::of(s, pipe::held_slot(ps))};
+        fp8f::gate_up_subtile<0>(t0, f, out, make_swiglu(d), act);
+        if (two) {
+          fp8f::gate_up_subtile<1>(t1, f, out, make_swiglu(d), act);
+        } else {
+          fp8f::zero_upper_half(act);
+        }
       } else {
-#pragma unroll
-        for (int i = fp8g::kRegs / 2; i < fp8g::kRegs; ++i) act[i] = 0.f;
+        // (The zeroing in the else branch, as here: after the if, ptxas spilled 228 B.)
+        const GateUpOut o = gate_up_out(job);
+        fp8f::gate_up_subtile<0>(t0, f, fp8f::GuRows{o.gu, o.rows, o.inter, job.b * 128}, make_swiglu(d), act);
+        if (two) {
+          fp8f::gate_up_subtile<1>(t1, f, fp8f::GuRows{o.gu, o.rows, o.inter, job.b * 128 + 64}, make_swiglu(d), act);
+        } else {
+          fp8f::zero_upper_half(act);
+        }
       }
     }
     const GateUpOut o = gate_up_out(job);
@@ -263,9 +280,22 @@ struct TmaForwardFp8 {
     uint8_t* const aq = (shared ? q.qctx.saq : q.qctx.aq) + (size_t)row0 * o.inter;
     fp8f::store_act_quantized(act, f, o.rows, aq, shared ? q.qctx.saq_s : q.qctx.aq_s,
                               shared ? (size_t)q.plan8.token_ld : (size_t)d.max_rows, row0, o.inter, i0);
-    // aq is the down GEMM's A (TMA): fenced against the async proxy.
     int* const ready = (shared ? q.p.cnt.token_sact_ready : q.p.cnt.block_act_ready) + job.a;
-    pipe::signal_posted<true>(pipe::Signals::of(), ready, w);
+    if constexpr (kStaged) {
+      const MoEFp8ForwardMaps& m = pipe::late(maps);
+      pipe::Post e;
+      e.counter = ready;
+      e.add = 1;
+      e.slot = pipe::held_slot(ps);
+      e.map = shared ? &m.sgu_st : &m.gu_st;
+      e.gate_col = i0;
+      e.up_col = o.inter + i0;
+      e.row = row0;
+      e.subtiles = job.d;
+      pipe::post_staged(pipe::Signals::of(), e, w);  // aq (TMA-read) is fenced with the boxes
+    } else {
+      pipe::signal_posted<true>(pipe::Signals::of(), ready, w);  // aq is the down GEMM's A (TMA): fenced against the async proxy
+    }
     return true;
   }
 

@@ -8,6 +8,7 @@
 #include "moe/params_fp8.cuh"
 #include "moe/pipeline/epilogue.cuh"
 #include "moe/pipeline/gemm_fp8.cuh"
+#include "moe/pipeline/staged_tile.cuh"
 #include "moe/tasks/forward_bodies.cuh"
 #include "moe/tasks/quantize_rows.cuh"
 
@@ -40,19 +41,43 @@ __device__ __forceinline__ void quantize_x(const MoEFp8ForwardParams& q, bool ro
   signal_counter(routed ? p.cnt.block_ready + b : q.token_xq_ready + b);
 }
 
+// Where a gate|up sub-tile's g and u go, one 16-byte chunk per lane and row (put<S>(f, r, q, g, u):
+// tile row r, group q, after the quad transposes).  GuRows: straight to gu (gate at column c, up at
+// inter + c) for tile rows r < rows; gu points at the tile's row 0, c0 is the sub-tile's first
+// intermediate column.  GuStaged: into staged boxes S (gate) and 2 + S (up), every tile row (the
+// TMA store drops the rows past the tensor; pipeline/staged_tile.cuh).
+struct GuRows {
+  bf16* gu;
+  int rows, inter, c0;
+  template <int S>
+  __device__ __forceinline__ void put(const pipe::Frag& f, int r, int q, const uint4& g, const uint4& u) const {
+    if (r >= rows) return;
+    bf16* const row = gu + (size_t)r * 2 * inter + c0 + f.chunk_col(q);
+    *reinterpret_cast<uint4*>(row) = g;
+    *reinterpret_cast<uint4*>(row + inter) = u;
+  }
+};
+struct GuStaged {
+  pipe::Staging st;
+  template <int S>
+  __device__ __forceinline__ void put(const pipe::Frag& f, int r, int q, const uint4& g, const uint4& u) const {
+    const int c = 4 * q + f.quad;  // the chunk this lane holds after the transposes
+    pipe::st_shared_v4(st.chunk(S, r, c), g);
+    pipe::st_shared_v4(st.chunk(2 + S, r, c), u);
+  }
+};
+
 // Sub-tile S of a gate|up task (registers: chunks j < 8 = gate columns, j >= 8 = up columns, both
-// for intermediate columns c0 + 8 (j mod 8) + 2 quad + {0, 1}): g and u to gu (bf16, rounded to
-// nearest even: the FP8 oracle's context is exactly bf16(g), bf16(u) and its dSwiGLU takes the clamp
-// masks from those, so unlike the bf16 forward the clamp side is not kept; gate at column c, up at
-// inter + c) for tile rows r < rows, and a = swiglu(g, u) from the fp32 totals into act[32 S ..],
-// the fragment layout of a 128-column I block (chunk 8 S + j).  gu points at the tile's row 0.
-template <int S>
-__device__ __forceinline__ void gate_up_subtile(const float (&t)[fp8g::kRegs], const pipe::Frag& f, int rows, bf16* gu,
-                                                int inter, int c0, const SwiGLU& sw, float (&act)[fp8g::kRegs]) {
+// for sub-tile columns 8 (j mod 8) + 2 quad + {0, 1}): g and u to `out` (bf16, rounded to nearest
+// even: the FP8 oracle's context is exactly bf16(g), bf16(u) and its dSwiGLU takes the clamp masks
+// from those, so unlike the bf16 forward the clamp side is not kept), and a = swiglu(g, u) from the
+// fp32 totals into act[32 S ..], the fragment layout of a 128-column I block (chunk 8 S + j).
+template <int S, class Out>
+__device__ __forceinline__ void gate_up_subtile(const float (&t)[fp8g::kRegs], const pipe::Frag& f, const Out out,
+                                                const SwiGLU& sw, float (&act)[fp8g::kRegs]) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = f.row0 + 8 * h;
-    bf16* const gu_row = gu + (size_t)r * 2 * inter;
 #pragma unroll
     for (int q = 0; q < 2; ++q) {
       uint32_t gw[4], uw[4];
@@ -68,12 +93,15 @@ __device__ __forceinline__ void gate_up_subtile(const float (&t)[fp8g::kRegs], c
       }
       pipe::quad_transpose(gw);
       pipe::quad_transpose(uw);
-      if (r >= rows) continue;
-      const int c = c0 + f.chunk_col(q);
-      *reinterpret_cast<uint4*>(gu_row + c) = make_uint4(gw[0], gw[1], gw[2], gw[3]);
-      *reinterpret_cast<uint4*>(gu_row + inter + c) = make_uint4(uw[0], uw[1], uw[2], uw[3]);
+      out.template put<S>(f, r, q, make_uint4(gw[0], gw[1], gw[2], gw[3]), make_uint4(uw[0], uw[1], uw[2], uw[3]));
     }
   }
+}
+
+// act of sub-tile 1 where the task has none (I ends inside the block): zeros, never the row's max.
+__device__ __forceinline__ void zero_upper_half(float (&act)[fp8g::kRegs]) {
+#pragma unroll
+  for (int i = fp8g::kRegs / 2; i < fp8g::kRegs; ++i) act[i] = 0.f;
 }
 
 // aq = Q(a) of the 128-column I block i0 (act: its fragment; zeros past `inter`): e4m3 to aq (the
