@@ -246,4 +246,5 @@ def test_prepare_loads_every_fp8_kernel(monkeypatch):
     assert M8.prepare(0) == 1 and MB.prepare(0) == 1
     fp8_quantize.prepare(0)
     assert sorted(loaded) == [("moe_backward_fp8", "moe_backward_fp8"), ("moe_forward_fp8", "moe_forward_fp8"),
+                              ("moe_forward_fp8_staged", "moe_forward_fp8_staged"),
                               ("quantize_weights", "fp8_quantize_weights")]

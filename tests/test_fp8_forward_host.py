@@ -91,6 +91,9 @@ def test_struct_layouts_match_the_header():
     assert F.MoEFp8ForwardParams.p.offset == 0 and F.MoEFp8ForwardParams.p.size == ctypes.sizeof(P.MoEForwardParams)
     assert ctypes.sizeof(F.MoEFp8ForwardTmaParams) <= 4096
     assert [n for n, _ in F.MoEFp8ForwardMaps._fields_] == list(F.FP8_FORWARD_MAP_NAMES)
+    assert [n for n, _ in F.MoEFp8StagedMaps._fields_] == list(F.FP8_STAGED_MAP_NAMES)
+    # The staged kernel's maps come after the direct kernel's parameters, which keep their offsets.
+    assert F.MoEFp8ForwardTmaParams.staged.offset == F.MoEFp8ForwardTmaParams.p.offset + ctypes.sizeof(F.MoEFp8ForwardParams)
 
 
 def test_quantizer_params_match_the_kernel():
@@ -172,6 +175,21 @@ def test_map_specs():
     assert s["aq_k"].box_bytes + 2 * s["down_k"].box_bytes + s["aq_s"].box_bytes == 49152 + 512
     n = M8.map_specs(_bufs(shared=False), _dims(Is=0))
     assert all(n[k] is None for k in ("xq_k", "saq_k", "xq_s", "saq_s", "shared_gate_k", "shared_up_k", "shared_down_k"))
+
+
+def test_staged_map_specs_and_choice(monkeypatch):
+    d = _dims()
+    st = M8.staged_map_specs(_bufs(), d)
+    assert tuple(st) == F.FP8_STAGED_MAP_NAMES
+    # gu [R, 2 I] bf16 in 64 x 128 boxes (128 B rows: one swizzle atom wide).
+    assert st["gu_st"].dims == (2 * 192, 1280) and st["gu_st"].strides == (4 * 192,) and st["gu_st"].box == (64, 128)
+    assert st["gu_st"].dtype == "bf16" and st["gu_st"].swizzle == Swizzle.B128
+    assert st["sgu_st"].dims == (2 * 320, 300)
+    assert M8.staged_map_specs(_bufs(shared=False), _dims(Is=0))["sgu_st"] is None
+    # The choice reads STAGED_MIN_K_BLOCKS at each call: H = 320 is 3 K blocks.
+    assert not M8.staged(d)
+    monkeypatch.setattr(M8, "STAGED_MIN_K_BLOCKS", 3)
+    assert M8.staged(d)
 
 
 def test_launch_params():

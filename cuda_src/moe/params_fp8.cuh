@@ -89,16 +89,23 @@ struct MoEFp8ForwardMaps {
   TensorMap shared_gate_k;  // wq.shared_gate [I_s, H]   B of F1, gate half
   TensorMap shared_up_k;    // wq.shared_up [I_s, H]     B of F1, up half
   TensorMap shared_down_k;  // wq.shared_down [H, I_s]   B of F3
-  TensorMap gu_st;    // gu [R, 2 I] bf16, box {64, 128}     F2's staged stores (moe_forward_fp8_staged only)
+};
+static_assert(sizeof(MoEFp8ForwardMaps) == 14 * 128, "MoEFp8ForwardMaps layout: update mok_rt/kernels/moe_fp8.py");
+
+// The staged gate|up tiles' store maps (moe_forward_fp8_staged only; pipeline/staged_tile.cuh).
+struct MoEFp8StagedMaps {
+  TensorMap gu_st;    // gu [R, 2 I] bf16, box {64, 128}     F2's staged stores
   TensorMap sgu_st;   // sgu [T, 2 I_s] bf16, box {64, 128}  F1's
 };
-static_assert(sizeof(MoEFp8ForwardMaps) == 16 * 128, "MoEFp8ForwardMaps layout: update mok_rt/kernels/moe_fp8.py");
 
+// The staged maps last, so that the direct kernel's parameters sit where they always did.
 struct MoEFp8ForwardTmaParams {
   MoEFp8ForwardMaps maps;
   MoEFp8ForwardParams p;
+  MoEFp8StagedMaps staged;
 };
-static_assert(sizeof(MoEFp8ForwardTmaParams) == 3264 && offsetof(MoEFp8ForwardTmaParams, p) == 2048,
+static_assert(sizeof(MoEFp8ForwardTmaParams) == 3264 && offsetof(MoEFp8ForwardTmaParams, p) == 1792 &&
+                  offsetof(MoEFp8ForwardTmaParams, staged) == 3008,
               "MoEFp8ForwardTmaParams layout: update mok_rt/kernels/moe_fp8.py");
 static_assert(sizeof(MoEFp8ForwardTmaParams) <= 4096, "the classic kernel parameter limit");
 

@@ -24,14 +24,14 @@ from mok_rt.runtime.driver import call, driver
 from mok_rt.runtime.launch import launch, stream_handle
 from mok_rt.runtime.tensormap import Swizzle, TensorMapSpec
 
-__all__ = ["Fp8ForwardBuffers", "forward_plan", "forward_buffer_bytes", "map_specs", "launch_forward_fp8",
-           "push_tasks", "fp8_peers", "check_push_tasks", "prepare"]
+__all__ = ["Fp8ForwardBuffers", "forward_plan", "forward_buffer_bytes", "map_specs", "staged_map_specs",
+           "launch_forward_fp8", "push_tasks", "fp8_peers", "check_push_tasks", "staged", "prepare"]
 
 _KERNELS = L._Kernels("moe_forward_fp8", "moe_forward_fp8", "", P.THREADS, P.SMEM_BYTES)
 # The same forward with the gate|up tiles' g, u stored through shared memory by TMA (cuda_src/moe/
 # pipeline/staged_tile.cuh): faster where the gate|up K (H) is long, slower where it is short (the
 # borrowed ring slot delays the next tile's last stage; bench/NOTES-FP8-3.md).  Same bits.
-_KERNELS_STAGED = L._Kernels("moe_forward_fp8", "moe_forward_fp8_staged", "", P.THREADS, P.SMEM_BYTES)
+_KERNELS_STAGED = L._Kernels("moe_forward_fp8_staged", "moe_forward_fp8_staged", "", P.THREADS, P.SMEM_BYTES)
 STAGED_MIN_K_BLOCKS = 32   # H >= 31 * 128 + 1: deepseek-v3 (H = 7168, 56 K blocks) staged, qwen3 (2048, 16) not
 
 
@@ -120,8 +120,7 @@ def _staged_gu(address: int, rows: int, inter: int) -> TensorMapSpec | None:
 
 
 def map_specs(bufs, dims: L.LayerDims) -> dict[str, TensorMapSpec | None]:
-    """The spec of every map of moe_forward_fp8 in the struct's field order (None: unused, zeros;
-    gu_st / sgu_st are read only by the staged kernel, :func:`staged`, and given to both)."""
+    """The spec of every map of moe_forward_fp8 in the struct's field order (None: unused, zeros)."""
     d, b = dims, bufs
     T, H, I, Is, R, E = (d.tokens, d.hidden, d.intermediate, d.shared_intermediate, d.capacity_rows,
                          d.local_experts)
@@ -141,10 +140,17 @@ def map_specs(bufs, dims: L.LayerDims) -> dict[str, TensorMapSpec | None]:
         "shared_gate_k": _b(b.shared_gate, Is, H, _BOX // 2) if Is else None,
         "shared_up_k": _b(b.shared_up, Is, H, _BOX // 2) if Is else None,
         "shared_down_k": _b(b.shared_down, H, Is, _BOX) if Is else None,
-        "gu_st": _staged_gu(b.gu, R, I),
-        "sgu_st": _staged_gu(b.sgu, T, Is) if Is else None,
     }
     assert tuple(specs) == F.FP8_FORWARD_MAP_NAMES
+    return specs
+
+
+def staged_map_specs(bufs, dims: L.LayerDims) -> dict[str, TensorMapSpec | None]:
+    """The maps only moe_forward_fp8_staged reads (:func:`staged`): its TMA stores of gu and sgu."""
+    d, b = dims, bufs
+    specs = {"gu_st": _staged_gu(b.gu, d.capacity_rows, d.intermediate),
+             "sgu_st": _staged_gu(b.sgu, d.tokens, d.shared_intermediate) if d.shared_intermediate else None}
+    assert tuple(specs) == F.FP8_STAGED_MAP_NAMES
     return specs
 
 
@@ -205,12 +211,15 @@ def launch_forward_fp8(bufs, sched: L.ScheduleBuffers, dims: L.LayerDims, *, str
     params = F.MoEFp8ForwardTmaParams()
     params.p = q
     _maps_cache.fill((dims, bufs), params.maps, lambda: map_specs(bufs, dims))
+    use_staged = staged(dims)
+    if use_staged:
+        _maps_cache.fill((dims, bufs, "staged"), params.staged, lambda: staged_map_specs(bufs, dims))
     # The dependency counters start every launch at zero (one memset on the stream).
     call("cuMemsetD32Async", driver.CUdeviceptr(bufs.counters), 0, plan.counter_words,
          driver.CUstream(stream_handle(stream)))
     if plan.total == 0:
         return
-    eng = _KERNELS_STAGED if staged(dims) else _KERNELS
+    eng = _KERNELS_STAGED if use_staged else _KERNELS
     kernel = get_kernel(eng.cubin, eng.forward, device_id)
     launch(kernel, grid=L._grid(kernel, device_id, knobs, plan.total, eng), block=eng.threads, params=params,
            stream=stream, device_id=device_id, shared_mem=eng.smem_bytes)

@@ -14,8 +14,9 @@ from mok_rt.kernels import moe_params as P
 from mok_rt.kernels.moe_params import Buffer
 from mok_rt.runtime.tensormap import TensorMapBytes
 
-__all__ = ["KBLOCK", "FP8_TILE_N", "FP8_FORWARD_BUFFERS", "FP8_FORWARD_MAP_NAMES", "token_ld", "token_order", "MoEFp8Weights",
-           "MoEFp8Context", "MoEFp8Plan", "MoEFp8ForwardParams", "MoEFp8ForwardMaps", "MoEFp8ForwardTmaParams"]
+__all__ = ["KBLOCK", "FP8_TILE_N", "FP8_FORWARD_BUFFERS", "FP8_FORWARD_MAP_NAMES", "FP8_STAGED_MAP_NAMES", "token_ld",
+           "token_order", "MoEFp8Weights", "MoEFp8Context", "MoEFp8Plan", "MoEFp8ForwardParams", "MoEFp8ForwardMaps",
+           "MoEFp8StagedMaps", "MoEFp8ForwardTmaParams"]
 
 KBLOCK = 128       # fp8_block scale block (1 x 128 activations, 128 x 128 weights) = one K stage
 FP8_TILE_N = 256   # FP8 GEMM tile width (128 x 256, two 128-wide sub-tiles per A stage): the down GEMMs' hidden tiles
@@ -111,15 +112,21 @@ class MoEFp8ForwardParams(ctypes.Structure):
 
 
 FP8_FORWARD_MAP_NAMES = ("xq_k", "xrq_k", "saq_k", "aq_k", "xq_s", "xrq_s", "saq_s", "aq_s", "gate_k", "up_k",
-                         "down_k", "shared_gate_k", "shared_up_k", "shared_down_k", "gu_st", "sgu_st")
+                         "down_k", "shared_gate_k", "shared_up_k", "shared_down_k")
+FP8_STAGED_MAP_NAMES = ("gu_st", "sgu_st")   # read only by moe_forward_fp8_staged
 
 
 class MoEFp8ForwardMaps(ctypes.Structure):
     _fields_ = [(n, TensorMapBytes) for n in FP8_FORWARD_MAP_NAMES]
 
 
+class MoEFp8StagedMaps(ctypes.Structure):
+    _fields_ = [(n, TensorMapBytes) for n in FP8_STAGED_MAP_NAMES]
+
+
 class MoEFp8ForwardTmaParams(ctypes.Structure):
-    _fields_ = [("maps", MoEFp8ForwardMaps), ("p", MoEFp8ForwardParams)]   # 2048 + 1216: a multiple of 64
+    # The staged kernel's maps last, so that the direct kernel's parameters keep their offsets.
+    _fields_ = [("maps", MoEFp8ForwardMaps), ("p", MoEFp8ForwardParams), ("staged", MoEFp8StagedMaps)]
 
 
 LAYOUT = {
@@ -127,8 +134,9 @@ LAYOUT = {
     MoEFp8Context: (64, {"aq": 32}),
     MoEFp8Plan: (16, {}),
     MoEFp8ForwardParams: (1216, {"wq": 1032, "qctx": 1128, "token_xq_ready": 1192, "plan8": 1200}),
-    MoEFp8ForwardMaps: (16 * 128, {}),
-    MoEFp8ForwardTmaParams: (3264, {"p": 2048}),
+    MoEFp8ForwardMaps: (14 * 128, {}),
+    MoEFp8StagedMaps: (2 * 128, {}),
+    MoEFp8ForwardTmaParams: (3264, {"p": 1792, "staged": 3008}),
 }
 for _cls, (_size, _offsets) in LAYOUT.items():
     assert ctypes.sizeof(_cls) == _size, (_cls.__name__, ctypes.sizeof(_cls), _size)

@@ -6,7 +6,7 @@
 // is warpgroup-collective): ~0.5 us of each FP8 tile (bench/NOTES-FP8-2.md round 15).
 //
 // Hand-off: the workers' writes -> (proxy fence if a TMA reads them: their global outputs, the
-// staged boxes) -> worker barrier -> worker 0 writes a Post into a free entry and arrives on its
+// staged boxes) -> worker barrier -> worker 0 writes an entry (with a staged tile, its stores) and arrives on its
 // `full` mbarrier (release.cta) -> the signaler's wait (acquire.cta) -> (the boxes' TMA stores) ->
 // red.release.gpu.  The release is cumulative over what the signaler's acquire saw, which includes
 // everything the workers wrote before their barrier: the same chain as worker 0's own release after
@@ -37,75 +37,70 @@ namespace pipe {
 constexpr int kWhatSignalPost = -5;   // MbarWaitCtx::what of a post that found no free entry
 constexpr int kWhatStagingFree = -6;  // ... of a staged tile whose static box was not freed in time
 
-// One entry: a release (counter += add) and, for a staged gate|up tile (slot >= 0), its stores.
-struct Post {
-  int* counter;            // nullptr: no release (with slot < 0: the stop entry)
-  int add;
-  int slot;                // the held ring slot of a staged tile, or -1
+// The stores of a staged gate|up tile, beside its entry's release.
+struct StagedStore {
+  int slot;                // the held ring slot, or -1: the entry is a plain release
   const TensorMap* map;    // gu / sgu as 2D {2 I, rows}, box {64, 128}
   int gate_col, up_col;    // the tile's first gate and up columns in gu
   int row;                 // its first row
   int subtiles;            // 1 or 2: boxes S and 2 + S for S < subtiles
 };
 
+// Entry i is {counter[i], add[i]} (counter nullptr: no release; with no stores, the stop entry)
+// and, in the staged kernel, stores[i] (slot -1 unless a staged tile posted it; the signaler sets
+// it back), so a plain post writes the same two words in both kernels.
 struct Signals {
   static constexpr int kEntries = 4;
-  Post* posts;       // [kEntries], shared
-  int* head;         // worker 0's next entry (shared: a register across the task bodies spills)
-  int* staged;       // staged tiles posted so far (shared; read by every worker after a barrier)
-  uint32_t bars;     // full[i] at +8 i, empty[i] at +8 (kEntries + i), then the staging's `free`
+  int** counter;          // [kEntries], shared
+  int* add;               // [kEntries], shared
+  StagedStore* stores;    // [kEntries], shared (read by the staged kernel only)
+  int* head;              // worker 0's next entry (shared: a register across the task bodies spills)
+  int* staged;            // staged tiles posted so far (shared; read by every worker after a barrier)
+  uint32_t bars;          // full[i] at +8 i, empty[i] at +8 (kEntries + i), then the staging's `free`
   __device__ __forceinline__ uint32_t full(int i) const { return bars + 8u * i; }
   __device__ __forceinline__ uint32_t empty(int i) const { return bars + 8u * (kEntries + i); }
   __device__ __forceinline__ uint32_t staging_free() const { return bars + 8u * (2 * kEntries); }
 
   // The CTA's entries (static shared memory).
   __device__ __forceinline__ static Signals of() {
-    __shared__ Post s_posts[kEntries];
+    __shared__ int* s_counter[kEntries];
+    __shared__ int s_add[kEntries];
+    __shared__ StagedStore s_stores[kEntries];
     __shared__ int s_head, s_staged;
     __shared__ __align__(8) unsigned long long s_bars[2 * kEntries + 1];
-    return Signals{s_posts, &s_head, &s_staged, smem_u32(s_bars)};
+    return Signals{s_counter, s_add, s_stores, &s_head, &s_staged, smem_u32(s_bars)};
   }
-  // Thread 0, before the CTA's first __syncthreads after it.
+  // Thread 0, before the CTA's first __syncthreads after it (kStaged: the staged kernel's parts).
+  template <bool kStaged>
   __device__ __forceinline__ void init() const {
     for (int i = 0; i < kEntries; ++i) {
       mbar_init(full(i), 1);
       mbar_init(empty(i), 1);
+      if (kStaged) stores[i].slot = -1;
     }
-    mbar_init(staging_free(), 1);
+    if (kStaged) {
+      mbar_init(staging_free(), 1);
+      *staged = 0;
+    }
     *head = 0;
-    *staged = 0;
   }
 
   // Worker 0 (after the worker barrier that follows the writes): hand counter += add to the
-  // signaler.  False when no entry came free in time (kErrTimeout recorded, what = kWhatSignalPost).
-  __device__ __forceinline__ bool post(int* c, int a, const MbarWaitCtx& w) const {
-    const int i = claim(w);
-    if (i < 0) return false;
-    posts[i].counter = c;
-    posts[i].add = a;
-    posts[i].slot = -1;
-    commit(i);
-    return true;
-  }
-  // The same for a staged tile's Post (every field).
-  __device__ __forceinline__ bool post_all(const Post& e, const MbarWaitCtx& w) const {
-    const int i = claim(w);
-    if (i < 0) return false;
-    posts[i] = e;
-    commit(i);
-    return true;
-  }
-  // The next entry once it is free, or -1 (kErrTimeout recorded).
-  __device__ __forceinline__ int claim(const MbarWaitCtx& w) const {
+  // signaler, with a staged tile's stores when `st` is given.  False when no entry came free in
+  // time (kErrTimeout recorded, what = kWhatSignalPost).
+  __device__ __forceinline__ bool post(int* c, int a, const MbarWaitCtx& w, const StagedStore* st = nullptr) const {
     const int n = *head;
+    const int i = n % kEntries;
     const uint32_t phase = static_cast<uint32_t>(n / kEntries) & 1u;
     MbarWaitCtx wp = w;
     wp.what = kWhatSignalPost;
-    return mbar_wait(empty(n % kEntries), phase ^ 1u, wp) ? n % kEntries : -1;
-  }
-  __device__ __forceinline__ void commit(int i) const {
+    if (!mbar_wait(empty(i), phase ^ 1u, wp)) return false;
+    counter[i] = c;
+    add[i] = a;
+    if (st != nullptr) stores[i] = *st;
     mbar_arrive(full(i));  // release.cta: the entry and what the workers wrote before their barrier
-    *head += 1;
+    *head = n + 1;
+    return true;
   }
   // Worker 0, when the worker loop has returned: the stop entry.  Its wait does not watch the
   // error word (the signaler must end either way).
@@ -125,33 +120,32 @@ struct Signals {
   }
 
   // The signaler thread: posts until the stop entry (unbounded waits: see the top of the file).
-  // kStaged: the CTA runs staged gate|up tiles (the one kernel that does reads the other fields).
+  // kStaged: the CTA runs staged gate|up tiles (only that kernel reads `stores`).
   template <bool kStaged>
   __device__ __forceinline__ void run(const Shared& s) const {
     for (int n = 0;; ++n) {
       const int i = n % kEntries;
       while (!mbar_try_wait(full(i), static_cast<uint32_t>(n / kEntries) & 1u)) {
       }
-      int* const c = posts[i].counter;
-      const int a = posts[i].add;
-      const int slot = kStaged ? posts[i].slot : -1;
-      if (slot < 0) {
-        mbar_arrive(empty(i));
+      int* const c = counter[i];
+      const int a = add[i];
+      const StagedStore st = kStaged ? stores[i] : StagedStore{-1, nullptr, 0, 0, 0, 0};
+      if (kStaged && st.slot >= 0) stores[i].slot = -1;  // before the entry is handed back
+      mbar_arrive(empty(i));
+      if (st.slot < 0) {
         if (c == nullptr) break;
         red_release_gpu(c, a);
         continue;
       }
-      const Post e = posts[i];
-      mbar_arrive(empty(i));
-      const Staging st = Staging::of(s, slot);
-      for (int sub = 0; sub < e.subtiles; ++sub) {
-        tma_store_2d(e.map, st.box(sub), e.gate_col + 64 * sub, e.row);
-        tma_store_2d(e.map, st.box(2 + sub), e.up_col + 64 * sub, e.row);
+      const Staging box = Staging::of(s, st.slot);
+      for (int sub = 0; sub < st.subtiles; ++sub) {
+        tma_store_2d(st.map, box.box(sub), st.gate_col + 64 * sub, st.row);
+        tma_store_2d(st.map, box.box(2 + sub), st.up_col + 64 * sub, st.row);
       }
       tma_store_commit();
       if (c != nullptr) red_release_gpu(c, a);
       tma_store_wait_read<0>();
-      mbar_arrive_count(s.ring.empty(slot), wg::kEmptyArrivals);  // the consumer warps' arrivals
+      mbar_arrive_count(s.ring.empty(st.slot), wg::kEmptyArrivals);  // the consumer warps' arrivals
       mbar_arrive(staging_free());
     }
     if (kStaged) tma_store_wait<0>();  // the stores are complete before the CTA ends
@@ -170,11 +164,12 @@ __device__ __forceinline__ void signal_posted(const Signals& sg, int* counter, c
 
 // The end of a staged gate|up tile: the boxes are written (and the task's other outputs, which a
 // TMA reads in this launch); worker 0 posts the stores and the release.
-__device__ __forceinline__ void post_staged(const Signals& sg, const Post& e, const MbarWaitCtx& w) {
+__device__ __forceinline__ void post_staged(const Signals& sg, int* counter, const StagedStore& st,
+                                            const MbarWaitCtx& w) {
   fence_proxy_async();  // the boxes (read by TMA stores) and the global outputs (read by TMA loads)
   workers_sync();
   if (worker_tid() == 0) {
-    sg.post_all(e, w);
+    sg.post(counter, 1, w, &st);
     *sg.staged += 1;
   }
 }

@@ -56,6 +56,7 @@ __device__ __forceinline__ int k_blocks(int k) { return (k + fp8g::kBK - 1) / fp
 template <bool kStaged>
 struct TmaForwardFp8 {
   const MoEFp8ForwardMaps& maps;
+  const MoEFp8StagedMaps& staged_maps;  // read by the staged kernel only
   const MoEFp8ForwardParams& q;
   const Fp8Plans& plan;
   const ForwardTasks& tasks;  // the combine body
@@ -253,22 +254,24 @@ struct TmaForwardFp8 {
 #pragma unroll
       for (int i = 0; i < fp8g::kRegs; ++i) t0[i] = 0.f, t1[i] = 0.f;
       if (!fp8g::mainloop<true, kStaged>(s, ps, t0, t1, kbs, consumer, w, idle, two, sb)) return false;
-      const pipe::Frag f = pipe::Frag::of(consumer);
       if constexpr (kStaged) {
         if (!pipe::Signals::of().begin_staged(w)) return false;
-        const fp8f::GuStaged out{pipe::Staging::of(s, pipe::held_slot(ps))};
-        fp8f::gate_up_subtile<0>(t0, f, out, make_swiglu(d), act);
+        const pipe::Frag f = pipe::Frag::of(consumer);
+        const pipe::Staging st = pipe::Staging::of(s, pipe::held_slot(ps));
+        fp8f::gate_up_subtile_staged<0>(t0, f, st, make_swiglu(d), act);
         if (two) {
-          fp8f::gate_up_subtile<1>(t1, f, out, make_swiglu(d), act);
+          fp8f::gate_up_subtile_staged<1>(t1, f, st, make_swiglu(d), act);
         } else {
           fp8f::zero_upper_half(act);
         }
       } else {
-        // (The zeroing in the else branch, as here: after the if, ptxas spilled 228 B.)
+        // (The statements in this order: the zeroing after the if, or the fragment before
+        // gate_up_out, cost ptxas spills or extra instructions here.)
         const GateUpOut o = gate_up_out(job);
-        fp8f::gate_up_subtile<0>(t0, f, fp8f::GuRows{o.gu, o.rows, o.inter, job.b * 128}, make_swiglu(d), act);
+        const pipe::Frag f = pipe::Frag::of(consumer);
+        fp8f::gate_up_subtile<0>(t0, f, o.rows, o.gu, o.inter, job.b * 128, make_swiglu(d), act);
         if (two) {
-          fp8f::gate_up_subtile<1>(t1, f, fp8f::GuRows{o.gu, o.rows, o.inter, job.b * 128 + 64}, make_swiglu(d), act);
+          fp8f::gate_up_subtile<1>(t1, f, o.rows, o.gu, o.inter, job.b * 128 + 64, make_swiglu(d), act);
         } else {
           fp8f::zero_upper_half(act);
         }
@@ -282,17 +285,9 @@ struct TmaForwardFp8 {
                               shared ? (size_t)q.plan8.token_ld : (size_t)d.max_rows, row0, o.inter, i0);
     int* const ready = (shared ? q.p.cnt.token_sact_ready : q.p.cnt.block_act_ready) + job.a;
     if constexpr (kStaged) {
-      const MoEFp8ForwardMaps& m = pipe::late(maps);
-      pipe::Post e;
-      e.counter = ready;
-      e.add = 1;
-      e.slot = pipe::held_slot(ps);
-      e.map = shared ? &m.sgu_st : &m.gu_st;
-      e.gate_col = i0;
-      e.up_col = o.inter + i0;
-      e.row = row0;
-      e.subtiles = job.d;
-      pipe::post_staged(pipe::Signals::of(), e, w);  // aq (TMA-read) is fenced with the boxes
+      const MoEFp8StagedMaps& m = pipe::late(staged_maps);
+      const pipe::StagedStore st{pipe::held_slot(ps), shared ? &m.sgu_st : &m.gu_st, i0, o.inter + i0, row0, job.d};
+      pipe::post_staged(pipe::Signals::of(), ready, st, w);  // aq (TMA-read) is fenced with the boxes
     } else {
       pipe::signal_posted<true>(pipe::Signals::of(), ready, w);  // aq is the down GEMM's A (TMA): fenced against the async proxy
     }

@@ -41,59 +41,69 @@ __device__ __forceinline__ void quantize_x(const MoEFp8ForwardParams& q, bool ro
   signal_counter(routed ? p.cnt.block_ready + b : q.token_xq_ready + b);
 }
 
-// Where a gate|up sub-tile's g and u go, one 16-byte chunk per lane and row (put<S>(f, r, q, g, u):
-// tile row r, group q, after the quad transposes).  GuRows: straight to gu (gate at column c, up at
-// inter + c) for tile rows r < rows; gu points at the tile's row 0, c0 is the sub-tile's first
-// intermediate column.  GuStaged: into staged boxes S (gate) and 2 + S (up), every tile row (the
-// TMA store drops the rows past the tensor; pipeline/staged_tile.cuh).
-struct GuRows {
-  bf16* gu;
-  int rows, inter, c0;
-  template <int S>
-  __device__ __forceinline__ void put(const pipe::Frag& f, int r, int q, const uint4& g, const uint4& u) const {
-    if (r >= rows) return;
-    bf16* const row = gu + (size_t)r * 2 * inter + c0 + f.chunk_col(q);
-    *reinterpret_cast<uint4*>(row) = g;
-    *reinterpret_cast<uint4*>(row + inter) = u;
+// Group q (chunks 4q .. 4q + 3) of row half h of gate|up sub-tile S (registers: chunks j < 8 =
+// gate columns, j >= 8 = up columns): g and u as bf16 (rounded to nearest even: the FP8 oracle's
+// context is exactly bf16(g), bf16(u) and its dSwiGLU takes the clamp masks from those, so unlike
+// the bf16 forward the clamp side is not kept), quad-transposed (this lane: chunk 4q + quad), and
+// a = swiglu(g, u) from the fp32 totals into act[32 S ..], the fragment layout of a 128-column I
+// block (chunk 8 S + j).
+template <int S>
+__device__ __forceinline__ void gate_up_group(const float (&t)[fp8g::kRegs], int h, int q, const SwiGLU& sw,
+                                              float (&act)[fp8g::kRegs], uint4& g, uint4& u) {
+  uint32_t gw[4], uw[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int j = 4 * q + k;
+    const float g0 = t[4 * j + 2 * h], g1 = t[4 * j + 2 * h + 1];
+    const float u0 = t[4 * (j + 8) + 2 * h], u1 = t[4 * (j + 8) + 2 * h + 1];
+    act[32 * S + 4 * j + 2 * h] = sw.act(g0, u0);
+    act[32 * S + 4 * j + 2 * h + 1] = sw.act(g1, u1);
+    gw[k] = pack_bf16x2(g0, g1);
+    uw[k] = pack_bf16x2(u0, u1);
   }
-};
-struct GuStaged {
-  pipe::Staging st;
-  template <int S>
-  __device__ __forceinline__ void put(const pipe::Frag& f, int r, int q, const uint4& g, const uint4& u) const {
-    const int c = 4 * q + f.quad;  // the chunk this lane holds after the transposes
-    pipe::st_shared_v4(st.chunk(S, r, c), g);
-    pipe::st_shared_v4(st.chunk(2 + S, r, c), u);
-  }
-};
+  pipe::quad_transpose(gw);
+  pipe::quad_transpose(uw);
+  g = make_uint4(gw[0], gw[1], gw[2], gw[3]);
+  u = make_uint4(uw[0], uw[1], uw[2], uw[3]);
+}
 
-// Sub-tile S of a gate|up task (registers: chunks j < 8 = gate columns, j >= 8 = up columns, both
-// for sub-tile columns 8 (j mod 8) + 2 quad + {0, 1}): g and u to `out` (bf16, rounded to nearest
-// even: the FP8 oracle's context is exactly bf16(g), bf16(u) and its dSwiGLU takes the clamp masks
-// from those, so unlike the bf16 forward the clamp side is not kept), and a = swiglu(g, u) from the
-// fp32 totals into act[32 S ..], the fragment layout of a 128-column I block (chunk 8 S + j).
-template <int S, class Out>
-__device__ __forceinline__ void gate_up_subtile(const float (&t)[fp8g::kRegs], const pipe::Frag& f, const Out out,
-                                                const SwiGLU& sw, float (&act)[fp8g::kRegs]) {
+// Sub-tile S of a gate|up task, g and u straight to gu (gate at column c, up at inter + c, for
+// intermediate columns c from c0) for tile rows r < rows; gu points at the tile's row 0.
+template <int S>
+__device__ __forceinline__ void gate_up_subtile(const float (&t)[fp8g::kRegs], const pipe::Frag& f, int rows, bf16* gu,
+                                                int inter, int c0, const SwiGLU& sw, float (&act)[fp8g::kRegs]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = f.row0 + 8 * h;
+    bf16* const gu_row = gu + (size_t)r * 2 * inter;
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      uint4 g, u;
+      gate_up_group<S>(t, h, q, sw, act, g, u);
+      if (r >= rows) continue;
+      const int c = c0 + f.chunk_col(q);
+      *reinterpret_cast<uint4*>(gu_row + c) = g;
+      *reinterpret_cast<uint4*>(gu_row + inter + c) = u;
+    }
+  }
+}
+
+// The same into staged boxes S (gate) and 2 + S (up), every tile row (the TMA store drops the rows
+// past the tensor; pipeline/staged_tile.cuh).
+template <int S>
+__device__ __forceinline__ void gate_up_subtile_staged(const float (&t)[fp8g::kRegs], const pipe::Frag& f,
+                                                       const pipe::Staging& st, const SwiGLU& sw,
+                                                       float (&act)[fp8g::kRegs]) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = f.row0 + 8 * h;
 #pragma unroll
     for (int q = 0; q < 2; ++q) {
-      uint32_t gw[4], uw[4];
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const int j = 4 * q + k;
-        const float g0 = t[4 * j + 2 * h], g1 = t[4 * j + 2 * h + 1];
-        const float u0 = t[4 * (j + 8) + 2 * h], u1 = t[4 * (j + 8) + 2 * h + 1];
-        act[32 * S + 4 * j + 2 * h] = sw.act(g0, u0);
-        act[32 * S + 4 * j + 2 * h + 1] = sw.act(g1, u1);
-        gw[k] = pack_bf16x2(g0, g1);
-        uw[k] = pack_bf16x2(u0, u1);
-      }
-      pipe::quad_transpose(gw);
-      pipe::quad_transpose(uw);
-      out.template put<S>(f, r, q, make_uint4(gw[0], gw[1], gw[2], gw[3]), make_uint4(uw[0], uw[1], uw[2], uw[3]));
+      uint4 g, u;
+      gate_up_group<S>(t, h, q, sw, act, g, u);
+      const int c = 4 * q + f.quad;  // the chunk this lane holds after the transposes
+      pipe::st_shared_v4(st.chunk(S, r, c), g);
+      pipe::st_shared_v4(st.chunk(2 + S, r, c), u);
     }
   }
 }
