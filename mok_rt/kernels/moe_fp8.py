@@ -30,7 +30,8 @@ __all__ = ["Fp8ForwardBuffers", "forward_plan", "forward_buffer_bytes", "map_spe
 _KERNELS = L._Kernels("moe_forward_fp8", "moe_forward_fp8", "", P.THREADS, P.SMEM_BYTES)
 # The same forward with the gate|up tiles' g, u stored through shared memory by TMA (cuda_src/moe/
 # pipeline/staged_tile.cuh): faster where the gate|up K (H) is long, slower where it is short (the
-# borrowed ring slot delays the next tile's last stage; bench/NOTES-FP8-3.md).  Same bits.
+# borrowed ring slot delays the next tile's last stage; bench/NOTES-FP8-2.md round 16, NOTES-FP8-3.md).
+# Same bits.
 _KERNELS_STAGED = L._Kernels("moe_forward_fp8_staged", "moe_forward_fp8_staged", "", P.THREADS, P.SMEM_BYTES)
 STAGED_MIN_K_BLOCKS = 32   # H >= 31 * 128 + 1: deepseek-v3 (H = 7168, 56 K blocks) staged, qwen3 (2048, 16) not
 
