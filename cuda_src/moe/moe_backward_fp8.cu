@@ -18,7 +18,7 @@ constexpr int kFp8ProducerRegs = 40;
 constexpr int kFp8WorkerRegs = 232;
 static_assert(128 * kFp8ProducerRegs + kThreads * kFp8WorkerRegs <= 384 * 168, "the CTA's register pool");
 
-// The start and role split of moe_forward_fp8.cu's run_fp8_forward (kept in step by hand), with EP
+// The start and role split of forward_fp8_kernel.cuh's run_fp8_forward (kept in step by hand), with EP
 // its end-of-launch group barrier.
 __device__ __forceinline__ void run_fp8_backward(const MoEFp8BackwardTmaParams& tp, unsigned char* smem) {
   const MoEFp8BackwardParams& q = tp.p;
