@@ -6,18 +6,12 @@
 // about one CTA per SM; parameters: MoEFp8ForwardTmaParams (moe/params_fp8.cuh).
 #pragma once
 #define MOK_ZERO_FILL_ROUTES 1  // moe/tasks/row_copy.cuh: keeps the combine's route registers from spilling here
+#include "moe/fp8_roles.cuh"
 #include "moe/tasks/forward_fp8.cuh"
 
 using namespace mok;
 
 namespace {
-
-// Register split: the GEMM tasks hold 64 partial + 2 x 64 total accumulators (128 x 256 tiles as two
-// sub-tiles, pipeline/gemm_fp8.cuh), ~225 live registers at the peak; 40 / 232 (the probe's split)
-// uses the same pool (384 x 168) as the bf16 kernels' 56 / 224.
-constexpr int kFp8ProducerRegs = 40;
-constexpr int kFp8WorkerRegs = 232;
-static_assert(128 * kFp8ProducerRegs + kThreads * kFp8WorkerRegs <= 384 * 168, "the CTA's register pool");
 
 // The same start and role split as moe_layer.cu's run_megakernel (kept in step by hand: that file
 // is not touched, so the bf16 cubin cannot change), with EP its end-of-launch group barrier.
@@ -46,10 +40,8 @@ __device__ __forceinline__ void run_fp8_forward(const MoEFp8ForwardTmaParams& tp
   if (threadIdx.x < 128) {
     setmaxnreg_dec<kFp8ProducerRegs>();
     if (threadIdx.x == 0) {
-      const TensorMap* first = reinterpret_cast<const TensorMap*>(&tp.maps);
-      for (int i = 0; i < static_cast<int>(sizeof(MoEFp8ForwardMaps) / sizeof(TensorMap)); ++i)
-        if ((first[i].opaque[0] | first[i].opaque[1]) != 0) tma_prefetch_map(first + i);  // unused views: zeros
-      if (kStaged)
+      prefetch_maps(tp.maps);
+      if (kStaged)  // its two maps by hand: prefetch_maps here let ptxas reorder the kernel's setup
         for (const TensorMap* m : {&tp.staged.gu_st, &tp.staged.sgu_st})
           if ((m->opaque[0] | m->opaque[1]) != 0) tma_prefetch_map(m);
       pipe::producer_loop(k, s, p.cnt.task_next, plan.f.total, wc);

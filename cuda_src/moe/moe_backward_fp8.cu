@@ -6,17 +6,12 @@
 // Launch: 384 threads (pipe::kCtaThreads), pipe::kSmemBytes of dynamic shared memory, about one
 // CTA per SM; parameters: MoEFp8BackwardTmaParams (moe/params_fp8_bwd.cuh).
 #define MOK_ZERO_FILL_ROUTES 1  // moe/tasks/row_copy.cuh: keeps the combine's route registers from spilling here
+#include "moe/fp8_roles.cuh"
 #include "moe/tasks/backward_fp8.cuh"
 
 using namespace mok;
 
 namespace {
-
-// The FP8 forward's register split (moe_forward_fp8.cu): the dA tasks hold 64 partial + 2 x 64
-// total accumulators, and the epilogue 64 more for dG while the other sub-tile's totals wait.
-constexpr int kFp8ProducerRegs = 40;
-constexpr int kFp8WorkerRegs = 232;
-static_assert(128 * kFp8ProducerRegs + kThreads * kFp8WorkerRegs <= 384 * 168, "the CTA's register pool");
 
 // The start and role split of forward_fp8_kernel.cuh's run_fp8_forward (kept in step by hand), with EP
 // its end-of-launch group barrier.
@@ -42,9 +37,7 @@ __device__ __forceinline__ void run_fp8_backward(const MoEFp8BackwardTmaParams& 
   if (threadIdx.x < 128) {
     setmaxnreg_dec<kFp8ProducerRegs>();
     if (threadIdx.x == 0) {
-      const TensorMap* first = reinterpret_cast<const TensorMap*>(&tp.maps);
-      for (int i = 0; i < static_cast<int>(sizeof(MoEFp8BackwardMaps) / sizeof(TensorMap)); ++i)
-        if ((first[i].opaque[0] | first[i].opaque[1]) != 0) tma_prefetch_map(first + i);  // unused views: zeros
+      prefetch_maps(tp.maps);
       pipe::producer_loop(k, s, p.cnt.task_next, plan.b.total, wc);
     }
     return;
