@@ -29,7 +29,14 @@ struct SwiGLU {
   // IEEE expf and division cost ~30 instructions each, and the epilogues apply this to 64 (forward)
   // or 128 (backward) values per thread fully unrolled, so their code outgrew the instruction
   // cache (ncu: dA epilogues stalled on instruction fetch).  Deterministic like any instruction.
-  __device__ __forceinline__ static float sigmoid(float x) { return __fdividef(1.f, 1.f + __expf(-x)); }
+  // ex2 with .ftz: __expf's ex2 keeps denormal results, which costs a range test and two
+  // predicated multiplies per call; a denormal e changes nothing here (1 + e rounds to 1 either
+  // way), so the results are __expf's, bit for bit.  The product is __expf's (x times log2(e)).
+  __device__ __forceinline__ static float sigmoid(float x) {
+    float e;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(x * -1.44269504088896341f));
+    return __fdividef(1.f, 1.f + e);
+  }
 
   __device__ __forceinline__ float act(float g, float u) const {
     if (limited) {
