@@ -164,9 +164,9 @@ __device__ __forceinline__ float ld_nc_f32_or_zero(const float* p, bool pred) {
 // widened to bf16(q * s) into out (same row index, [*, cols]), and rows [row0 + rows, row0 + zero_to)
 // of out written as zeros (nothing read for them).  The wgrads' bf16 operands from the forward's
 // quantised context (x_routed, act, xq_bf, sact): the values the FP8 GEMMs saw, rounded to bf16
-// once.  16 bytes of E4M3 per thread and step, kBatch steps in flight (cols: a multiple of 64):
-// a task is bound by the round trips to HBM, and 16 (64 KB a CTA) instead of 8 costs no spills
-// (32 spilled 1.4 KB).
+// once.  16 bytes of E4M3 per thread and step, kBatch steps in flight (cols: a multiple of 64).
+// 16 (64 KB a CTA; 32 spilled 1.4 KB) measured no faster than 8: the phase runs on every SM at
+// once and is bound by HBM there (~2.8 TB/s of 3.35 on an H100; bench/NOTES-FP8-3.md round 20).
 __device__ __forceinline__ void widen_rows(const uint8_t* q, const float* s, size_t s_ld, bf16* out, int cols, int row0,
                                            int rows, int zero_to) {
   constexpr int kBatch = 16;
