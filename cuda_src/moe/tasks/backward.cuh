@@ -10,6 +10,7 @@
 //             dy_routed, act, dgu and x_routed (dispatch writes zeros, and zeros stay zero).
 #pragma once
 #include "moe/tasks/backward_bodies.cuh"
+#include "moe/pipeline/spread.cuh"
 #include "moe/pipeline/staged_rows.cuh"
 #include "moe/tasks/forward.cuh"
 
@@ -86,13 +87,19 @@ struct TmaBackward {
   __device__ WaitCtx wait_ctx() const { return ep::local_wait_ctx(p); }
   __device__ WaitCtx peer_wait_ctx() const { return ep::peer_wait_ctx(p); }
   __device__ bool ep_on() const { return ep::enabled(p.peers); }
-  __device__ int plan_task(int grabbed) const { return order.map(grabbed); }
+  // One GPU: the combine spread through the first half of the wgrad tiles (it waits on dX; as the
+  // last phase its 256 long tasks left SMs idle ~0.4 ms at the end): pipeline/spread.cuh.  With
+  // EP plan order (the combine waits on the peers' returns).
+  __device__ int plan_task(int grabbed) const {
+    if (plan.push_notify.count > 0) return order.map(grabbed);
+    return order.map(pipe::Spread::early(plan.wgrad_down.begin, plan.combine.begin, plan.combine.count).map(grabbed));
+  }
   __device__ unsigned long long* trace() const { return p.trace; }
   __device__ static int k_tiles_of(int k) { return ceil_div(k, wg::kBK); }
 
   // ---- producer -----------------------------------------------------------------------------------
   __device__ int prepare(int grabbed, pipe::Job& job, pipe::LoadSrc& a, pipe::LoadSrc& b) const {
-    const int task = order.map(grabbed);
+    const int task = plan_task(grabbed);
     const MoEBackwardMaps& m = pipe::late(maps);
     const MoEDims& d = p.dims;
     const WaitCtx w = wait_ctx();

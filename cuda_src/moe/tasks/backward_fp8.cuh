@@ -26,6 +26,7 @@
 //   routed region -> dyq, rs, dy_routed), B3 (tw from the region), B4, B5 (bf16 rows return to the
 //   source's slot rows = dx_slot), B5' notify, W, B6-B8, B9 (wait for every destination).
 #pragma once
+#include "moe/pipeline/spread.cuh"
 #include "moe/pipeline/task_order.cuh"
 #include "moe/tasks/backward_fp8_bodies.cuh"
 #include "moe/tasks/ep_fp8.cuh"
@@ -114,7 +115,19 @@ struct TmaBackwardFp8 {
                                   p.sched, p.dims.local_experts, num_blocks);
   }
 
-  __device__ int plan_task(int grabbed) const { return order.map(grabbed); }
+  // One GPU: widen spread through the dX tiles, a widen task after every h_tiles of them (it
+  // reads only the forward's context and waits on nothing; after the dX phase its 544 tasks kept
+  // every SM on HBM-bound copies for ~0.9 ms at the slice), and the combine through the first half
+  // of the wgrad tiles (it waits on dX; as the last phase it left SMs idle ~0.4 ms at the end):
+  // pipeline/spread.cuh.  With EP plan order: dx_notify lies between dX and widen, and the
+  // combine waits on the peers' returns.
+  __device__ int plan_task(int grabbed) const {
+    const MoEBackwardPlan& f = plan.b;
+    if (f.push_notify.count > 0) return order.map(grabbed);
+    const pipe::Spread widen = pipe::Spread::of(f.routed_dx.begin, plan.x.widen.begin, plan.x.widen.count, f.h_tiles);
+    const pipe::Spread combine = pipe::Spread::early(f.wgrad_down.begin, f.combine.begin, f.combine.count);
+    return order.map(widen.map(combine.map(grabbed)));
+  }
   __device__ unsigned long long* trace() const { return q.p.trace; }
   // The wait contexts.  The ratio of ep::local_timeout_ns is kept the other way round: with EP the
   // host passes dims.timeout_ns = kLocalTimeoutFactor x the peer deadline (kernels/moe_fp8_bwd.py),
@@ -138,7 +151,7 @@ struct TmaBackwardFp8 {
 
   // ---- producer -----------------------------------------------------------------------------------
   __device__ int prepare(int grabbed, pipe::Job& job, pipe::LoadSrc&, pipe::LoadSrc&) const {
-    const int task = order.map(grabbed);
+    const int task = plan_task(grabbed);
     const MoEBackwardParams& p = q.p;
     const MoEBackwardPlan& f = plan.b;
     const MoEDims& d = p.dims;
