@@ -5,7 +5,6 @@
 // Launch: 384 threads (pipe::kCtaThreads), pipe::kSmemBytes of dynamic shared memory, a grid of
 // about one CTA per SM; parameters: MoEFp8ForwardTmaParams (moe/params_fp8.cuh).
 #pragma once
-#define MOK_ZERO_FILL_ROUTES 1  // moe/tasks/row_copy.cuh: keeps the combine's route registers from spilling here
 #include "moe/fp8_roles.cuh"
 #include "moe/tasks/forward_fp8.cuh"
 

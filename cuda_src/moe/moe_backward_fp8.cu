@@ -5,7 +5,6 @@
 // Every phase is built; CudaBackend.backward launches it for fp8_block (backends/cuda_fp8.py).
 // Launch: 384 threads (pipe::kCtaThreads), pipe::kSmemBytes of dynamic shared memory, about one
 // CTA per SM; parameters: MoEFp8BackwardTmaParams (moe/params_fp8_bwd.cuh).
-#define MOK_ZERO_FILL_ROUTES 1  // moe/tasks/row_copy.cuh: keeps the combine's route registers from spilling here
 #include "moe/fp8_roles.cuh"
 #include "moe/tasks/backward_fp8.cuh"
 

@@ -183,39 +183,65 @@ struct ForwardTasks {
     const bf16* y_src = ep ? ep::slot_rows(p.peers, p.peers.rank) : p.ctx.y_slot;
     const int part_rows = kBlockM / plan.combine_parts;
     const int t0 = q * part_rows, rows = min_int(part_rows, d.tokens - t0), chunks = d.hidden / 8;
-    for (int idx = worker_tid(); idx < rows * chunks; idx += kThreads) {
-      const int r = idx / chunks, c = (idx - r * chunks) * 8;
-      const size_t t = (size_t)(t0 + r);
-      float acc[8];
-      if (shared) {
-        const float4 lo = ld_cg_f4(p.shared_y + t * d.hidden + c), hi = ld_cg_f4(p.shared_y + t * d.hidden + c + 4);
-        acc[0] = lo.x; acc[1] = lo.y; acc[2] = lo.z; acc[3] = lo.w;
-        acc[4] = hi.x; acc[5] = hi.y; acc[6] = hi.z; acc[7] = hi.w;
-      } else {
+    const int n = rows * chunks;
+    // Two chunks a thread at a time (kPair), their routes' loads issued together: 2 x kCopyBatch
+    // 16-byte loads in flight, where one chunk's batch left the phase at ~18 GB/s per SM, short of
+    // its share of HBM.  The second of a pair past the end repeats the first (loaded, not stored).
+    constexpr int kPair = 2;
+    for (int idx = worker_tid(); idx < n; idx += kPair * kThreads) {
+      size_t t[kPair];
+      int c[kPair];
+      bool valid[kPair];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) acc[i] = 0.f;
+      for (int h = 0; h < kPair; ++h) {
+        valid[h] = idx + h * kThreads < n;
+        const int i = valid[h] ? idx + h * kThreads : idx, r = i / chunks;
+        t[h] = (size_t)(t0 + r);
+        c[h] = (i - r * chunks) * 8;
+      }
+      float acc[kPair][8];
+#pragma unroll
+      for (int h = 0; h < kPair; ++h) {
+        if (shared) {
+          const float* sy = p.shared_y + t[h] * d.hidden + c[h];
+          const float4 lo = ld_cg_f4(sy), hi = ld_cg_f4(sy + 4);
+          acc[h][0] = lo.x; acc[h][1] = lo.y; acc[h][2] = lo.z; acc[h][3] = lo.w;
+          acc[h][4] = hi.x; acc[h][5] = hi.y; acc[h][6] = hi.z; acc[h][7] = hi.w;
+        } else {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[h][i] = 0.f;
+        }
       }
       // The token's routes kCopyBatch at a time, loaded together (row_copy.cuh); summed in order j.
       for (int j0 = 0; j0 < d.top_k; j0 += kCopyBatch) {
-        float wv[kCopyBatch];  // plain loads, issued before the volatile route loads below
+        float wv[kPair][kCopyBatch];  // plain loads, issued before the volatile route loads below
+        uint4 yv[kPair][kCopyBatch];
+        int m = 0;
 #pragma unroll
-        for (int u = 0; u < kCopyBatch; ++u)
-          wv[u] = write_out && j0 + u < d.top_k ? p.topk_weights[t * d.top_k + j0 + u] : 0.f;
-        uint4 yv[kCopyBatch];
-        const int n = load_routes(yv, j0, d.top_k, [&](int j) { return y_src + (t * d.top_k + j) * d.hidden + c; });
+        for (int h = 0; h < kPair; ++h) {
 #pragma unroll
-        for (int u = 0; u < kCopyBatch; ++u) {
-          if (u >= n) break;
-          const size_t slot = t * d.top_k + j0 + u;
-          if (ep) *reinterpret_cast<uint4*>(p.ctx.y_slot + slot * d.hidden + c) = yv[u];
-          if (!write_out) continue;
-          float y[8];
-          unpack_bf16x8(yv[u], y);
+          for (int u = 0; u < kCopyBatch; ++u)
+            wv[h][u] = write_out && j0 + u < d.top_k ? p.topk_weights[t[h] * d.top_k + j0 + u] : 0.f;
+          m = load_routes(yv[h], j0, d.top_k, [&](int j) { return y_src + (t[h] * d.top_k + j) * d.hidden + c[h]; });
+        }
 #pragma unroll
-          for (int i = 0; i < 8; ++i) acc[i] = fmaf(wv[u], y[i], acc[i]);
+        for (int h = 0; h < kPair; ++h) {
+#pragma unroll
+          for (int u = 0; u < kCopyBatch; ++u) {
+            if (u >= m) break;
+            const size_t slot = t[h] * d.top_k + j0 + u;
+            if (ep && valid[h]) *reinterpret_cast<uint4*>(p.ctx.y_slot + slot * d.hidden + c[h]) = yv[h][u];
+            if (!write_out) continue;
+            float y[8];
+            unpack_bf16x8(yv[h][u], y);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[h][i] = fmaf(wv[h][u], y[i], acc[h][i]);
+          }
         }
       }
-      if (write_out) *reinterpret_cast<uint4*>(p.out + t * d.hidden + c) = pack_bf16x8(acc);
+#pragma unroll
+      for (int h = 0; h < kPair; ++h)
+        if (write_out && valid[h]) *reinterpret_cast<uint4*>(p.out + t[h] * d.hidden + c[h]) = pack_bf16x8(acc[h]);
     }
   }
 };

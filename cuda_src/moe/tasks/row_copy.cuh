@@ -13,15 +13,10 @@ namespace mok {
 
 constexpr int kCopyBatch = 8;  // 16-byte loads in flight per thread (32 registers)
 
-// MOK_ZERO_FILL_ROUTES: the FP8 kernels define it as 1 before including this file; then every
-// batch register below is written on every path (zeros where nothing is loaded).  Why: a register
-// only written under a predicate keeps its old value otherwise, so ptxas kept the whole batch (32
-// registers) live around the callers' task loop, through every other task's body, and the FP8
-// GEMM mainloops spilled for it.  The bf16 kernels keep the predicated form (their cubin stays the
-// one measured; they do not spill).
-#ifndef MOK_ZERO_FILL_ROUTES
-#define MOK_ZERO_FILL_ROUTES 0
-#endif
+// Every batch register below is written on every path (zeros where nothing is loaded).  Why: a
+// register only written under a predicate keeps its old value otherwise, so ptxas kept the whole
+// batch (32 registers) live around the callers' task loop, through every other task's body: the
+// FP8 GEMM mainloops spilled for it, and the bf16 forward with the combine's two chunks a thread.
 
 // For every chunk index i < n of this CTA's workers, in batches: v = load(i) for the whole batch
 // first, then store(i, v) for each.  load/store are called only for i < n.
@@ -33,10 +28,7 @@ __device__ __forceinline__ void batched_chunks(long long n, Load load, Store sto
 #pragma unroll
     for (int u = 0; u < kCopyBatch; ++u) {
       const long long i = base + static_cast<long long>(u) * kThreads;
-      if (MOK_ZERO_FILL_ROUTES)
-        v[u] = i < n ? load(i) : make_uint4(0u, 0u, 0u, 0u);
-      else if (i < n)
-        v[u] = load(i);
+      v[u] = i < n ? load(i) : make_uint4(0u, 0u, 0u, 0u);
     }
 #pragma unroll
     for (int u = 0; u < kCopyBatch; ++u) {
@@ -48,16 +40,13 @@ __device__ __forceinline__ void batched_chunks(long long n, Load load, Store sto
 
 // Up to kCopyBatch routes' 16-byte chunks of one token, loaded together: v[u] = chunk of route
 // j0 + u for u < min(kCopyBatch, top_k - j0).  `row(j)` is the element offset of route j's chunk.
-// With MOK_ZERO_FILL_ROUTES (above) the other chunks are zeros.
+// The other chunks are zeros.
 template <class RowPtr>
 __device__ __forceinline__ int load_routes(uint4 (&v)[kCopyBatch], int j0, int top_k, RowPtr ptr) {
   const int n = min_int(kCopyBatch, top_k - j0);
 #pragma unroll
   for (int u = 0; u < kCopyBatch; ++u) {
-    if (MOK_ZERO_FILL_ROUTES)
-      v[u] = u < n ? ld_cg_v4(ptr(j0 + u)) : make_uint4(0u, 0u, 0u, 0u);
-    else if (u < n)
-      v[u] = ld_cg_v4(ptr(j0 + u));
+    v[u] = u < n ? ld_cg_v4(ptr(j0 + u)) : make_uint4(0u, 0u, 0u, 0u);
   }
   return n;
 }
