@@ -5,7 +5,7 @@ mok_rt/reference/fp8.py backward_fp8 lists its quantisation points).
 * the backward's dispatch quantisation of d_out (``dyq``, routed rows; ``dq``, token order with a
   shared expert): bitwise, values and scales (the quantiser of the forward's xq);
 * the dSwiGLU epilogue's ``dguq`` / ``dsguq`` dequantised within 2e-2 of the oracle's Q(dG), Q(dU)
-  (the kernel applies tw to the fp32 dA instead of to dq: E4M3 ties may flip, FP8_DESIGN "Semantics
+  (the kernel applies tw to the fp32 dA instead of to dq: E4M3 ties may flip, FP8_BACKWARD "Semantics
   notes"), zero in the padding columns [I, Ip);
 * d_topk_weights and the down weight gradients within relative Frobenius 5e-3 of the oracle; dx and
   the gate / up weight gradients within 5e-3 of the oracle's last GEMMs fed with the kernel's own

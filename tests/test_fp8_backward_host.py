@@ -1,5 +1,5 @@
-"""Groundwork of the "fp8_block" backward on the CUDA backend, without a GPU (docs/FP8_DESIGN.md,
-"Step 3"; the launch itself: tests/test_fp8_backward_null_driver.py): the parameter structs against
+"""Groundwork of the "fp8_block" backward on the CUDA backend, without a GPU (docs/FP8_BACKWARD.md; the
+launch itself: tests/test_fp8_backward_null_driver.py): the parameter structs against
 cuda_src/moe/params_fp8_bwd.cuh (static_asserts, and the header compiled when nvcc is here) and
 against the built kernel's parameter, the FP8 backward plan, and the buffer table's shapes."""
 from __future__ import annotations

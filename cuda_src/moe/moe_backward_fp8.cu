@@ -1,4 +1,4 @@
-// The "fp8_block" backward megakernel (docs/FP8_DESIGN.md "Step 3"): one persistent launch per
+// The "fp8_block" backward megakernel (docs/FP8_BACKWARD.md): one persistent launch per
 // backward on one GPU or one rank of an EP group, on the bf16 kernels' pipeline (roles, ring, Job queue, task order) with the
 // FP8 task set of tasks/backward_fp8.cuh.  A cubin of its own, so the bf16 kernels (moe_layer.cu)
 // and the FP8 forward (moe_forward_fp8.cu) are built exactly as before.

@@ -1,4 +1,4 @@
-// Parameter struct of the "fp8_block" backward megakernel (docs/FP8_DESIGN.md, "Step 3"): the bf16
+// Parameter struct of the "fp8_block" backward megakernel (docs/FP8_BACKWARD.md): the bf16
 // backward's MoEBackwardParams, unchanged, followed by what FP8 adds.  Mirrored by
 // mok_rt/kernels/moe_params_fp8_bwd.py (sizes and offsets asserted on both sides with the same
 // numbers).  Read by moe_backward_fp8 (filled by mok_rt/kernels/moe_fp8_bwd.py).

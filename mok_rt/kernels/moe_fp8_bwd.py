@@ -4,7 +4,7 @@ one rank of an expert-parallel group (``peers``).
 The contract of :func:`mok_rt.kernels.moe_launch.prepare_backward` (the caller owns every buffer;
 nothing here synchronises or reads a routing-dependent count), with the FP8 backward's buffer table
 (:data:`FP8_BACKWARD_TABLE`, from kernels/moe_params_fp8_bwd.py), its plan (``backward_plan(...,
-precision="fp8_block")``) and its 17 tensor maps (:func:`map_specs`, docs/FP8_DESIGN.md "Step 3",
+precision="fp8_block")``) and its 17 tensor maps (:func:`map_specs`, docs/FP8_BACKWARD.md,
 "Parameters").
 
 What the launch reads: the FP8 forward's context (bf16 ``gu``, ``y_slot``, ``sgu``; the E4M3

@@ -1,7 +1,7 @@
 """ctypes mirrors of the "fp8_block" backward megakernel's parameter struct
-(cuda_src/moe/params_fp8_bwd.cuh) and the table of the buffers only it adds (docs/FP8_DESIGN.md,
-"Step 3"), filled by kernels/moe_fp8_bwd.py (sizes and offsets asserted here and
-``static_assert``-ed in the header with the same numbers).
+(cuda_src/moe/params_fp8_bwd.cuh) and the table of the buffers only it adds (docs/FP8_BACKWARD.md),
+filled by kernels/moe_fp8_bwd.py (sizes and offsets asserted here and ``static_assert``-ed in the
+header with the same numbers).
 
 The struct is the bf16 backward's :class:`~mok_rt.kernels.moe_params.MoEBackwardParams` followed by
 the transposed E4M3 weights (``wt``, from ``mok.quantize_weights(for_backward=True)``), the FP8

@@ -268,7 +268,7 @@ def backward_plan(dims, *, push_tasks: int = 0, precision: str = "bf16") -> Plan
     """The backward's plan; ``push_tasks`` > 0 with expert parallelism (then the local work, d
     weights and shared dA, runs while the rows travel).
 
-    ``precision="fp8_block"`` (docs/FP8_DESIGN.md "Step 3"; moe_backward_fp8):
+    ``precision="fp8_block"`` (docs/FP8_BACKWARD.md; moe_backward_fp8):
     the same phases and tile counts (FP8 dA and dX tiles are 128 x 256 too), plus ``token_prep`` (one
     task per token block with a shared expert, before the dispatch: dq in token order and the
     token-order bf16 wgrad operands; shared dA waits on ``token_dq_ready``, the shared wgrads on

@@ -1,4 +1,4 @@
-// The "fp8_block" backward's task set (TmaBackwardFp8; docs/FP8_DESIGN.md "Step 3"): the bf16
+// The "fp8_block" backward's task set (TmaBackwardFp8; docs/FP8_BACKWARD.md): the bf16
 // backward's phases and waits (tasks/backward.cuh) with FP8 operands.  Phases, in plan order (one
 // GPU; mok_rt/kernels/moe_plan.py backward_plan(..., precision="fp8_block")):
 //   P  token_prep    token block:            dq = Q(d_out) in token order + dq_bf = bf16(deq(dq)); then

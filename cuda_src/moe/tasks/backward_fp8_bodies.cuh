@@ -1,5 +1,5 @@
 // The non-GEMM bodies and the dA epilogue of the "fp8_block" backward (tasks/backward_fp8.cuh;
-// docs/FP8_DESIGN.md, "Step 3"; oracle: mok_rt/reference/fp8.py backward_fp8).
+// docs/FP8_BACKWARD.md; oracle: mok_rt/reference/fp8.py backward_fp8).
 //   quantize_dout   the dispatch (B0: dyq = Q(d_out[token]) per routed row) and the token-order
 //                   copy (P: dq = Q(d_out), the shared dA's A), the forward's pipelined quantiser
 //                   (quantize_rows.cuh) with d_out as the source.  Unweighted: tw is applied to the
