@@ -1,5 +1,18 @@
-"""The well-formedness every task plan must have (tests of the bf16 / FP8 / EP plans share it)."""
+"""The well-formedness every task plan must have (tests of the bf16 / FP8 / EP plans share it), and
+the one-GPU layer sizes the plan tests walk."""
 from __future__ import annotations
+
+from mok_rt.kernels import moe_launch as L
+
+
+def small_dims(T=300, H=320, I=192, Is=320, E=5, k=3, R=1280):
+    return L.LayerDims(tokens=T, hidden=H, intermediate=I, top_k=k, local_experts=E, capacity_rows=R,
+                       shared_intermediate=Is)
+
+
+# Ragged sizes with and without a shared expert, T = 0, T = 1, and qwen3-like dimensions.
+PLAN_DIMS = [small_dims(), small_dims(Is=0), small_dims(T=0), small_dims(T=1, H=256, I=128, Is=128),
+             small_dims(T=4096, H=2048, I=768, Is=0, E=128, k=8, R=4096 * 8 + 128 * 128)]
 
 
 def check_plan_well_formed(plan, *, targets: bool = True) -> None:

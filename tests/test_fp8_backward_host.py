@@ -11,10 +11,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from _plan_checks import check_plan_well_formed
+from _plan_checks import PLAN_DIMS, check_plan_well_formed, small_dims
 
 from mok_rt import build
-from mok_rt.kernels import moe_launch as L
 from mok_rt.kernels import moe_params as P
 from mok_rt.kernels import moe_params_fp8 as F
 from mok_rt.kernels import moe_params_fp8_bwd as B
@@ -22,15 +21,6 @@ from mok_rt.kernels import moe_plan
 
 REPO = Path(__file__).resolve().parents[1]
 HEADER = REPO / "cuda_src/moe/params_fp8_bwd.cuh"
-
-
-def _dims(T=300, H=320, I=192, Is=320, E=5, k=3, R=1280):
-    return L.LayerDims(tokens=T, hidden=H, intermediate=I, top_k=k, local_experts=E, capacity_rows=R,
-                       shared_intermediate=Is)
-
-
-DIMS = [_dims(), _dims(Is=0), _dims(T=0), _dims(T=1, H=256, I=128, Is=128),
-        _dims(T=4096, H=2048, I=768, Is=0, E=128, k=8, R=4096 * 8 + 128 * 128)]
 
 
 # ---- structs: one source of truth with the header ---------------------------------------------------
@@ -121,7 +111,7 @@ def test_header_compiles_and_its_static_asserts_hold(tmp_path):
 
 
 # ---- the plan -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("d", DIMS)
+@pytest.mark.parametrize("d", PLAN_DIMS)
 def test_fp8_backward_plan(d):
     plan = moe_plan.backward_plan(d, precision="fp8_block")
     bf = moe_plan.backward_plan(d)
@@ -158,16 +148,16 @@ def test_fp8_backward_plan(d):
 
 def test_no_fp8_backward_plan_with_expert_parallelism():
     with pytest.raises(AssertionError):
-        moe_plan.backward_plan(_dims(), push_tasks=4, precision="fp8_block")
+        moe_plan.backward_plan(small_dims(), push_tasks=4, precision="fp8_block")
     with pytest.raises(AssertionError):
-        moe_plan.backward_plan(_dims(), precision="mxfp8")
+        moe_plan.backward_plan(small_dims(), precision="mxfp8")
     with pytest.raises(AssertionError):
-        moe_plan.backward_plan(_dims()).fp8_struct()
+        moe_plan.backward_plan(small_dims()).fp8_struct()
 
 
 # ---- buffers ------------------------------------------------------------------------------------------
 def test_buffer_table_shapes():
-    d = _dims()                            # T = 300 (3 token blocks), H = 320, I = 192 (Ip = 256), Is = 320
+    d = small_dims()                            # T = 300 (3 token blocks), H = 320, I = 192 (Ip = 256), Is = 320
     b = {x.name: x for x in B.FP8_BACKWARD_BUFFERS}
     assert b["gate_t"].shape(d) == (5, 320, 192) and b["down_t"].shape(d) == (5, 192, 320)
     assert b["gate_t_s"].shape(d) == (5, 3, 2) and b["shared_down_t_s"].shape(d) == (3, 3)
@@ -176,7 +166,7 @@ def test_buffer_table_shapes():
     assert b["dsguq"].shape(d) == (300, 2 * 384)
     assert b["rs"].shape(d) == (3 + 4, 1280) and b["ts"].shape(d) == (3 + 6, F.token_ld(d))
     assert b["dyq"].role == "view"
-    n = _dims(Is=0)
+    n = small_dims(Is=0)
     assert b["dq"].shape(n) == (1280, 320) and b["ts"].nbytes(n) == 0 and b["dsguq"].nbytes(n) == 0
     assert B.padded_inter(768) == 768 and B.padded_inter(192) == 256 and B.padded_inter(0) == 0
     # The bf16 struct fields reused as FP8-backward scratch exist there.

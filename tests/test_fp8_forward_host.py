@@ -9,7 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from _plan_checks import check_plan_well_formed
+from _plan_checks import PLAN_DIMS, check_plan_well_formed, small_dims
 
 import mok_rt as mok
 from mok_rt.api.validate import check_backend_precision, check_quantized
@@ -24,17 +24,8 @@ from mok_rt.types import QuantizedWeights
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _dims(T=300, H=320, I=192, Is=320, E=5, k=3, R=1280):
-    return L.LayerDims(tokens=T, hidden=H, intermediate=I, top_k=k, local_experts=E, capacity_rows=R,
-                       shared_intermediate=Is)
-
-
-DIMS = [_dims(), _dims(Is=0), _dims(T=0), _dims(T=1, H=256, I=128, Is=128), _dims(T=4096, H=2048, I=768, Is=0,
-                                                                                 E=128, k=8, R=4096 * 8 + 128 * 128)]
-
-
 # ---- the plan ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("d", DIMS)
+@pytest.mark.parametrize("d", PLAN_DIMS)
 @pytest.mark.parametrize("ctx", (False, True))
 def test_fp8_plan_phases_waits_and_counters(d, ctx):
     plan = M8.forward_plan(d, context_only=ctx)
@@ -59,7 +50,7 @@ def test_fp8_plan_phases_waits_and_counters(d, ctx):
 
 
 def test_bf16_plan_is_unchanged_by_the_precision_argument():
-    d = _dims()
+    d = small_dims()
     a, b = L.forward_plan(d), L.forward_plan(d)
     assert a is b and a.precision == "bf16" and "quant_x" not in {ph.name for ph in a.phases}
     assert a.tiles["h_tiles"] == -(-d.hidden // 256)
@@ -131,7 +122,7 @@ def test_quantizer_params_with_and_without_transposed_copies():
 
 # ---- buffers and maps --------------------------------------------------------------------------------
 def test_buffer_table_sizes():
-    d = _dims()
+    d = small_dims()
     b = {x.name: x for x in F.FP8_FORWARD_BUFFERS}
     assert b["gate"].nbytes(d) == 5 * 192 * 320 and b["gate_s"].shape(d) == (5, 2, 3)
     assert b["down_s"].shape(d) == (5, 3, 2) and b["shared_down_s"].shape(d) == (3, 3)
@@ -140,9 +131,9 @@ def test_buffer_table_sizes():
     sizes = M8.forward_buffer_bytes(d)
     assert set(sizes) == {x.name for x in F.FP8_FORWARD_BUFFERS if x.role in ("context", "output", "scratch", "counters")}
     assert sizes["counters"] == 4 * M8.forward_plan(d).counter_words
-    n = M8.forward_buffer_bytes(_dims(Is=0))
+    n = M8.forward_buffer_bytes(small_dims(Is=0))
     assert n["xq"] == n["xq_s"] == n["saq"] == n["sgu"] == n["shared_y"] == 0
-    z = M8.forward_buffer_bytes(_dims(T=0))
+    z = M8.forward_buffer_bytes(small_dims(T=0))
     assert z["xq"] == z["y_slot"] == z["out"] == 0
 
 
@@ -156,7 +147,7 @@ def _bufs(shared=True):
 
 
 def test_map_specs():
-    d = _dims()
+    d = small_dims()
     b = _bufs()
     s = M8.map_specs(b, d)
     assert tuple(s) == F.FP8_FORWARD_MAP_NAMES
@@ -173,19 +164,19 @@ def test_map_specs():
     # halves) + 512 B (gemm_fp8.cuh load_stage): the 48 KB ring slot, the scales in a side ring.
     assert s["xrq_k"].box_bytes + 4 * s["gate_k"].box_bytes + s["xrq_s"].box_bytes == 49152 + 512
     assert s["aq_k"].box_bytes + 2 * s["down_k"].box_bytes + s["aq_s"].box_bytes == 49152 + 512
-    n = M8.map_specs(_bufs(shared=False), _dims(Is=0))
+    n = M8.map_specs(_bufs(shared=False), small_dims(Is=0))
     assert all(n[k] is None for k in ("xq_k", "saq_k", "xq_s", "saq_s", "shared_gate_k", "shared_up_k", "shared_down_k"))
 
 
 def test_staged_map_specs_and_choice(monkeypatch):
-    d = _dims()
+    d = small_dims()
     st = M8.staged_map_specs(_bufs(), d)
     assert tuple(st) == F.FP8_STAGED_MAP_NAMES
     # gu [R, 2 I] bf16 in 64 x 128 boxes (128 B rows: one swizzle atom wide).
     assert st["gu_st"].dims == (2 * 192, 1280) and st["gu_st"].strides == (4 * 192,) and st["gu_st"].box == (64, 128)
     assert st["gu_st"].dtype == "bf16" and st["gu_st"].swizzle == Swizzle.B128
     assert st["sgu_st"].dims == (2 * 320, 300)
-    assert M8.staged_map_specs(_bufs(shared=False), _dims(Is=0))["sgu_st"] is None
+    assert M8.staged_map_specs(_bufs(shared=False), small_dims(Is=0))["sgu_st"] is None
     # The choice reads STAGED_MIN_K_BLOCKS at each call: H = 320 is 3 K blocks.
     assert not M8.staged(d)
     monkeypatch.setattr(M8, "STAGED_MIN_K_BLOCKS", 3)
@@ -193,7 +184,7 @@ def test_staged_map_specs_and_choice(monkeypatch):
 
 
 def test_launch_params():
-    d = _dims()
+    d = small_dims()
     b = _bufs()
     plan = M8.forward_plan(d)
     sched = L.ScheduleBuffers(**{n: 4096 * (i + 1) for i, n in enumerate(L.ScheduleBuffers.__dataclass_fields__)})

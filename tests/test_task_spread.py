@@ -9,8 +9,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from _plan_checks import PLAN_DIMS
 
-from mok_rt.kernels import moe_launch as L
 from mok_rt.kernels import moe_plan
 
 REPO = Path(__file__).resolve().parents[1]
@@ -74,21 +74,12 @@ def test_spread_is_a_permutation_with_the_stated_walk(spread_exe, hb, host, gc, 
         assert sum(1 for t in inner[guest_at[-1]:] if t < gb) >= host - host // 2
 
 
-def _dims(T=300, H=320, I=192, Is=320, E=5, k=3, R=1280):
-    return L.LayerDims(tokens=T, hidden=H, intermediate=I, top_k=k, local_experts=E, capacity_rows=R,
-                       shared_intermediate=Is)
-
-
-DIMS = [_dims(), _dims(Is=0), _dims(T=0), _dims(T=1, H=256, I=128, Is=128),
-        _dims(T=4096, H=2048, I=768, Is=0, E=128, k=8, R=4096 * 8 + 128 * 128)]
-
-
 def _waits_on(plan, consumer):
     return {w.producer for w in plan.waits if consumer in w.consumers}
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8_block"])
-@pytest.mark.parametrize("d", DIMS)
+@pytest.mark.parametrize("d", PLAN_DIMS)
 def test_backward_plans_allow_the_spreads(d, precision):
     plan = moe_plan.backward_plan(d, precision=precision)
     names = [ph.name for ph in plan.phases]
