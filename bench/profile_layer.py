@@ -149,6 +149,7 @@ def main() -> int:
         for t in last:
             print(t.summary())
             print(t.gaps_summary())
+            print(t.worst_window_summary())
         write_chrome_trace(args.trace, last)
         print(f"chrome trace: {args.trace}")
     return 0
@@ -277,6 +278,7 @@ def run_ep(args) -> int:
         for t in sorted(last, key=lambda t: (t.kind, t.rank)):
             print(t.summary())
             print(t.gaps_summary())
+            print(t.worst_window_summary())
         for t in sorted(last, key=lambda t: (t.kind, t.rank)):
             print(t.overlap_summary())
         write_chrome_trace(args.trace, sorted(last, key=lambda t: (t.kind, t.rank)), aligned=True)

@@ -11,7 +11,7 @@ import pytest
 import mok_rt as mok
 from mok_rt.kernels import moe_launch as L
 from mok_rt.kernels import moe_params as P
-from mok_rt.kernels.trace import LaunchTrace, write_chrome_trace
+from mok_rt.kernels.trace import LaunchTrace, TaskSpan, write_chrome_trace
 
 
 def _dims(T=1000, H=1024, I=512, Is=0, k=4, El=16, R=None):
@@ -95,6 +95,30 @@ def test_decode_spans_statistics_and_chrome_events(tmp_path):
     write_chrome_trace(path, [t, t])
     doc = json.loads(path.read_text())
     assert {e["pid"] for e in doc["traceEvents"]} == {0, 1}
+
+
+def test_idle_stretches_and_the_worst_window():
+    # Two SMs, 100-us tasks back to back over 6 ms; SM 1 idles 3000-3150 us (a routed_dx task
+    # then a wgrad_down task it grabbed at 3000 that waited 150 us), and SM 0 40 us at 4000: the
+    # worst interior window of 250 us is [3000, 3250).
+    spans, task = [], 0
+    for sm in (0, 1):
+        t = 0.0
+        while t < 6000.0:
+            gap = 150.0 if (sm, t) == (1, 3000.0) else 40.0 if (sm, t) == (0, 4000.0) else 0.0
+            phase = "routed_dx" if t < 3000.0 else "wgrad_down"
+            spans.append(TaskSpan(task=task, phase=phase, sm=sm, grab_us=t, ready_us=t + gap, end_us=t + gap + 100.0))
+            task, t = task + 1, t + gap + 100.0
+    tr = LaunchTrace(kind="backward", rank=0, device_id=0, phases=(("routed_dx", 60), ("wgrad_down", 62)),
+                     spans=spans)
+    got = tr.idle_stretches(min_us=20.0)
+    assert [(g.sm, g.from_us, g.to_us, g.after, g.next) for g in got] == [
+        (1, 3000.0, 3150.0, "routed_dx", "wgrad_down"), (0, 4000.0, 4040.0, "wgrad_down", "wgrad_down")]
+    assert got[0].next_grab_us == 3000.0 and tr.spans[got[0].next_task].ready_us == 3150.0
+    assert tr.idle_stretches(min_us=50.0) == got[:1]
+    text = tr.worst_window_summary(window_us=250.0, min_us=20.0, edge_us=1000.0)
+    assert "[3000, 3250)" in text and "SM   1 idle" in text and "0.6 SMs idle" in text and "SM   0" not in text
+    assert "no window" in tr.worst_window_summary(edge_us=5000.0)
 
 
 def test_decode_rejects_records_that_do_not_fit_the_plan():

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["TaskSpan", "PhaseStats", "LaunchTrace", "write_chrome_trace", "PUSH_PHASES", "GEMM_PHASES",
+__all__ = ["TaskSpan", "PhaseStats", "IdleStretch", "LaunchTrace", "write_chrome_trace", "PUSH_PHASES", "GEMM_PHASES",
            "ROUTED_GEMM_PHASES", "union_us", "overlap_us"]
 
 RECORD_BYTES = 32
@@ -88,6 +88,20 @@ class PhaseStats:
     busy_us: float     # sum over tasks of end - ready
     first_us: float    # first grab
     last_us: float     # last end
+
+
+@dataclass(frozen=True)
+class IdleStretch:
+    """An SM with nothing running between two of its tasks: ``after`` ended at ``from_us``, ``next``
+    started at ``to_us`` (``next_grab_us``: when it was grabbed; ``to_us - next_grab_us`` of the
+    stretch is the next task's own dependency wait)."""
+    sm: int
+    from_us: float
+    to_us: float
+    after: str          # the phase of the SM's task before
+    next: str           # the phase of the task after
+    next_task: int
+    next_grab_us: float
 
 
 @dataclass
@@ -223,6 +237,40 @@ class LaunchTrace:
         widths = [window_us] * (len(g["by_window"]) - 1) + [g["last_window_us"]]
         lines.append(f"  idle SMs on average per {window_us:.0f} us window (the tail not counted): "
                      + " ".join(f"{w / max(d, 1e-9):.1f}" for w, d in zip(g["by_window"], widths)))
+        return "\n".join(lines)
+
+    def idle_stretches(self, *, min_us: float = 20.0) -> list[IdleStretch]:
+        """Every gap of at least ``min_us`` between two tasks of one SM, by start time: who sat idle,
+        after what, and for which task (a grabbed task that waits holds its SM meanwhile)."""
+        out, by_sm = [], {}
+        for s in sorted(self.spans, key=lambda s: (s.sm, s.ready_us)):
+            prev = by_sm.get(s.sm)
+            if prev is not None and s.ready_us - prev.end_us >= min_us:
+                out.append(IdleStretch(sm=s.sm, from_us=prev.end_us, to_us=s.ready_us, after=prev.phase,
+                                       next=s.phase, next_task=s.task, next_grab_us=s.grab_us))
+            if prev is None or s.end_us > prev.end_us:
+                by_sm[s.sm] = s
+        return sorted(out, key=lambda g: (g.from_us, g.sm))
+
+    def worst_window_summary(self, *, window_us: float = 250.0, min_us: float = 20.0, edge_us: float = 1000.0,
+                             rows: int = 24) -> str:
+        """The window of :meth:`idle_gaps` with the most idle SM time, leaving out the first and
+        last ``edge_us`` (start-up and tail have their own lines), and the :meth:`idle_stretches`
+        that touch it: what a window's idle SMs were doing around it."""
+        g = self.idle_gaps(window_us=window_us)
+        inner = [w for w in range(len(g["by_window"])) if edge_us <= w * window_us <= self.span_us - edge_us - window_us]
+        if not inner:
+            return f"{self.kind} (rank {self.rank}): no window {edge_us:.0f} us away from both ends"
+        w = max(inner, key=lambda i: g["by_window"][i])
+        lo, hi = w * window_us, (w + 1) * window_us
+        lines = [f"{self.kind} (rank {self.rank}): most idle window [{lo:.0f}, {hi:.0f}) us, "
+                 f"{g['by_window'][w] / window_us:.1f} SMs idle on average; stretches of >= {min_us:.0f} us in it:"]
+        hits = [s for s in self.idle_stretches(min_us=min_us) if s.from_us < hi and s.to_us > lo]
+        for s in hits[:rows]:
+            lines.append(f"  SM {s.sm:>3} idle {s.from_us:9.1f} .. {s.to_us:9.1f} ({s.to_us - s.from_us:6.1f} us) "
+                         f"after {s.after}, then {s.next} task {s.next_task} (grabbed at {s.next_grab_us:.1f})")
+        if len(hits) > rows:
+            lines.append(f"  ... {len(hits) - rows} more")
         return "\n".join(lines)
 
     def summary(self) -> str:
