@@ -266,7 +266,7 @@ def run_shape(torch, ranks: _Ranks, mok: _Mok, shape: Shape, args) -> dict:
         inp = _Inputs(torch, shape, tokens, ranks, args.seed)
         state["inp"] = inp
         # Only where the baseline runs: its module holds a concatenated copy of gate|up (14 GiB at
-        # deepseek-v3), which pushed mok_rt's deepseek-v3 runs past an 80 GB card.
+        # deepseek-v3) that a mok_rt-only run on an 80 GB card has no room for.
         state["base"] = None
         if want_torch:
             state["base"] = TorchMoEBaseline(w_gate=inp.w_gate, w_up=inp.w_up, w_down=inp.w_down,

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The bench of record in one device call: bench/bench_moe.py, mok_rt in bf16 and fp8_block against the PyTorch
 # baseline, graph-timed, at qwen3-30b-a3b (T = 16384), the deepseek-v3 EP = 8 slice and deepseek-v3 (256 experts,
-# T = 8192), each shape in one process.  On a card of 80 GB deepseek-v3 runs as two processes, mok_rt's two
-# precisions (--impl mok) and the baseline (--impl torch): together they do not fit (the baseline's weights and
-# gradients beside mok_rt's bf16 and FP8 weights and gradients).
+# T = 8192), each shape in one process.  On a card of 80 GB deepseek-v3's three sides (PyTorch, mok bf16, mok
+# fp8_block) run in processes of their own (one process does not fit: FP8 alone needs ~70 GiB), and the ratios
+# are read across the three.
 # Then, while $SECONDS < $MOK_SWEEP_BEFORE (default 0: never), qwen3 and the slice at 1024 / 4096 tokens.
 # JSONs and a log under $OUT; the commit from .commit (written by the caller) or `git`.
 #     bash scripts/gpu_record.sh
@@ -20,9 +20,10 @@ b() { local n=$1 t=$2; shift 2
     > "$log/bench_$n.txt" 2>&1; echo "rc=$? at ${SECONDS}s" >> "$log/bench_$n.txt"; }
 if [ "${mem:-0}" -gt 100000 ]; then
   b dsv3 120 --shapes deepseek-v3 --precision bf16,fp8_block
-else   # 80 GB: mok_rt's two precisions in one process, the baseline in another
-  b dsv3_mok 150 --impl mok --shapes deepseek-v3 --precision bf16,fp8_block
-  b dsv3_torch 90 --impl torch --shapes deepseek-v3
+else
+  b dsv3_torch 75 --shapes deepseek-v3 --impl torch
+  b dsv3_bf16 75 --shapes deepseek-v3 --impl mok --precision bf16
+  b dsv3_fp8 75 --shapes deepseek-v3 --impl mok --precision fp8_block
 fi
 b main 80 --shapes qwen3-30b-a3b,deepseek-v3-ep8-slice --precision bf16,fp8_block
 [ "$SECONDS" -lt "${MOK_SWEEP_BEFORE:-0}" ] && b sweep $((230 - SECONDS)) --shapes qwen3-30b-a3b,deepseek-v3-ep8-slice \

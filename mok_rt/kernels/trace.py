@@ -200,13 +200,8 @@ class LaunchTrace:
         span = self.span_us
         nwin = max(1, math.ceil(span / window_us)) if window_us > 0 else 0
         by_window = [0.0] * nwin
-        last: dict[int, float] = {}
-        for s in sorted(self.spans, key=lambda s: (s.sm, s.ready_us)):
-            prev = last.get(s.sm, 0.0)
+        for s, prev, _ in self._gaps():
             gap = s.ready_us - prev
-            last[s.sm] = max(prev, s.end_us)
-            if gap <= 0:
-                continue
             a = acc.setdefault(s.phase, [0.0, 0])
             a[0] += gap
             a[1] += 1
@@ -242,15 +237,22 @@ class LaunchTrace:
     def idle_stretches(self, *, min_us: float = 20.0) -> list[IdleStretch]:
         """Every gap of at least ``min_us`` between two tasks of one SM, by start time: who sat idle,
         after what, and for which task (a grabbed task that waits holds its SM meanwhile)."""
-        out, by_sm = [], {}
-        for s in sorted(self.spans, key=lambda s: (s.sm, s.ready_us)):
-            prev = by_sm.get(s.sm)
-            if prev is not None and s.ready_us - prev.end_us >= min_us:
-                out.append(IdleStretch(sm=s.sm, from_us=prev.end_us, to_us=s.ready_us, after=prev.phase,
-                                       next=s.phase, next_task=s.task, next_grab_us=s.grab_us))
-            if prev is None or s.end_us > prev.end_us:
-                by_sm[s.sm] = s
+        out = [IdleStretch(sm=s.sm, from_us=prev, to_us=s.ready_us, after=before.phase, next=s.phase,
+                           next_task=s.task, next_grab_us=s.grab_us)
+               for s, prev, before in self._gaps() if before is not None and s.ready_us - prev >= min_us]
         return sorted(out, key=lambda g: (g.from_us, g.sm))
+
+    def _gaps(self):
+        """Per SM in ``ready`` order, each task that its SM reached idle: (task, when the SM's work
+        before it ended -- 0 for an SM's first task --, the task that ended last before it or None)."""
+        last: dict[int, TaskSpan] = {}
+        for s in sorted(self.spans, key=lambda s: (s.sm, s.ready_us)):
+            before = last.get(s.sm)
+            prev = before.end_us if before is not None else 0.0
+            if before is None or s.end_us > prev:
+                last[s.sm] = s
+            if s.ready_us > prev:
+                yield s, prev, before
 
     def worst_window_summary(self, *, window_us: float = 250.0, min_us: float = 20.0, edge_us: float = 1000.0,
                              rows: int = 24) -> str:
