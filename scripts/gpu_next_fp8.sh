@@ -29,6 +29,7 @@ echo "== A/B at ${SECONDS}s"
   timeout $((END - SECONDS)) bash scripts/ab_cubins.sh base=.carry/base cadw=.carry/cadw 2>&1 | tail -16
 for n in cadw base; do
   [ $SECONDS -gt $((END - 20)) ] && break
+  [ -d /tmp/ab_$n ] || continue  # the A/B (which makes the tree copies) did not run
   (cd /tmp/ab_$n && PYTHONPATH=/tmp/ab_$n timeout 40 python3 bench/profile_layer.py --shape deepseek-v3-ep8-slice \
      --precision fp8_block --fp8-backward --iters 3 --trace /tmp/t_$n.json) > "$out/trace_$n.txt" 2>&1
   echo "== trace $n rc=$? at ${SECONDS}s"
