@@ -171,6 +171,8 @@ def _precision_lines(r: dict, precision: str) -> list[str]:
     not_built = fig.get("not_built") or {}
     for why in dict.fromkeys(not_built.values()):   # one note per message (EP > 1: fwd and fwd_bwd share it)
         notes.append(f"{' and '.join(k for k, w in not_built.items() if w == why)}: not built ({why[:120]})")
+    if fig.get("quantize_weights_skipped"):
+        notes.append(f"quantize_weights {fig['quantize_weights_skipped']}")
     for key in ("error", "quantize_weights_error"):
         if fig.get(key):
             notes.append(f"{key.replace('_', ' ')}: {fig[key][:200]}")

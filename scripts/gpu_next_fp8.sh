@@ -4,7 +4,8 @@
 #      as three on 80 GB; qwen3 and the slice; the 1 k / 4 k sweep while $SECONDS < MOK_SWEEP_BEFORE);
 #   2. on a card of > 100 GB, the deepseek-v3 FP8 backward trace (profile_layer.py --trace);
 #   3. if .carry/base and .carry/cadw exist, the A/B of combine_after_down_wgrads.patch (FP8 numerics,
-#      two mok-only rounds), then both trees' slice FP8 backward traces (worst_window_summary);
+#      two mok-only rounds), then both trees' slice FP8 backward traces (worst_window_summary) -- measured
+#      in round 24 (no gain): leave .carry/cadw out, or build another patch into it, to use the time elsewhere;
 # each step only while $SECONDS leaves room before $END (default 540).  Before the call, here:
 #     git rev-parse --short HEAD > .commit
 #     mkdir -p .carry/base && cp mok_rt/cubins/* .carry/base/

@@ -2,8 +2,9 @@
 # The bench of record in one device call: bench/bench_moe.py, mok_rt in bf16 and fp8_block against the PyTorch
 # baseline, graph-timed, at qwen3-30b-a3b (T = 16384), the deepseek-v3 EP = 8 slice and deepseek-v3 (256 experts,
 # T = 8192), each shape in one process.  On a card of 80 GB deepseek-v3's three sides (PyTorch, mok bf16, mok
-# fp8_block) run in processes of their own (one process does not fit: FP8 alone needs ~70 GiB), and the ratios
-# are read across the three.
+# fp8_block) run in processes of their own (one process does not fit: FP8 alone holds ~71 GiB after its check
+# run), pipelined (a graph capture's own workspace blocks did not fit beside it, 2026-12-07; at 16-50 ms a step
+# the host's ~0.3 ms is hidden either way), and the ratios are read across the three.
 # Then, while $SECONDS < $MOK_SWEEP_BEFORE (default 0: never), qwen3 and the slice at 1024 / 4096 tokens.
 # JSONs and a log under $OUT; the commit from .commit (written by the caller) or `git`.
 #     bash scripts/gpu_record.sh
@@ -22,8 +23,8 @@ if [ "${mem:-0}" -gt 100000 ]; then
   b dsv3 120 --shapes deepseek-v3 --precision bf16,fp8_block
 else
   b dsv3_torch 75 --shapes deepseek-v3 --impl torch
-  b dsv3_bf16 75 --shapes deepseek-v3 --impl mok --precision bf16
-  b dsv3_fp8 75 --shapes deepseek-v3 --impl mok --precision fp8_block
+  b dsv3_bf16 75 --shapes deepseek-v3 --impl mok --precision bf16 --timing pipelined
+  b dsv3_fp8 75 --shapes deepseek-v3 --impl mok --precision fp8_block --timing pipelined
 fi
 b main 80 --shapes qwen3-30b-a3b,deepseek-v3-ep8-slice --precision bf16,fp8_block
 [ "$SECONDS" -lt "${MOK_SWEEP_BEFORE:-0}" ] && b sweep $((230 - SECONDS)) --shapes qwen3-30b-a3b,deepseek-v3-ep8-slice \

@@ -126,3 +126,21 @@ def test_fp8_workspace_refused(monkeypatch):
     assert rec["check_fp8_block"]["error"] == "not built" and rec["ratio_fp8_block"] is None
     doc = {"results": [rec]}
     assert bench_report.format_table(doc).count("not built") >= 2
+
+
+def test_quantize_timing_skipped_where_it_does_not_fit():
+    """deepseek-v3's quantised weights (21 GiB) beside its step on an 80 GB card: quantize_weights
+    is not timed (its allocation would fail and could fragment the pool for what follows), the
+    record says why, and the report prints it."""
+    from types import SimpleNamespace
+
+    from bench_mok import _quantize_does_not_fit
+    gib = 2 ** 30
+    ranks = SimpleNamespace(gather=lambda v: [v, v + 5 * gib])   # the tightest rank decides
+    torch = SimpleNamespace(cuda=SimpleNamespace(mem_get_info=lambda: (8 * gib, 80 * gib)))
+    why = _quantize_does_not_fit(torch, ranks, 21 * gib, sets=2)
+    assert why == "not timed: needs ~43.0 GiB free, 8.0 GiB free"
+    assert _quantize_does_not_fit(torch, ranks, 3 * gib, sets=2) is None     # 7 GiB needed, 8 free
+    assert _quantize_does_not_fit(torch, ranks, 8 * gib, sets=1) is not None  # 9 GiB needed, 8 free
+    lines = bench_report._precision_lines({"mok_fp8_block": {"quantize_weights_skipped": why}}, "fp8_block")
+    assert "quantize_weights not timed: needs ~43.0 GiB" in lines[-1]
