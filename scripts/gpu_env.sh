@@ -9,6 +9,15 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 out="${OUT:-gpu_logs}"; mkdir -p "$out"
 
+# pack_out KEEP...: the device call returns at most 8 files from $OUT, two folders deep (2026-12-07: a record's
+# 13 JSONs and logs did not come back): everything under $out but the files named goes into $out/logs.tgz.
+pack_out() {
+  local keep=() f; for f in "$@"; do keep+=(! -name "$f"); done
+  (cd "$out" && find . -mindepth 1 -maxdepth 1 "${keep[@]}" ! -name logs.tgz -print0 |
+     tar czf /tmp/logs.tgz --null -T - && find . -mindepth 1 -maxdepth 1 "${keep[@]}" ! -name logs.tgz \
+     -exec rm -rf {} + && mv /tmp/logs.tgz logs.tgz)
+}
+
 offline_install() {
   PIP_NO_INDEX=1 PIP_FIND_LINKS="$PWD/.whl" python3 -m pip install -q -e '.[test]' > "$out/install.txt" 2>&1
   echo "install rc=$?" >> "$out/install.txt"

@@ -10,10 +10,12 @@
 #     git rev-parse --short HEAD > .commit
 #     mkdir -p .carry/base && cp mok_rt/cubins/* .carry/base/
 #     bash scripts/build_variant.sh bench/experiments/combine_after_down_wgrads.patch .carry/cadw moe_backward_fp8
-# and carry [".commit", ".carry"].  Logs under $OUT; the record's JSONs in $OUT/rec.
+# and carry [".commit", ".carry"].  Logs under $OUT: record.log, record_summary.txt, the rest (the
+# record's JSONs in rec/, the A/B's, the traces) in logs.tgz.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 END=${END:-540}
+trap 'pack_out record.log record_summary.txt' EXIT   # the rest in $OUT/logs.tgz
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 MOK_SWEEP_BEFORE=${MOK_SWEEP_BEFORE:-0} bash scripts/gpu_record.sh 2>&1 | tee "$out/record_summary.txt"
