@@ -12,11 +12,13 @@ out="${OUT:-gpu_logs}"; mkdir -p "$out"
 # pack_out KEEP...: the device call returns at most 8 files from $OUT, two folders deep (2026-12-07: a record's
 # 13 JSONs and logs did not come back): everything under $out but the files named goes into $out/logs.tgz.
 pack_out() {
-  local keep=() f; for f in "$@"; do keep+=(! -name "$f"); done
-  (cd "$out" && find . -mindepth 1 -maxdepth 1 "${keep[@]}" ! -name logs.tgz -print0 |
-     tar czf /tmp/logs.tgz --null -T - && find . -mindepth 1 -maxdepth 1 "${keep[@]}" ! -name logs.tgz \
-     -exec rm -rf {} + && mv /tmp/logs.tgz logs.tgz)
+  local keep=() f items=(); for f in "$@" logs.tgz; do keep+=(! -name "$f"); done
+  (cd "$out" && mapfile -d '' items < <(find . -mindepth 1 -maxdepth 1 "${keep[@]}" -print0) &&
+     [ ${#items[@]} -gt 0 ] && tar czf /tmp/logs.tgz "${items[@]}" && rm -rf "${items[@]}" && mv /tmp/logs.tgz logs.tgz)
 }
+
+# big_card: a card of more than 100 GB (H200), where deepseek-v3 with all 256 experts fits one process.
+big_card() { [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)" -gt 100000 ] 2>/dev/null; }
 
 offline_install() {
   PIP_NO_INDEX=1 PIP_FIND_LINKS="$PWD/.whl" python3 -m pip install -q -e '.[test]' > "$out/install.txt" 2>&1

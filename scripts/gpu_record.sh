@@ -15,11 +15,10 @@ log=/tmp/record; mkdir -p "$log"
 # under test as uncommitted changes (2026-12-06: JSONs labelled 5693879-dirty for 650a841)
 c=$(cat .commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$log/gpu.txt"
-mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 b() { local n=$1 t=$2; shift 2
   PYTHONPATH=$PWD timeout "$t" python3 bench/bench_moe.py --timing graph --out "$out" --commit "$c" "$@" \
     > "$log/bench_$n.txt" 2>&1; echo "rc=$? at ${SECONDS}s" >> "$log/bench_$n.txt"; }
-if [ "${mem:-0}" -gt 100000 ]; then
+if big_card; then
   b dsv3 120 --shapes deepseek-v3 --precision bf16,fp8_block
 else
   b dsv3_torch 75 --shapes deepseek-v3 --impl torch
