@@ -40,7 +40,13 @@ def main() -> int:
 
     backend = args.backend or ("cuda" if gpu_available() else "reference")
     if backend == "cuda":
-        import cupy as xp
+        if not gpu_available():
+            raise SystemExit("--backend cuda needs a CUDA GPU (none found); without --backend this sample "
+                             "runs on the NumPy reference")
+        try:
+            import cupy as xp
+        except ImportError:
+            raise SystemExit("--backend cuda needs CuPy: pip install -e '.[cupy]'") from None
         H, I, E, k, Is, T = 1024, 512, 16, 4, 512, 4096
     else:
         xp = np

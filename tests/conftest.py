@@ -68,16 +68,20 @@ def _why(reasons: collections.Counter) -> str:
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    """One line: how many GPU / multi-GPU tests ran, were skipped or could not run, and why."""
+    """One line: how many GPU / multi-GPU tests ran, were skipped or could not run, and why, and
+    why other tests were skipped (an optional dependency such as torch missing)."""
     ran = collections.Counter()
     skipped = {"GPU": collections.Counter(), "multi-GPU": collections.Counter()}
     blocked = {"GPU": collections.Counter(), "multi-GPU": collections.Counter()}
+    other = collections.Counter()  # CPU tests skipped (an optional dependency missing, ...)
     for outcome, reports in terminalreporter.stats.items():
         if outcome not in ("passed", "failed", "error", "skipped"):
             continue   # e.g. "deselected" holds test items, not reports
         for report in reports:
             kind = _kind(report) if hasattr(report, "keywords") else None
             if kind is None:
+                if outcome == "skipped" and hasattr(report, "keywords"):
+                    other[_reason(report).removeprefix("other: ")] += 1
                 continue
             if outcome == "skipped":
                 skipped[kind][_reason(report)] += 1
@@ -96,5 +100,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         if blocked[kind]:
             part += f", {sum(blocked[kind].values())} failed to run{_why(blocked[kind])}"
         parts.append(part)
+    if other:
+        parts.append(f"other tests: {sum(other.values())} skipped{_why(other)}")
     note = f" [{REQUIRE_ENV}=1]" if require_gpu() else ""
     terminalreporter.write_line("; ".join(parts) + note)

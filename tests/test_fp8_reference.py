@@ -345,8 +345,11 @@ def test_config_precision():
         with pytest.raises(mok.ArgumentError) as ei:
             mok.MoEConfig(hidden=64, intermediate=64, num_experts=2, top_k=1, precision=bad)
         assert ei.value.argument == "precision"
-    with pytest.raises(TypeError):   # keyword only
+    with pytest.raises(TypeError):   # keyword only, as every knob after swiglu_limit
         mok.MoEConfig(64, 64, 2, 1, 0, None, 128, 1, 32, 10.0, None, "mxfp8")
+    with pytest.raises(TypeError):
+        mok.MoEConfig(64, 64, 2, 1, 0, None, 128)
+    assert mok.MoEConfig(64, 64, 2, 1, 0, None, ctas_per_sm=2).ctas_per_sm == 2
 
 
 @pytest.mark.parametrize("fmt", FMTS)

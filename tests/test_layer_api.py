@@ -377,6 +377,10 @@ def test_closed_workspace_and_foreign_schedule():
     sched = mok.schedule(ws, p["ids"])
     with _ws() as other, pytest.raises(mok.ArgumentError, match="sched"):
         mok.forward(other, sched, p["x"], p["tw"], _experts(p))
+    _, ctx = mok.forward(ws, sched, p["x"], p["tw"], _experts(p))
+    with _ws() as other, pytest.raises(mok.ArgumentError) as info:   # the caller passed ctx, not sched
+        mok.backward(other, ctx, np.ones_like(p["x"]))
+    assert info.value.argument == "ctx", str(info.value)
     ws.close()
     ws.close()
     with pytest.raises(mok.ArgumentError, match="closed"):

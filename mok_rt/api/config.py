@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 from mok_rt.errors import ArgumentError
 
@@ -54,12 +54,13 @@ class MoEConfig:
     top_k: int
     shared_intermediate: int = 0
     swiglu_limit: float | None = None
+    _: KW_ONLY  # the kernel knobs and the precision: keyword only (docs/API.md)
     block_m: int = 128
     ctas_per_sm: int = 1
     comm_sms: int = 32
     timeout_s: float = 10.0
     capacity_factor: float | None = None
-    precision: str = field(default="bf16", kw_only=True)
+    precision: str = "bf16"
 
     def __post_init__(self):
         for name in ("hidden", "intermediate", "num_experts", "top_k"):

@@ -9,9 +9,10 @@ from mok_rt.types import Context, ExpertWeights, Gradients
 __all__ = ["schedule", "forward", "backward", "recompute_context"]
 
 
-def _check_schedule(rank, sched):
+def _check_schedule(rank, sched, argument="sched"):
     if getattr(sched, "_rank_owner", None) is not rank:
-        raise ArgumentError("sched", "was not made by mok_rt.schedule for this workspace (rank)")
+        what = "its schedule was" if argument == "ctx" else "was"
+        raise ArgumentError(argument, f"{what} not made by mok_rt.schedule for this workspace (rank)")
 
 
 def _handle(rank, s):
@@ -82,7 +83,7 @@ def backward(ws, ctx: Context, d_out, *, dw: ExpertWeights | None = None, dw_sha
     if not isinstance(ctx, Context):
         raise ArgumentError("ctx", f"expected the Context returned by forward/recompute_context, "
                                    f"got {type(ctx).__name__}")
-    _check_schedule(rank, ctx.schedule)
+    _check_schedule(rank, ctx.schedule, "ctx")
     s = resolve_stream(rank, stream)
     h = _handle(rank, s)
     ordered = set()   # d_out and the gradient buffers: one order per framework (from_dlpack)
