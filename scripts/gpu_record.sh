@@ -10,7 +10,7 @@
 #     bash scripts/gpu_record.sh
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
-log=/tmp/record; mkdir -p "$log"
+log=/tmp/record; rm -rf "$log"; mkdir -p "$log"   # a warm machine keeps /tmp: no earlier call's logs
 # .commit first: the device's copy may carry main's last landed commit as its git HEAD, with the tree
 # under test as uncommitted changes (2026-12-06: JSONs labelled 5693879-dirty for 650a841)
 c=$(cat .commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
@@ -30,5 +30,5 @@ b main 80 --shapes qwen3-30b-a3b,deepseek-v3-ep8-slice --precision bf16,fp8_bloc
   --tokens 1024,4096 --precision bf16,fp8_block
 for f in "$log"/*; do echo "=== $f"; cat "$f"; done > "$out/record.log"
 for f in "$log"/bench_*.txt; do
-  echo "== $(basename "$f" .txt)"; grep -A12 "^shape" "$f" | grep -v "step memory\|^---\|^shape"; grep "rc=\|Error" "$f" | tail -3
+  echo "== $(basename "$f" .txt)"; grep -A12 "^shape" "$f" | grep -v "step memory\|^---\|^shape\|^rc="; grep "rc=\|Error" "$f" | tail -3
 done
