@@ -10,7 +10,7 @@
 #     bash scripts/gpu_record.sh
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
-log=/tmp/record; rm -rf "$log"; mkdir -p "$log"   # a warm machine keeps /tmp: no earlier call's logs
+log=$(mktemp -d /tmp/record.XXXXXX)   # this call's own: a warm machine keeps /tmp between calls
 # .commit first: the device's copy may carry main's last landed commit as its git HEAD, with the tree
 # under test as uncommitted changes (2026-12-06: JSONs labelled 5693879-dirty for 650a841)
 c=$(cat .commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
