@@ -34,13 +34,22 @@ def _bits(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a).view(np.uint8)
 
 
+# The last down tile's width sets which staged y boxes are stored (StagedStore::columns): H = 320
+# ends with 64 columns, 384 with 128 (one sub-tile), 448 with 192, the others with 256.
+STAGED_CASES = {**CASES,
+                "h384_last_tile_128": (dict(T=130, H=384, I=128, E=4, k=2), {}),
+                "h448_last_tile_192_shared": (dict(T=250, H=448, I=192, E=6, k=3, Is=128), {})}
+
+
 # T = 1; a ragged shared tile (T = 300: rows past T in the last token block); partial K / N blocks
-# and a skipped sub-tile (I = 192); the SwiGLU clamp; qwen3's H, I on 32 ragged experts.
-@pytest.mark.parametrize("name", ["T1", "ragged_T300_shared", "odd64_blocks", "limit7", "qwen3_dims_e32_T512"])
+# and a skipped sub-tile (I = 192); the SwiGLU clamp; qwen3's H, I on 32 ragged experts; the last
+# down tile 64 (odd64_blocks), 128 and 192 columns wide.
+@pytest.mark.parametrize("name", ["T1", "ragged_T300_shared", "odd64_blocks", "limit7", "qwen3_dims_e32_T512",
+                                  "h384_last_tile_128", "h448_last_tile_192_shared"])
 def test_staged_matches_the_oracle_and_the_direct_kernel_bitwise(request, monkeypatch, name):
     if _isolated(request):
         return
-    p, c = CASES[name]
+    p, c = STAGED_CASES[name]
     h = make_problem(zlib.crc32(name.encode()) % 1000, **p)
     got = {}
     for label, m in (("direct", NEVER), ("staged", ALWAYS)):

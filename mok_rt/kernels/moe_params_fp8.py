@@ -43,7 +43,8 @@ def token_order(d) -> bool:
 # shared memory by TMA, cuda_src/moe/pipeline/staged_tile.cuh) where the gate|up K has at least this
 # many blocks of 128: faster where K is long, slower where it is short (the borrowed ring slot delays
 # the next tile's last stage; bench/NOTES-FP8-2.md round 16).  deepseek-v3 (H = 7168, 56 K blocks)
-# staged, qwen3 (2048, 16) not.  Read at each call of staged().
+# staged, qwen3 (2048, 16) not.  Read at each call of staged(); a workspace sizes y_slot with it
+# (y_by_row) when it is made, so a test that changes it makes its workspaces afterwards.
 STAGED_MIN_K_BLOCKS = 32
 
 
