@@ -28,7 +28,6 @@ from _gpu import cp, run_isolated  # noqa: E402  (CuPy is imported when a test f
 import mok_rt as mok  # noqa: E402
 from mok_rt import reference  # noqa: E402
 from mok_rt.reference.quantize import FP8_BLOCK, quantize_experts, quantize_fp8_block  # noqa: E402
-from mok_rt.kernels.moe_params_fp8 import y_by_row  # noqa: E402
 
 BF16 = ml_dtypes.bfloat16
 TOL_OUT = 5e-3
@@ -98,20 +97,6 @@ def _ctx_arrays(ctx, dims) -> dict:
     return out
 
 
-def y_by_slot(got) -> np.ndarray:
-    """The context's y [T*k, H] in slot order: as stored, or gathered from the rows (the staged
-    kernel keeps route t*k+j at row route_row[t*k+j], and row r holds slot row_slot[r])."""
-    d, y = got["dims"], got["ctx"]["y_slot"]
-    if not got["y_by_row"]:
-        return y[: d.tokens * d.top_k]
-    slots = got["row_slot"]
-    rows = np.nonzero(slots >= 0)[0]
-    out = np.zeros((d.tokens * d.top_k, d.hidden), y.dtype)
-    out[slots[rows]] = y[rows]
-    assert np.array_equal(np.sort(slots[rows]), np.arange(d.tokens * d.top_k)), "every route in one row"
-    return out
-
-
 def run_gpu(cfg, h, *, max_tokens=None, repeat=2):
     """Runs of the CUDA FP8 forward: outs (repeat runs), the quantised weights, the context arrays of
     the first run and of a recompute, the schedule's row slots."""
@@ -136,7 +121,6 @@ def run_gpu(cfg, h, *, max_tokens=None, repeat=2):
             "ctx_r": _ctx_arrays(ctx_r, dims),
             "row_slot": sched.to_numpy()["row_slot"],   # the used rows (their blocks' padding: -1)
             "dims": dims,
-            "y_by_row": y_by_row(dims),   # the staged kernel's context layout (this run's choice)
         }
     return res
 
@@ -202,7 +186,7 @@ def check_case(name, cfg, h, **kw):
         errs["g"] = rel_err(gu[:, :I], rctx.g[r])
         errs["u"] = rel_err(gu[:, I:], rctx.u[r])
         errs["aq"] = rel_err(_deq_rows(got["ctx"]["aq"], got["ctx"]["aq_s"], rows), rctx.aq[r])
-        errs["y"] = rel_err(y_by_slot(got), rctx.y.reshape(-1, dims.hidden))
+        errs["y"] = rel_err(got["ctx"]["y_slot"][: dims.tokens * k], rctx.y.reshape(-1, dims.hidden))
     REPORT.append(f"FP8ERR {name}: " + " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
     print(REPORT[-1])
     assert err <= TOL_OUT, f"{name}: out relative error {err:.3e} > {TOL_OUT}"

@@ -1,14 +1,12 @@
-"""The FP8 forward's staged kernel (moe_forward_fp8_staged: the gate|up tiles' g, u and the routed
-down tiles' y stored through shared memory by the signaler's TMA stores, y by row;
-cuda_src/moe/pipeline/staged_tile.cuh) on the shapes that reach its edges, though the host chooses
-it only where H has >= 32 K blocks (kernels/moe_params_fp8.STAGED_MIN_K_BLOCKS, lowered here for the
-test):
+"""The FP8 forward's staged gate|up kernel (moe_forward_fp8_staged: g, u stored through shared
+memory by the signaler's TMA stores, cuda_src/moe/pipeline/staged_tile.cuh) on the shapes that
+reach its edges, though the host chooses it only where H has >= 32 K blocks
+(kernels/moe_fp8.STAGED_MIN_K_BLOCKS, lowered here for the test):
 
 * against the FP8 oracle with the tolerances of tests/test_fp8_forward_gpu.py (check_case: out, the
   context's g, u, aq, y; determinism; recompute_context bit for bit);
 * bitwise equal to the direct kernel on every output and context array (gu above all: its rows past
-  T in the shared expert's tile, the padding rows of routed tiles, a tile with one sub-tile; y in
-  slot order, test_fp8_forward_gpu.y_by_slot);
+  T in the shared expert's tile, the padding rows of routed tiles, a tile with one sub-tile);
 * EP = 2 (ranks sharing one GPU) bitwise equal to EP = 1 with it.
 
 Every buffer is poisoned first (poison_outputs=True).  Each oracle test runs in a child process of
@@ -21,9 +19,9 @@ import zlib
 import numpy as np
 import pytest
 
-from test_fp8_forward_gpu import CASES, _cfg, _isolated, check_case, make_problem, y_by_slot  # noqa: E402
+from test_fp8_forward_gpu import CASES, _cfg, _isolated, check_case, make_problem  # noqa: E402
 
-from mok_rt.kernels import moe_params_fp8 as F  # noqa: E402
+from mok_rt.kernels import moe_fp8 as M8  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -34,33 +32,23 @@ def _bits(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a).view(np.uint8)
 
 
-# The last down tile's width sets which staged y boxes are stored (StagedStore::columns): H = 320
-# ends with 64 columns, 384 with 128 (one sub-tile), 448 with 192, the others with 256.
-STAGED_CASES = {**CASES,
-                "h384_last_tile_128": (dict(T=130, H=384, I=128, E=4, k=2), {}),
-                "h448_last_tile_192_shared": (dict(T=250, H=448, I=192, E=6, k=3, Is=128), {})}
-
-
 # T = 1; a ragged shared tile (T = 300: rows past T in the last token block); partial K / N blocks
-# and a skipped sub-tile (I = 192); the SwiGLU clamp; qwen3's H, I on 32 ragged experts; the last
-# down tile 64 (odd64_blocks), 128 and 192 columns wide.
-@pytest.mark.parametrize("name", ["T1", "ragged_T300_shared", "odd64_blocks", "limit7", "qwen3_dims_e32_T512",
-                                  "h384_last_tile_128", "h448_last_tile_192_shared"])
+# and a skipped sub-tile (I = 192); the SwiGLU clamp; qwen3's H, I on 32 ragged experts.
+@pytest.mark.parametrize("name", ["T1", "ragged_T300_shared", "odd64_blocks", "limit7", "qwen3_dims_e32_T512"])
 def test_staged_matches_the_oracle_and_the_direct_kernel_bitwise(request, monkeypatch, name):
     if _isolated(request):
         return
-    p, c = STAGED_CASES[name]
+    p, c = CASES[name]
     h = make_problem(zlib.crc32(name.encode()) % 1000, **p)
     got = {}
     for label, m in (("direct", NEVER), ("staged", ALWAYS)):
-        monkeypatch.setattr(F, "STAGED_MIN_K_BLOCKS", m)
+        monkeypatch.setattr(M8, "STAGED_MIN_K_BLOCKS", m)
         got[label] = check_case(f"{name}_{label}", _cfg(h, p["k"], **c), h)
     a, b = got["direct"], got["staged"]
     np.testing.assert_array_equal(_bits(b["outs"][0]), _bits(a["outs"][0]), err_msg=f"{name}: out differs")
-    assert a["ctx"].keys() == b["ctx"].keys() and not a["y_by_row"] and b["y_by_row"]
+    assert a["ctx"].keys() == b["ctx"].keys()
     for n in a["ctx"]:
-        x, y = (y_by_slot(a), y_by_slot(b)) if n == "y_slot" else (a["ctx"][n], b["ctx"][n])
-        np.testing.assert_array_equal(_bits(y), _bits(x), err_msg=f"{name}: context {n} differs")
+        np.testing.assert_array_equal(_bits(b["ctx"][n]), _bits(a["ctx"][n]), err_msg=f"{name}: context {n} differs")
 
 
 def test_staged_with_skewed_and_empty_experts(request, monkeypatch):
@@ -72,11 +60,11 @@ def test_staged_with_skewed_and_empty_experts(request, monkeypatch):
     probs = np.r_[np.full(3, 0.25), np.zeros(3), np.full(6, 0.25 / 6)]
     ids = np.stack([rng.choice(E, size=k, replace=False, p=probs) for _ in range(T)])
     h = make_problem(405, T=T, H=256, I=192, E=E, k=k, Is=128, ids=ids)
-    monkeypatch.setattr(F, "STAGED_MIN_K_BLOCKS", ALWAYS)
+    monkeypatch.setattr(M8, "STAGED_MIN_K_BLOCKS", ALWAYS)
     check_case("k5_skewed_staged", _cfg(h, k), h)
 
 
 def test_staged_ep2_against_ep1(monkeypatch):
     from test_ep_gpu import check_ep_against_one_rank
-    monkeypatch.setattr(F, "STAGED_MIN_K_BLOCKS", ALWAYS)
+    monkeypatch.setattr(M8, "STAGED_MIN_K_BLOCKS", ALWAYS)
     check_ep_against_one_rank("e6_shared_limit", [0, 0], precision="fp8_block")   # shared expert, clamp, T = 1000 / 37

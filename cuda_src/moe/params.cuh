@@ -42,8 +42,7 @@ struct MoEDims {
   int rank;                  // this rank (reported in error words)
   int has_limit;             // 1: swiglu_limit applies
   float swiglu_limit;
-  int y_rows;                // 1: ctx.y_slot holds route t*k+j at row route_row[t*k+j] (the FP8
-                             // staged forward without EP, moe_params_fp8.y_by_row); 0: at slot t*k+j
+  int pad_;
 };
 static_assert(sizeof(MoEDims) == 8 + 12 * 4, "MoEDims layout: update mok_rt/kernels/moe_params.py");
 static_assert(offsetof(MoEDims, tokens) == 8 && offsetof(MoEDims, swiglu_limit) == 48, "MoEDims layout");
@@ -64,8 +63,7 @@ struct MoEContext {
   bf16* x_routed;  // [max_rows, H] token rows by expert (padding rows zero)
   bf16* gu;        // [max_rows, 2I] pre-activation gate | up (unclamped)
   bf16* act;       // [max_rows, I] SwiGLU output
-  bf16* y_slot;    // unweighted expert output of each route: [T*k, H] by slot, or [max_rows, H] by
-                   // row (route_row) where dims.y_rows (the FP8 staged forward's stores)
+  bf16* y_slot;    // [T*k, H] unweighted expert output of each route
   bf16* sgu;       // [T, 2I_s] shared expert gate | up
   bf16* sact;      // [T, I_s] shared expert activation
 };

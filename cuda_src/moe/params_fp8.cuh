@@ -92,11 +92,10 @@ struct MoEFp8ForwardMaps {
 };
 static_assert(sizeof(MoEFp8ForwardMaps) == 14 * 128, "MoEFp8ForwardMaps layout: update mok_rt/kernels/moe_fp8.py");
 
-// The staged tiles' store maps (moe_forward_fp8_staged only; pipeline/staged_tile.cuh).
+// The staged gate|up tiles' store maps (moe_forward_fp8_staged only; pipeline/staged_tile.cuh).
 struct MoEFp8StagedMaps {
   TensorMap gu_st;    // gu [R, 2 I] bf16, box {64, 128}     F2's staged stores
   TensorMap sgu_st;   // sgu [T, 2 I_s] bf16, box {64, 128}  F1's
-  TensorMap y_st;     // ctx.y_slot by row [R, H] bf16, box {64, 128}: F4's (zeros unless dims.y_rows)
 };
 
 // The staged maps last, so that the direct kernel's parameters sit where they always did.
@@ -105,7 +104,7 @@ struct MoEFp8ForwardTmaParams {
   MoEFp8ForwardParams p;
   MoEFp8StagedMaps staged;
 };
-static_assert(sizeof(MoEFp8ForwardTmaParams) == 3392 && offsetof(MoEFp8ForwardTmaParams, p) == 1792 &&
+static_assert(sizeof(MoEFp8ForwardTmaParams) == 3264 && offsetof(MoEFp8ForwardTmaParams, p) == 1792 &&
                   offsetof(MoEFp8ForwardTmaParams, staged) == 3008,
               "MoEFp8ForwardTmaParams layout: update mok_rt/kernels/moe_fp8.py");
 static_assert(sizeof(MoEFp8ForwardTmaParams) <= 4096, "the classic kernel parameter limit");

@@ -28,12 +28,18 @@ __all__ = ["Fp8ForwardBuffers", "forward_plan", "forward_buffer_bytes", "map_spe
            "launch_forward_fp8", "push_tasks", "fp8_peers", "check_push_tasks", "staged", "prepare"]
 
 _KERNELS = L._Kernels("moe_forward_fp8", "moe_forward_fp8", "", P.THREADS, P.SMEM_BYTES)
-# The same forward with the gate|up tiles' g, u and the routed down tiles' y stored through shared
-# memory by TMA (cuda_src/moe/pipeline/staged_tile.cuh): faster where the gate|up K (H) is long,
-# slower where it is short (the borrowed ring slot delays the next tile's last stage;
-# bench/NOTES-FP8-2.md round 16, NOTES-FP8-3.md).  Same bits; y_slot by row (F.y_by_row).
+# The same forward with the gate|up tiles' g, u stored through shared memory by TMA (cuda_src/moe/
+# pipeline/staged_tile.cuh): faster where the gate|up K (H) is long, slower where it is short (the
+# borrowed ring slot delays the next tile's last stage; bench/NOTES-FP8-2.md round 16, NOTES-FP8-3.md).
+# Same bits.
 _KERNELS_STAGED = L._Kernels("moe_forward_fp8_staged", "moe_forward_fp8_staged", "", P.THREADS, P.SMEM_BYTES)
-staged = F.staged   # the choice (moe_params_fp8.STAGED_MIN_K_BLOCKS), with its consequence F.y_by_row
+STAGED_MIN_K_BLOCKS = 32   # H >= 31 * 128 + 1: deepseek-v3 (H = 7168, 56 K blocks) staged, qwen3 (2048, 16) not
+
+
+def staged(dims: L.LayerDims) -> bool:
+    """Whether the forward of ``dims`` runs the staged gate|up kernel (``moe_forward_fp8_staged``):
+    where the gate|up K has at least STAGED_MIN_K_BLOCKS blocks of 128 (read at each launch)."""
+    return -(-dims.hidden // _BOX) >= STAGED_MIN_K_BLOCKS
 
 
 def prepare(device_id: int) -> int:
@@ -105,12 +111,12 @@ def _b(address: int, n: int, k: int, box_rows: int, groups: int = 1) -> TensorMa
                          swizzle=Swizzle.B128, dtype="u8")
 
 
-def _staged_rows(address: int, rows: int, cols: int) -> TensorMapSpec | None:
-    """bf16 [rows, cols]: dims {cols, rows}, box {64, 128}, 128B-swizzled: a staged tile's TMA
-    stores (cuda_src/moe/pipeline/staged_tile.cuh), gu [R, 2 I], sgu [T, 2 I_s] or y_slot by row [R, H]."""
-    if not address or rows <= 0 or cols <= 0:
+def _staged_gu(address: int, rows: int, inter: int) -> TensorMapSpec | None:
+    """bf16 gu [rows, 2 I] (gate | up): dims {2 I, rows}, box {64, 128}, 128B-swizzled: the staged
+    gate|up tiles' TMA stores (cuda_src/moe/pipeline/staged_tile.cuh)."""
+    if not address or rows <= 0 or inter <= 0:
         return None
-    return TensorMapSpec(address=address, dims=(cols, rows), strides=(2 * cols,), box=(64, _BOX),
+    return TensorMapSpec(address=address, dims=(2 * inter, rows), strides=(4 * inter,), box=(64, _BOX),
                          swizzle=Swizzle.B128, dtype="bf16")
 
 
@@ -141,12 +147,10 @@ def map_specs(bufs, dims: L.LayerDims) -> dict[str, TensorMapSpec | None]:
 
 
 def staged_map_specs(bufs, dims: L.LayerDims) -> dict[str, TensorMapSpec | None]:
-    """The maps only moe_forward_fp8_staged reads (:func:`staged`): its TMA stores of gu, sgu and (by
-    row, :func:`~mok_rt.kernels.moe_params_fp8.y_by_row`) y_slot."""
+    """The maps only moe_forward_fp8_staged reads (:func:`staged`): its TMA stores of gu and sgu."""
     d, b = dims, bufs
-    specs = {"gu_st": _staged_rows(b.gu, d.capacity_rows, 2 * d.intermediate),
-             "sgu_st": _staged_rows(b.sgu, d.tokens, 2 * d.shared_intermediate) if d.shared_intermediate else None,
-             "y_st": _staged_rows(b.y_slot, d.capacity_rows, d.hidden) if F.y_by_row(d) else None}
+    specs = {"gu_st": _staged_gu(b.gu, d.capacity_rows, d.intermediate),
+             "sgu_st": _staged_gu(b.sgu, d.tokens, d.shared_intermediate) if d.shared_intermediate else None}
     assert tuple(specs) == F.FP8_STAGED_MAP_NAMES
     return specs
 
@@ -166,7 +170,6 @@ def _params(bufs, sched, plan, dims: L.LayerDims, knobs: L.KernelKnobs, err_ptr:
         setattr(p, name, int(v))
     p.err, p.trace = err_ptr, trace_ptr
     p.dims = dims._struct(knobs.timeout_ns)
-    p.dims.y_rows = int(F.y_by_row(dims))
     p.plan = plan.struct()
     p.context_only = int(bool(context_only))
     p.peers = L._no_peers() if peers is None else peers._struct()

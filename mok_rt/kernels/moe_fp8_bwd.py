@@ -197,7 +197,6 @@ def _params(bufs, sched, plan, dims: L.LayerDims, knobs: L.KernelKnobs, err_ptr:
     p.err, p.trace = err_ptr, trace_ptr
     # With EP the local deadline goes in (the kernel divides for its peer waits; module doc).
     p.dims = dims._struct(knobs.timeout_ns * (1 if peers is None else LOCAL_TIMEOUT_FACTOR))
-    p.dims.y_rows = int(F.y_by_row(dims))   # how the forward left ctx.y_slot (d_weights reads it)
     p.plan = plan.struct()
     p.accumulate, p.grad_bf16 = int(bool(accumulate)), int(bool(grad_bf16))
     p.peers = L._no_peers() if peers is None else peers._struct()

@@ -111,7 +111,7 @@ class LayerDims:
             shared_inter=self.shared_intermediate, top_k=self.top_k, local_experts=self.local_experts,
             max_rows=self.capacity_rows, max_blocks=self.max_blocks, rank=self.rank,
             has_limit=int(self.swiglu_limit is not None),
-            swiglu_limit=float(self.swiglu_limit) if self.swiglu_limit is not None else 0.0, y_rows=0)
+            swiglu_limit=float(self.swiglu_limit) if self.swiglu_limit is not None else 0.0, pad_=0)
 
 
 def _buffers_class(name: str, table, doc: str):

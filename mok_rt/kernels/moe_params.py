@@ -170,7 +170,7 @@ class MoEDims(ctypes.Structure):
         ("rank", ctypes.c_int32),
         ("has_limit", ctypes.c_int32),
         ("swiglu_limit", ctypes.c_float),
-        ("y_rows", ctypes.c_int32),   # ctx.y_slot by row (route_row) instead of by slot: moe_params_fp8.y_by_row
+        ("pad_", ctypes.c_int32),
     ]
 
 

@@ -14,8 +14,8 @@ from mok_rt.kernels import moe_params as P
 from mok_rt.kernels.moe_params import Buffer
 from mok_rt.runtime.tensormap import TensorMapBytes
 
-__all__ = ["KBLOCK", "FP8_TILE_N", "STAGED_MIN_K_BLOCKS", "FP8_FORWARD_BUFFERS", "FP8_FORWARD_MAP_NAMES",
-           "FP8_STAGED_MAP_NAMES", "token_ld", "token_order", "staged", "y_by_row", "MoEFp8Weights", "MoEFp8Context", "MoEFp8Plan", "MoEFp8ForwardParams", "MoEFp8ForwardMaps",
+__all__ = ["KBLOCK", "FP8_TILE_N", "FP8_FORWARD_BUFFERS", "FP8_FORWARD_MAP_NAMES", "FP8_STAGED_MAP_NAMES", "token_ld",
+           "token_order", "MoEFp8Weights", "MoEFp8Context", "MoEFp8Plan", "MoEFp8ForwardParams", "MoEFp8ForwardMaps",
            "MoEFp8StagedMaps", "MoEFp8ForwardTmaParams"]
 
 KBLOCK = 128       # fp8_block scale block (1 x 128 activations, 128 x 128 weights) = one K stage
@@ -37,30 +37,6 @@ def token_order(d) -> bool:
     routed ones) exist: with a shared expert (its A operands), and with expert parallelism (the
     push tasks quantise each token row once there, then send it: cuda_src/moe/tasks/ep_fp8.cuh)."""
     return bool(d.shared_intermediate) or d.expert_parallel
-
-
-# The staged forward kernel (moe_forward_fp8_staged: gate|up and routed down tiles stored through
-# shared memory by TMA, cuda_src/moe/pipeline/staged_tile.cuh) where the gate|up K has at least this
-# many blocks of 128: faster where K is long, slower where it is short (the borrowed ring slot delays
-# the next tile's last stage; bench/NOTES-FP8-2.md round 16).  deepseek-v3 (H = 7168, 56 K blocks)
-# staged, qwen3 (2048, 16) not.  Read at each call of staged(); a workspace sizes y_slot with it
-# (y_by_row) when it is made, so a test that changes it makes its workspaces afterwards.
-STAGED_MIN_K_BLOCKS = 32
-
-
-def staged(d) -> bool:
-    """Whether the FP8 forward of ``d`` runs the staged kernel (``moe_forward_fp8_staged``)."""
-    return _cdiv(d.hidden, KBLOCK) >= STAGED_MIN_K_BLOCKS
-
-
-def y_by_row(d) -> bool:
-    """Whether the FP8 forward of ``d`` keeps the routes' outputs ``y_slot`` by row (route t*k+j at
-    row ``route_row[t*k+j]``, [capacity_rows, H]) instead of by slot ([T*k, H]): the staged kernel's
-    down tiles store whole 128-row boxes by TMA, which a slot-order scatter cannot use.  Not with
-    expert parallelism (the down tiles return rows to their source ranks' slot rows there).  The one
-    decision the buffer table (the size of ``y_slot``), the forward and the backward read
-    (``MoEDims.y_rows``)."""
-    return staged(d) and not d.expert_parallel
 
 
 def _tok(d, n: int) -> int:
@@ -90,8 +66,7 @@ _WQ = (
 )
 _CTX = (
     Buffer("gu", "ctx", "bf16", lambda d: (d.capacity_rows, 2 * d.intermediate), "context"),
-    Buffer("y_slot", "ctx", "bf16", lambda d: (d.capacity_rows if y_by_row(d) else d.tokens * d.top_k, d.hidden),
-           "context"),
+    Buffer("y_slot", "ctx", "bf16", lambda d: (d.tokens * d.top_k, d.hidden), "context"),
     Buffer("sgu", "ctx", "bf16", lambda d: (d.tokens, 2 * d.shared_intermediate), "context"),
 )
 _QCTX = (
@@ -138,7 +113,7 @@ class MoEFp8ForwardParams(ctypes.Structure):
 
 FP8_FORWARD_MAP_NAMES = ("xq_k", "xrq_k", "saq_k", "aq_k", "xq_s", "xrq_s", "saq_s", "aq_s", "gate_k", "up_k",
                          "down_k", "shared_gate_k", "shared_up_k", "shared_down_k")
-FP8_STAGED_MAP_NAMES = ("gu_st", "sgu_st", "y_st")   # read only by moe_forward_fp8_staged
+FP8_STAGED_MAP_NAMES = ("gu_st", "sgu_st")   # read only by moe_forward_fp8_staged
 
 
 class MoEFp8ForwardMaps(ctypes.Structure):
@@ -160,8 +135,8 @@ LAYOUT = {
     MoEFp8Plan: (16, {}),
     MoEFp8ForwardParams: (1216, {"wq": 1032, "qctx": 1128, "token_xq_ready": 1192, "plan8": 1200}),
     MoEFp8ForwardMaps: (14 * 128, {}),
-    MoEFp8StagedMaps: (3 * 128, {}),
-    MoEFp8ForwardTmaParams: (3392, {"p": 1792, "staged": 3008}),
+    MoEFp8StagedMaps: (2 * 128, {}),
+    MoEFp8ForwardTmaParams: (3264, {"p": 1792, "staged": 3008}),
 }
 for _cls, (_size, _offsets) in LAYOUT.items():
     assert ctypes.sizeof(_cls) == _size, (_cls.__name__, ctypes.sizeof(_cls), _size)

@@ -1,7 +1,7 @@
 // The signaler: one thread of the producer warpgroup (warp 1, lane 0) that performs the workers'
 // counter releases, so that the release's wait for the CTA's stores (MEMBAR.GPU before the red)
-// holds no worker warp, and, in the staged FP8 forward, the TMA stores of the gate|up tiles' gu
-// and the routed down tiles' y (pipeline/staged_tile.cuh).  With the release in worker 0 (task_graph.cuh signal_counter), warp 0
+// holds no worker warp, and, in the staged FP8 forward, the gate|up tiles' TMA stores of gu
+// (pipeline/staged_tile.cuh).  With the release in worker 0 (task_graph.cuh signal_counter), warp 0
 // of warpgroup 0 stood in that wait after every tile, and that warpgroup's next MMAs with it (wgmma
 // is warpgroup-collective): ~0.5 us of each FP8 tile (bench/NOTES-FP8-2.md round 15).
 //
@@ -10,9 +10,8 @@
 // `full` mbarrier (release.cta) -> the signaler's wait (acquire.cta) -> (the boxes' TMA stores) ->
 // red.release.gpu.  The release is cumulative over what the signaler's acquire saw, which includes
 // everything the workers wrote before their barrier: the same chain as worker 0's own release after
-// that barrier.  A gate|up tile's release does not wait for its stores: gu is read only by the
-// backward (a later launch; the signaler waits for its stores to complete before the CTA ends).  A
-// down tile's does (`complete`): the combine reads y in this launch.  Once the stores have
+// that barrier.  It does not wait for the staged stores: gu is read only by the backward (a later
+// launch; the signaler waits for its stores to complete before the CTA ends).  Once the stores have
 // read the boxes, the signaler hands the held ring slot back to the producer (the consumer warps'
 // arrivals, which the mainloop held back) and frees box 3.  A stop entry (counter == nullptr,
 // slot < 0) ends the signaler.  Entries are reused in order; worker 0 waits for an entry's `empty`
@@ -38,24 +37,13 @@ namespace pipe {
 constexpr int kWhatSignalPost = -5;   // MbarWaitCtx::what of a post that found no free entry
 constexpr int kWhatStagingFree = -6;  // ... of a staged tile whose static box was not freed in time
 
-// The stores of a staged tile (staged_tile.cuh), beside its entry's release.
+// The stores of a staged gate|up tile, beside its entry's release.
 struct StagedStore {
   int slot;                // the held ring slot, or -1: the entry is a plain release
-  const TensorMap* map;    // gu / sgu / y by row as 2D {columns, rows}, box {64, 128}
-  int col[2];              // box b goes to column col[b / 2] + 64 (b % 2) of rows row .. row + 127
-  int row;
-  int boxes;               // bit b: box b is stored
-  int complete;            // 1: the release waits until the stores have written (data read in this launch)
-
-  // A gate|up tile: gate sub-tile S in box S, up sub-tile S in box 2 + S, for S < subtiles.
-  __device__ __forceinline__ static StagedStore gate_up(int slot, const TensorMap* map, int gate_col, int up_col,
-                                                        int row, int subtiles) {
-    return StagedStore{slot, map, {gate_col, up_col}, row, subtiles > 1 ? 0xf : 0x5, 0};
-  }
-  // A tile of `cols` columns (a multiple of 64) from column col0: box b holds columns 64 b .. 64 b + 63.
-  __device__ __forceinline__ static StagedStore columns(int slot, const TensorMap* map, int col0, int cols, int row) {
-    return StagedStore{slot, map, {col0, col0 + 128}, row, (1 << (cols / 64)) - 1, 1};
-  }
+  const TensorMap* map;    // gu / sgu as 2D {2 I, rows}, box {64, 128}
+  int gate_col, up_col;    // the tile's first gate and up columns in gu
+  int row;                 // its first row
+  int subtiles;            // 1 or 2: boxes S and 2 + S for S < subtiles
 };
 
 // Entry i is {counter[i], add[i]} (counter nullptr: no release; with no stores, the stop entry)
@@ -141,7 +129,7 @@ struct Signals {
       }
       int* const c = counter[i];
       const int a = add[i];
-      const StagedStore st = kStaged ? stores[i] : StagedStore{-1, nullptr, {0, 0}, 0, 0, 0};
+      const StagedStore st = kStaged ? stores[i] : StagedStore{-1, nullptr, 0, 0, 0, 0};
       if (kStaged && st.slot >= 0) stores[i].slot = -1;  // before the entry is handed back
       mbar_arrive(empty(i));
       if (st.slot < 0) {
@@ -150,20 +138,15 @@ struct Signals {
         continue;
       }
       const Staging box = Staging::of(s, st.slot);
-      for (int b = 0; b < Staging::kBoxes; ++b)
-        if ((st.boxes >> b) & 1) tma_store_2d(st.map, box.box(b), st.col[b >> 1] + 64 * (b & 1), st.row);
+      for (int sub = 0; sub < st.subtiles; ++sub) {
+        tma_store_2d(st.map, box.box(sub), st.gate_col + 64 * sub, st.row);
+        tma_store_2d(st.map, box.box(2 + sub), st.up_col + 64 * sub, st.row);
+      }
       tma_store_commit();
-      if (c != nullptr && !st.complete) red_release_gpu(c, a);
+      if (c != nullptr) red_release_gpu(c, a);
       tma_store_wait_read<0>();
       mbar_arrive_count(s.ring.empty(st.slot), wg::kEmptyArrivals);  // the consumer warps' arrivals
       mbar_arrive(staging_free());
-      if (c != nullptr && st.complete) {
-        // y (staged down tiles) is read by this launch's combine with generic loads: the stores
-        // complete, then the async-proxy writes are ordered before the release.
-        tma_store_wait<0>();
-        fence_proxy_async_global();
-        red_release_gpu(c, a);
-      }
     }
     if (kStaged) tma_store_wait<0>();  // the stores are complete before the CTA ends
   }

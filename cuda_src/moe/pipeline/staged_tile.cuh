@@ -1,10 +1,7 @@
-// Staged tile stores (the FP8 forward's `moe_forward_fp8_staged` kernel, chosen where K is long): a
-// gate|up tile's g and u, or a routed down tile's y (bf16, 128 rows x 256 columns, 64 KB), go from
-// registers to shared memory, and the signaler (pipeline/signaler.cuh) stores them to gu, or to y by
-// row (MoEDims::y_rows), with four 2D TMA stores while the workers run the next tile.  A down
-// tile's rows are routes of many tokens; in slot order (y_slot[t*k + j]) they would scatter, one
-// bulk copy per row, so the staged kernel keeps y by row and the combine and the backward's
-// d_weights find route t*k + j at row route_row[t*k + j].  Stored from registers, they hold both warpgroups (and so the tensor cores) for
+// Staged gate|up tile stores (the FP8 forward's `moe_forward_fp8_staged` kernel, chosen where K is
+// long): g and u (bf16, 128 rows x 256 columns, 64 KB) go from registers to shared memory, and the
+// signaler (pipeline/signaler.cuh) stores them to gu with four 2D TMA stores while the workers run
+// the next tile.  Stored from registers, they hold both warpgroups (and so the tensor cores) for
 // ~3 us of a gate|up task; written to shared memory they take a few hundred cycles.  The price is
 // the ring slot the boxes borrow: the next tile's last stage cannot be loaded until the stores have
 // read it, which costs more than it saves where the mainloop is short (qwen3's 16 K blocks:
@@ -14,8 +11,8 @@
 //
 // Where: four boxes of 128 rows x 64 columns (128 bytes a row, 128B-swizzled like the operand
 // tiles: 16-byte chunk c of row r at chunk c ^ (r mod 8), so a warp's 8 rows x 64 bytes take the
-// minimum 4 wavefronts): gate|up, gate columns [0, 64) and [64, 128) of the I block, then the same
-// up columns; down, the tile's columns 64 b .. 64 b + 63 in box b.  Boxes 0-2 lie in the task's last ring slot, which the mainloop then does not release
+// minimum 4 wavefronts): gate columns [0, 64) and [64, 128) of the I block, then the same up
+// columns.  Boxes 0-2 lie in the task's last ring slot, which the mainloop then does not release
 // (gemm_fp8.cuh kHold); the signaler hands it back once the stores have read it.  Box 3 lies in a
 // static buffer, one per CTA: a task waits until the previous staged task's stores have read it
 // (Signals::begin_staged, normally long complete).

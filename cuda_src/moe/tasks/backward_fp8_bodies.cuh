@@ -103,7 +103,7 @@ __device__ __forceinline__ void quantize_dout(const MoEFp8BackwardParams& q, boo
     signal_counter(q.token_dq_ready + b);
 }
 
-// B1: d_topk_weights[t, j] = <d_out[t], y[t k + j]> (unquantised d_out, the oracle's), a warp
+// B1: d_topk_weights[t, j] = <d_out[t], y_slot[t k + j]> (unquantised d_out, the oracle's), a warp
 // per route, lanes stride over H, then a fixed butterfly: the bf16 body's (BackwardTasks::d_weights)
 // sums in the same order.  Why not that body: its loads are guarded by `if (c < hidden)`, and a
 // register only written under a predicate keeps its old value otherwise, so ptxas held its 16
@@ -116,9 +116,7 @@ __device__ __forceinline__ void d_weights(const MoEBackwardParams& p, int tb) {
   const int routes = min_int(kBlockM, d.tokens - tb * kBlockM) * d.top_k, slot0 = tb * kBlockM * d.top_k;
   for (int q = warp; q < routes; q += kThreads / 32) {
     const size_t slot = (size_t)slot0 + q, t = slot / d.top_k;
-    // The forward's y by slot, or by row (its staged down tiles: MoEDims::y_rows).
-    const size_t y_row = d.y_rows != 0 ? (size_t)::max(__ldg(p.sched.route_row + slot), 0) : slot;
-    const bf16* const yr = p.ctx.y_slot + y_row * d.hidden;
+    const bf16* const yr = p.ctx.y_slot + slot * d.hidden;
     const bf16* const gr = p.d_out + t * d.hidden;
     float sum = 0.f;
     // 8 chunk pairs per lane in flight (a 2048-wide route in one round trip): the task runs under

@@ -174,9 +174,8 @@ struct ForwardTasks {
   // routes' outputs arrive in this rank's slot rows: they are also copied into y_slot (context),
   // and a context-only launch stops there.  Runs after the producer's waits:
   // `q`: the combine task (token block q / plan.combine_parts, its part q % plan.combine_parts).
-  // the kBlockM / plan.combine_parts tokens of combine task q.  y_row (one GPU only; the FP8 staged
-  // forward, MoEDims::y_rows): route t*k+j's output is y_slot row y_row[t*k+j], not row t*k+j.
-  __device__ void combine_body(int q, const int* y_row = nullptr) const {
+  // the kBlockM / plan.combine_parts tokens of combine task q.
+  __device__ void combine_body(int q) const {
     const MoEDims& d = p.dims;
     const bool ep = ep_on();
     const bool write_out = p.context_only == 0;
@@ -223,10 +222,7 @@ struct ForwardTasks {
 #pragma unroll
           for (int u = 0; u < kCopyBatch; ++u)
             wv[h][u] = write_out && j0 + u < d.top_k ? p.topk_weights[t[h] * d.top_k + j0 + u] : 0.f;
-          m = load_routes(yv[h], j0, d.top_k, [&](int j) {
-            const size_t slot = t[h] * d.top_k + j;
-            return y_src + (y_row != nullptr && !ep ? (size_t)::max(__ldg(y_row + slot), 0) : slot) * d.hidden + c[h];
-          });
+          m = load_routes(yv[h], j0, d.top_k, [&](int j) { return y_src + (t[h] * d.top_k + j) * d.hidden + c[h]; });
         }
 #pragma unroll
         for (int h = 0; h < kPair; ++h) {

@@ -5,8 +5,7 @@
 //   F1 shared g|u    token block x I_s/128:    [xq | Wq_shared_gate; Wq_shared_up] -> sgu, saq = Q(swiglu)
 //   F2 routed g|u    row block x I/128:        [xrq | Wq_gate[e]; Wq_up[e]] -> gu, aq = Q(swiglu)
 //   F3 shared down   token block x H/256:      saq * Wq_shared_down^T -> shared_y (fp32)
-//   F4 routed down   row block x H/256:        aq * Wq_down[e]^T -> y_slot[route] (bf16, unweighted;
-//                                              staged: y_slot by row, dims.y_rows)
+//   F4 routed down   row block x H/256:        aq * Wq_down[e]^T -> y_slot[route] (bf16, unweighted)
 //   F5 combine       part of a token block:    out = shared_y + sum_j w[t,j] y_slot[t*k+j] (the bf16 body)
 // Every GEMM is 128 x 256 tiles of 128-deep K blocks, two 128-wide sub-tiles on one A stage
 // (pipeline/gemm_fp8.cuh).  A gate|up task covers one 128-column I block: sub-tile 0 = I columns
@@ -287,8 +286,7 @@ struct TmaForwardFp8 {
     int* const ready = (shared ? q.p.cnt.token_sact_ready : q.p.cnt.block_act_ready) + job.a;
     if constexpr (kStaged) {
       const MoEFp8StagedMaps& m = pipe::late(staged_maps);
-      const pipe::StagedStore st =
-          pipe::StagedStore::gate_up(pipe::held_slot(ps), shared ? &m.sgu_st : &m.gu_st, i0, o.inter + i0, row0, job.d);
+      const pipe::StagedStore st{pipe::held_slot(ps), shared ? &m.sgu_st : &m.gu_st, i0, o.inter + i0, row0, job.d};
       pipe::post_staged(pipe::Signals::of(), ready, st, w);  // aq (TMA-read) is fenced with the boxes
     } else {
       pipe::signal_posted<true>(pipe::Signals::of(), ready, w);  // aq is the down GEMM's A (TMA): fenced against the async proxy
@@ -296,9 +294,7 @@ struct TmaForwardFp8 {
     return true;
   }
 
-  // A down task: 128 rows x 256 hidden columns (two sub-tiles, or one at the end of H).  Staged
-  // (routed, y by row), y goes to the boxes and the signaler stores it; otherwise from registers,
-  // and the staged kernel's mainloop, which held its last slot, hands it back first.
+  // A down task: 128 rows x 256 hidden columns (two sub-tiles, or one at the end of H).
   __device__ bool down(const pipe::Job& job, const pipe::Shared& s, wg::PipeState& ps, int consumer,
                        const MbarWaitCtx& w) const {
     const MoEForwardParams& p = q.p;
@@ -308,25 +304,11 @@ struct TmaForwardFp8 {
     float t0[fp8g::kRegs], t1[fp8g::kRegs];
 #pragma unroll
     for (int i = 0; i < fp8g::kRegs; ++i) t0[i] = 0.f, t1[i] = 0.f;
-    if (!fp8g::mainloop<false, kStaged>(s, ps, t0, t1, kbs, consumer, w, job.e != 0 && consumer == 1, two,
-                                        b_scales(job)))
+    if (!fp8g::mainloop<false>(s, ps, t0, t1, kbs, consumer, w, job.e != 0 && consumer == 1, two, b_scales(job)))
       return false;
     const pipe::Frag f = pipe::Frag::of(consumer);
     const int row0 = job.a * kBlockM, cols0 = min_int(fp8g::kBN, d.hidden - h0);
     const int cols1 = two ? min_int(fp8g::kBN, d.hidden - h0 - fp8g::kBN) : 0;
-    if constexpr (kStaged) {
-      if (!shared && d.y_rows != 0) {
-        if (!pipe::Signals::of().begin_staged(w)) return false;
-        const pipe::Staging st = pipe::Staging::of(s, pipe::held_slot(ps));
-        fp8f::down_subtile_staged<0>(t0, f, st);
-        if (two) fp8f::down_subtile_staged<1>(t1, f, st);
-        const pipe::StagedStore ss =
-            pipe::StagedStore::columns(pipe::held_slot(ps), &pipe::late(staged_maps).y_st, h0, cols0 + cols1, row0);
-        pipe::post_staged(pipe::Signals::of(), p.cnt.down_done, ss, w);  // released once y is written
-        return true;
-      }
-      fp8g::release(s, pipe::held_slot(ps));
-    }
     if (shared) {
       float* const y = p.shared_y + (size_t)row0 * d.hidden + h0;
       const int rows = min_int(kBlockM, d.tokens - row0);
@@ -370,8 +352,8 @@ struct TmaForwardFp8 {
               [&](int kb, int t) { return q.qctx.xq_s + (size_t)kb * q.plan8.token_ld + t; }, nullptr,
               q.p.cnt.push_done, q.p.err);
         return true;
-      case kF8Combine:  // y by row (staged down tiles): route t*k + j at row route_row[t*k + j]
-        tasks.combine_body(job.a, kStaged && q.p.dims.y_rows != 0 ? q.p.sched.route_row : nullptr);
+      case kF8Combine:
+        tasks.combine_body(job.a);
         return true;
       case kF8SharedGU:
       case kF8RoutedGU:

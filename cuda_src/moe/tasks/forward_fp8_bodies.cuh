@@ -108,21 +108,6 @@ __device__ __forceinline__ void gate_up_subtile_staged(const float (&t)[fp8g::kR
   }
 }
 
-// Sub-tile S of a down tile (y, bf16) into staged boxes 2 S and 2 S + 1 (columns 64 b .. 64 b + 63
-// of the tile in box b), every tile row (the TMA store drops the rows past the tensor; a padding
-// row's y lands in its own row, which no route reads).
-template <int S>
-__device__ __forceinline__ void down_subtile_staged(const float (&t)[fp8g::kRegs], const pipe::Frag& f,
-                                                    const pipe::Staging& st) {
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = f.row0 + 8 * h;
-#pragma unroll
-    for (int q = 0; q < fp8g::kBN / 32; ++q)
-      pipe::st_shared_v4(st.chunk(2 * S + (q >> 1), r, 4 * (q & 1) + f.quad), fp8g::group_bf16(t, q, h));
-  }
-}
-
 // act of sub-tile 1 where the task has none (I ends inside the block): zeros, never the row's max.
 __device__ __forceinline__ void zero_upper_half(float (&act)[fp8g::kRegs]) {
 #pragma unroll
