@@ -3,9 +3,11 @@ oracle's FP8 emulation (mok_rt.reference.forward(..., precision="fp8_block"), do
 
 * the quantised weights: bitwise the oracle's quantize_experts (values and scales);
 * the dispatch's quantisation of x (routed rows and, with a shared expert, token order): bitwise;
-* ``out``: relative Frobenius error <= 5e-3 (the GEMMs are not bitwise: the tensor cores round
-  inside each 128-deep K block, the kernel's a is fp32 where the oracle's is float64);
-* the context's g, u (bf16), aq and y within tolerances; recompute_context rebuilds it bit for bit;
+* ``out`` and the context's y: relative Frobenius error <= 5e-3 against the oracle's down GEMMs and
+  combine fed with the kernel's own E4M3 a (aq, and saq with a shared expert), and <= 1e-2 end to
+  end (check_case says why; FP8ERR lines print both);
+* the context's g, u (bf16) within 5e-3 and aq within 2e-2 of the oracle's; recompute_context
+  rebuilds the context bit for bit;
 * every run repeats bit for bit (the backward: tests/test_fp8_backward_gpu.py).
 
 Every buffer the kernels write is poisoned with NaN first (poison_outputs=True); results are
@@ -30,7 +32,8 @@ from mok_rt import reference  # noqa: E402
 from mok_rt.reference.quantize import FP8_BLOCK, quantize_experts, quantize_fp8_block  # noqa: E402
 
 BF16 = ml_dtypes.bfloat16
-TOL_OUT = 5e-3
+TOL_OUT = 5e-3    # out, y given the kernel's Q(a); g, u
+TOL_E2E = 1e-2    # out, y end to end (see _downstream_reference)
 REPORT: list[str] = []
 
 
@@ -162,6 +165,36 @@ def _deq_rows(q, s, rows):
     return v * sc
 
 
+def _downstream_reference(got, rctx):
+    """The oracle's y [T, k, H] and out (reference.fp8's down GEMMs and combine, float64) fed with
+    the kernel's own E4M3 a: aq of the routed rows and, with a shared expert, saq.  Why: a is
+    quantised from the fp32 result of an FP8 GEMM (whose tensor cores round inside each 128-deep K
+    block), the oracle's from a float64 one; where the two land on different sides of an E4M3
+    rounding midpoint (a fraction of a per cent of the elements, each then one E4M3 step = 6-12 %
+    apart) the end-to-end difference reaches ~5e-3 with nothing wrong (5.3e-3 at H = 448, I = 192
+    with a shared expert).  Given the same decisions, what follows must agree tightly: what is left
+    is the bf16 stores of y and out and the down GEMMs' own rounding (~2e-3)."""
+    d, ctx = got["dims"], got["ctx"]
+    T, k = rctx.topk_ids.shape
+    ids = rctx.topk_ids.reshape(-1)
+    slots = got["row_slot"]
+    rows = np.nonzero(slots >= 0)[0]
+    aq = np.zeros((T * k, d.intermediate))
+    if rows.size:
+        aq[slots[rows]] = _deq_rows(ctx["aq"], ctx["aq_s"], rows)
+    y = np.zeros((T * k, d.hidden))
+    for e in np.unique(ids):
+        idx = np.nonzero(ids == e)[0]
+        y[idx] = aq[idx] @ rctx._w.down[e].T
+    y = y.reshape(T, k, d.hidden)
+    out = np.zeros((T, d.hidden))
+    for j in range(k):   # reference.layer's combine order
+        out += rctx.topk_weights[:, j, None] * y[:, j]
+    if rctx._ws is not None and T:
+        out = _deq_rows(ctx["saq"], ctx["saq_s"], np.arange(T)) @ rctx._ws.down.T + out
+    return y, out
+
+
 def check_case(name, cfg, h, **kw):
     got = run_gpu(cfg, h, **kw)
     ref_out, rctx = _reference(cfg, h)
@@ -187,10 +220,17 @@ def check_case(name, cfg, h, **kw):
         errs["u"] = rel_err(gu[:, I:], rctx.u[r])
         errs["aq"] = rel_err(_deq_rows(got["ctx"]["aq"], got["ctx"]["aq_s"], rows), rctx.aq[r])
         errs["y"] = rel_err(got["ctx"]["y_slot"][: dims.tokens * k], rctx.y.reshape(-1, dims.hidden))
-    REPORT.append(f"FP8ERR {name}: " + " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
+    y_d, out_d = _downstream_reference(got, rctx)
+    stage = {"out": rel_err(out, out_d)}
+    if rows.size:
+        stage["y"] = rel_err(y_by_slot(got), y_d.reshape(-1, dims.hidden))
+    REPORT.append(f"FP8ERR {name}: " + " ".join(f"{n}={e:.2e}" for n, e in errs.items())
+                  + " | given the kernel's Q(a): " + " ".join(f"{n}={e:.2e}" for n, e in stage.items()))
     print(REPORT[-1])
-    assert err <= TOL_OUT, f"{name}: out relative error {err:.3e} > {TOL_OUT}"
-    for n in ("g", "u", "y"):
+    for n, e in stage.items():
+        assert e <= TOL_OUT, f"{name}: {n} relative error {e:.3e} > {TOL_OUT} given the same Q(a)"
+        assert errs[n] <= TOL_E2E, f"{name}: {n} relative error {errs[n]:.3e} > {TOL_E2E} end to end"
+    for n in ("g", "u"):
         assert errs.get(n, 0.0) <= TOL_OUT, f"{name}: {n} relative error {errs[n]:.3e}"
     assert errs.get("aq", 0.0) <= 2e-2, f"{name}: aq relative error {errs['aq']:.3e}"   # E4M3 ties may flip
     # Determinism: every run, and the forward on bf16 weights (quantised inside), bit for bit;
@@ -209,6 +249,9 @@ CASES = {
     "odd64_blocks": (dict(T=517, H=320, I=192, E=6, k=3, Is=192), {}),   # partial K / N blocks, a skipped sub-tile
     "wide_T1000": (dict(T=1000, H=1024, I=512, E=16, k=4, Is=768), {}),
     "limit7": (dict(T=333, H=512, I=256, E=8, k=3, Is=256, x_scale=4.0), {"limit": 7.0}),
+    # H = 3.5 K blocks (the last down tile 192 columns wide), a shared expert larger in out than the
+    # routed ones: the case whose end-to-end out error (5.3e-3) first passed 5e-3.
+    "h448_shared": (dict(T=250, H=448, I=192, E=6, k=3, Is=128), {}),
     # The model dimensions (K blocks, N tiles, I blocks as at full size), with fewer experts so that
     # the float64 oracle stays within seconds: qwen3-30b-a3b's H, I and top-8 on 32 experts (ragged:
     # ~128 rows an expert), deepseek-v3's H, I, top-8 and shared expert on 8 experts (every token on

@@ -33,8 +33,10 @@ def _bits(a: np.ndarray) -> np.ndarray:
 
 
 # T = 1; a ragged shared tile (T = 300: rows past T in the last token block); partial K / N blocks
-# and a skipped sub-tile (I = 192); the SwiGLU clamp; qwen3's H, I on 32 ragged experts.
-@pytest.mark.parametrize("name", ["T1", "ragged_T300_shared", "odd64_blocks", "limit7", "qwen3_dims_e32_T512"])
+# and a skipped sub-tile (I = 192); the SwiGLU clamp; a partial last K block of the staged gate|up
+# tiles (H = 448); qwen3's H, I on 32 ragged experts.
+@pytest.mark.parametrize("name", ["T1", "ragged_T300_shared", "odd64_blocks", "limit7", "h448_shared",
+                                  "qwen3_dims_e32_T512"])
 def test_staged_matches_the_oracle_and_the_direct_kernel_bitwise(request, monkeypatch, name):
     if _isolated(request):
         return
