@@ -102,6 +102,7 @@ struct TmaForwardFp8 {
       if (ep_on && !ep::wait_all_thread(p.peers, kFlagFwdRows, -1, ep::peer_wait_ctx(p), ep::kStageFwdRows)) return -1;
       job.kind = kF8Dispatch;
       job.a = blk;
+      if (!ep_on) rows::use_ring(job, rows::Stages::of(d.hidden).count);  // quantize_block_ring
       return 1;
     }
     if (f.shared_gu.has(task)) {
@@ -207,6 +208,9 @@ struct TmaForwardFp8 {
     const MoEFp8ForwardMaps& m = pipe::late(maps);
     const int row0 = job.a * kBlockM;
     switch (job.kind) {
+      case kF8Dispatch:  // the block's source rows, whole (quantize_block_ring)
+        return rows::issue_stage(q.p.sched, q.p.dims, q.p.x, q.p.err, job.a, stage, rows::Stages::of(q.p.dims.hidden),
+                                 dst, bar);
       case kF8SharedGU:
         return fp8g::load_stage(dst, bar, &m.xq_k, &m.xq_s, row0, stage, &m.shared_gate_k, &m.shared_up_k,
                                 job.b * 128, 0, job.d);
@@ -343,6 +347,13 @@ struct TmaForwardFp8 {
         // call site of the quantiser either way (it is inlined where called).
         if (job.kind == kF8Dispatch && ep::enabled(q.p.peers)) {
           ep8::receive_block(q, job.a);
+          return true;
+        }
+        if (job.kind == kF8Dispatch && job.gemm == pipe::kLoadRows) {
+          if (!fp8f::quantize_block_ring(s, ps, q.p.sched, q.p.dims, job.a, q.qctx.xrq, q.qctx.xrq_s,
+                                         (size_t)q.p.dims.max_rows, w))
+            return false;
+          signal_counter(q.p.cnt.block_ready + job.a);
           return true;
         }
         fp8f::quantize_x(q, job.kind == kF8Dispatch, job.a);

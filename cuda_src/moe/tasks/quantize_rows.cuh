@@ -14,6 +14,7 @@
 // the ring loop is unrolled kRing times (~330 SASS instructions per unit).
 #pragma once
 #include "common/fp8.cuh"
+#include "moe/pipeline/staged_rows.cuh"
 #include "moe/tasks/task_graph.cuh"
 
 namespace mok {
@@ -152,6 +153,83 @@ __device__ __forceinline__ void quantize_rows_warp(const QuantRows& q, const Sec
 #pragma unroll 1
     for (int c = 0; c < upr; ++c) store_unit<true>(ring[0], q, j, c, second);
   }
+}
+
+// ---- a row block through the ring (the FP8 forward's dispatch on one GPU) -----------------------------
+// The register ring above keeps ~112 KB of source rows in flight per SM, and the warps wait for them.
+// Here the producer streams the block's source rows into the ring with one bulk copy per row
+// (rows::issue_stage, the bf16 dispatch's stream: up to kStages x 48 KB in flight), and each warp
+// quantises the units (row, kUnitCols columns) of a landed stage from shared memory, up to
+// kRingBatch units at once: a unit's amax -> quad shuffles -> scale -> reciprocal chain is serial,
+// and with two warps per scheduler one unit at a time left it exposed (the quantiser alone took
+// ~89 us of a 128-row deepseek-v3 block, bench/NOTES-FP8-4.md round 28).  Per unit the arithmetic
+// is quantize_rows_warp's (BlockQuotient; units with a block that needs div.rn are quantised again
+// with it, from the same registers), so the bytes are the same.  Rows whose slot is padding or
+// corrupt (rows::BlockRows: -1) are quantised as zeros, as above.
+constexpr int kRingBatch = 3;  // H = 7168: 3 rows x 7 units a stage over 8 warps; H = 2048: 12 x 2
+
+// One unit from shared memory (zeros where !valid or past the row's end).
+__device__ __forceinline__ void load_unit_shared(uint4 (&v)[kUnitSlots], uint32_t src, bool valid, int col0,
+                                                 int hidden) {
+#pragma unroll
+  for (int k = 0; k < kUnitSlots; ++k)
+    v[k] = valid && col0 + 32 * k < hidden ? ld_shared_v4(src + 64u * k) : make_uint4(0u, 0u, 0u, 0u);
+}
+
+__device__ __forceinline__ bool quantize_block_ring(const pipe::Shared& s, wg::PipeState& ps, const MoESchedule& sc,
+                                                   const MoEDims& d, int blk, uint8_t* dst, float* scale, size_t ld,
+                                                   const MbarWaitCtx& w) {
+  __shared__ rows::BlockRows br;
+  br.load(sc, d, blk, nullptr);
+  const rows::Stages g = rows::Stages::of(d.hidden);
+  const int upr = (d.hidden + kUnitCols - 1) / kUnitCols;
+  const uint32_t row_bytes = static_cast<uint32_t>(d.hidden) * 2u;
+  const int warp = worker_tid() >> 5;
+  return rows::for_each_stage(s, ps, g.count, w, [&](int st, uint32_t base) {
+    const int r0 = g.first(st), items = g.size(st) * upr;
+#pragma unroll 1
+    for (int it0 = warp; it0 < items; it0 += kQuantWarps * kRingBatch) {  // warp-uniform
+      uint32_t src[kRingBatch];
+      int row[kRingBatch], col0[kRingBatch];
+      bool has[kRingBatch], valid[kRingBatch];
+#pragma unroll
+      for (int b = 0; b < kRingBatch; ++b) {
+        const int it = it0 + b * kQuantWarps, u = it / upr, c = it - u * upr;
+        has[b] = it < items;
+        valid[b] = has[b] && br.slot[r0 + u] >= 0;
+        row[b] = blk * kBlockM + r0 + u;
+        col0[b] = c * kUnitCols + unit_lane_col();
+        src[b] = base + static_cast<uint32_t>(u) * row_bytes + 2u * static_cast<uint32_t>(col0[b]);
+      }
+      fp8::QuantizedQuadBlock q[kRingBatch];
+      bool div = false;
+#pragma unroll
+      for (int b = 0; b < kRingBatch; ++b) {
+        uint4 v[kUnitSlots];
+        load_unit_shared(v, src[b], valid[b], col0[b], d.hidden);
+        q[b] = fp8::quantize_block_quad_bf16<false>(v);
+        div = div || q[b].needs_div;
+      }
+      if (__any_sync(0xffffffffu, div)) {  // rare: tiny scales (BlockQuotient does not cover them)
+#pragma unroll
+        for (int b = 0; b < kRingBatch; ++b) {
+          uint4 v[kUnitSlots];
+          load_unit_shared(v, src[b], valid[b], col0[b], d.hidden);  // the slot is still ours
+          q[b] = fp8::quantize_block_quad_bf16<true>(v);
+        }
+      }
+#pragma unroll
+      for (int b = 0; b < kRingBatch; ++b) {
+        if (!has[b]) continue;  // warp-uniform
+        uint8_t* const out = dst + (size_t)row[b] * d.hidden + col0[b];
+#pragma unroll
+        for (int k = 0; k < kUnitSlots; ++k)
+          if (col0[b] + 32 * k < d.hidden) *reinterpret_cast<uint2*>(out + 32 * k) = q[b].q[k];
+        if ((threadIdx.x & 3) == 0 && col0[b] < d.hidden)
+          scale[(size_t)(static_cast<unsigned>(col0[b]) / fp8::kBlock) * ld + row[b]] = q[b].scale;
+      }
+    }
+  });
 }
 
 }  // namespace fp8f
