@@ -343,8 +343,9 @@ struct TmaForwardFp8 {
       case kF8QuantX:
       case kF8Dispatch:
       case kF8Push:
-        // With EP the dispatch receives rows quantised by their source's push (ep_fp8.cuh); one
-        // call site of the quantiser either way (it is inlined where called).
+        // With EP the dispatch receives rows quantised by their source's push (ep_fp8.cuh); on one
+        // GPU it quantises the rows the producer streamed into the ring (quantize_block_ring).  The
+        // register quantiser keeps one call site, quantize_x (it is inlined where called).
         if (job.kind == kF8Dispatch && ep::enabled(q.p.peers)) {
           ep8::receive_block(q, job.a);
           return true;

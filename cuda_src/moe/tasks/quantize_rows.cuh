@@ -89,6 +89,18 @@ struct NoSecondOutput {
   __device__ __forceinline__ void operator()(const QuantRows&, int, int, int, const fp8::QuantizedQuadBlock&) const {}
 };
 
+// A quantised unit to dst row `row` (pitch `hidden`) from column col0, and its block's scale (lane 0
+// of each quad) to scale[(col0 / 128) * ld + row]; columns past `hidden` are dropped.
+__device__ __forceinline__ void store_quantized_unit(const fp8::QuantizedQuadBlock& b, uint8_t* dst, float* scale,
+                                                     size_t ld, int hidden, int row, int col0) {
+  uint8_t* const out = dst + (size_t)row * hidden + col0;
+#pragma unroll
+  for (int k = 0; k < kUnitSlots; ++k)
+    if (col0 + 32 * k < hidden) *reinterpret_cast<uint2*>(out + 32 * k) = b.q[k];
+  if ((threadIdx.x & 3) == 0 && col0 < hidden)
+    scale[(size_t)(static_cast<unsigned>(col0) / fp8::kBlock) * ld + row] = b.scale;
+}
+
 // Quantise and store unit c of local row j (held in v).  Returns whether one of its blocks needs the
 // div.rn fallback (warp-uniform).  kDiv: that fallback (it loads the unit again itself).
 template <bool kDiv, class Second = NoSecondOutput>
@@ -103,12 +115,7 @@ __device__ __forceinline__ bool store_unit(const uint4 (&v)[kUnitSlots], const Q
     for (int k = 0; k < kUnitSlots; ++k) w[k] = v[k];
   }
   const fp8::QuantizedQuadBlock b = fp8::quantize_block_quad_bf16<kDiv>(w);
-  uint8_t* const dst = q.dst + (size_t)row * q.hidden + col0;
-#pragma unroll
-  for (int k = 0; k < kUnitSlots; ++k)
-    if (col0 + 32 * k < q.hidden) *reinterpret_cast<uint2*>(dst + 32 * k) = b.q[k];
-  if ((threadIdx.x & 3) == 0 && col0 < q.hidden)
-    q.scale[(size_t)(static_cast<unsigned>(col0) / fp8::kBlock) * q.ld + row] = b.scale;
+  store_quantized_unit(b, q.dst, q.scale, q.ld, q.hidden, row, col0);
   second(q, j, row, col0, b);
   return __any_sync(0xffffffffu, b.needs_div);
 }
@@ -164,7 +171,7 @@ __device__ __forceinline__ void quantize_rows_warp(const QuantRows& q, const Sec
 // and with two warps per scheduler one unit at a time left it exposed (the quantiser alone took
 // ~89 us of a 128-row deepseek-v3 block, bench/NOTES-FP8-4.md round 28).  Per unit the arithmetic
 // is quantize_rows_warp's (BlockQuotient; units with a block that needs div.rn are quantised again
-// with it, from the same registers), so the bytes are the same.  Rows whose slot is padding or
+// with it, reloaded from the slot, which is still held), so the bytes are the same.  Rows whose slot is padding or
 // corrupt (rows::BlockRows: -1) are quantised as zeros, as above.
 constexpr int kRingBatch = 3;  // H = 7168: 3 rows x 7 units a stage over 8 warps; H = 2048: 12 x 2
 
@@ -219,15 +226,8 @@ __device__ __forceinline__ bool quantize_block_ring(const pipe::Shared& s, wg::P
         }
       }
 #pragma unroll
-      for (int b = 0; b < kRingBatch; ++b) {
-        if (!has[b]) continue;  // warp-uniform
-        uint8_t* const out = dst + (size_t)row[b] * d.hidden + col0[b];
-#pragma unroll
-        for (int k = 0; k < kUnitSlots; ++k)
-          if (col0[b] + 32 * k < d.hidden) *reinterpret_cast<uint2*>(out + 32 * k) = q[b].q[k];
-        if ((threadIdx.x & 3) == 0 && col0[b] < d.hidden)
-          scale[(size_t)(static_cast<unsigned>(col0[b]) / fp8::kBlock) * ld + row[b]] = q[b].scale;
-      }
+      for (int b = 0; b < kRingBatch; ++b)
+        if (has[b]) store_quantized_unit(q[b], dst, scale, ld, d.hidden, row[b], col0[b]);  // warp-uniform
     }
   });
 }
