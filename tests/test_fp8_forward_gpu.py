@@ -29,7 +29,7 @@ from _gpu import cp, run_isolated  # noqa: E402  (CuPy is imported when a test f
 
 import mok_rt as mok  # noqa: E402
 from mok_rt import reference  # noqa: E402
-from mok_rt.reference import layer as _L  # noqa: E402
+from mok_rt.reference import fp8 as _F  # noqa: E402
 from mok_rt.reference.quantize import FP8_BLOCK, quantize_experts, quantize_fp8_block  # noqa: E402
 
 BF16 = ml_dtypes.bfloat16
@@ -168,28 +168,23 @@ def _deq_rows(q, s, rows):
 
 def _downstream_reference(got, rctx, aq_rows):
     """The oracle's y [T, k, H] and out (reference.fp8's down GEMMs and combine, float64) fed with
-    the kernel's own E4M3 a: aq_rows (the used rows' dequantised aq) and, with a shared expert, saq.  Why: a is
-    quantised from the fp32 result of an FP8 GEMM (whose tensor cores round inside each 128-deep K
-    block), the oracle's from a float64 one; where the two land on different sides of an E4M3
-    rounding midpoint (a fraction of a per cent of the elements, each then one E4M3 step = 6-12 %
-    apart) the end-to-end difference reaches ~5e-3 with nothing wrong.  Given the same decisions, what follows must agree tightly: what is left
-    is the bf16 stores of y and out and the down GEMMs' own rounding (~2e-3)."""
+    the kernel's own E4M3 a: aq_rows (the used rows' dequantised aq) and, with a shared expert, saq.
+    Why: a is quantised from the fp32 result of an FP8 GEMM (whose tensor cores round inside each
+    128-deep K block), the oracle's from a float64 one; where the two land on different sides of an
+    E4M3 rounding midpoint (a fraction of a per cent of the elements, each then one E4M3 step = 6-12 %
+    apart) the end-to-end difference reaches ~5e-3 with nothing wrong.  Given the same decisions,
+    what follows must agree tightly: what is left is the bf16 stores of y and out and the down GEMMs'
+    own rounding (~2e-3)."""
     d, ctx = got["dims"], got["ctx"]
     T, k = rctx.topk_ids.shape
-    ids = rctx.topk_ids.reshape(-1)
     slots = got["row_slot"]
     rows = np.nonzero(slots >= 0)[0]
     aq = np.zeros((T * k, d.intermediate))
     aq[slots[rows]] = aq_rows
-    y = np.zeros((T * k, d.hidden))
-    for e in np.unique(ids):
-        idx = np.nonzero(ids == e)[0]
-        y[idx] = aq[idx] @ rctx._w.down[e].T
-    y = y.reshape(T, k, d.hidden)
-    out = _L._combine(y, rctx.topk_weights)
+    saq = None
     if rctx._ws is not None and T:
-        out = _deq_rows(ctx["saq"], ctx["saq_s"], np.arange(T)) @ rctx._ws.down.T + out
-    return y, out
+        saq = _deq_rows(ctx["saq"], ctx["saq_s"], np.arange(T))
+    return _F._down_and_combine(aq, rctx.topk_ids, rctx.topk_weights, rctx._w, saq, rctx._ws)
 
 
 def check_case(name, cfg, h, **kw):

@@ -154,22 +154,34 @@ def forward_fp8(x, topk_ids, topk_weights, experts: QuantizedExperts, shared: Op
             xe = xq[row_token[idx]]
             g[idx], u[idx] = xe @ w.gate[e].T, xe @ w.up[e].T
     aq = fake_quantize(_L._swiglu(g, u, limit), precision) if n else np.empty((0, inter))  # gate|up epilogue
-    y = np.empty((n, hidden))
+    g, u = _bf16(g), _bf16(u)                                   # the context's copies
+    sg = su = saq = None
+    if ws is not None:
+        sg, su = xq @ ws.gate.T, xq @ ws.up.T
+        saq = fake_quantize(_L._swiglu(sg, su, limit), precision) if tokens else np.empty_like(sg)
+        sg, su = _bf16(sg), _bf16(su)
+    y, out = _down_and_combine(aq, ids, tw, w, saq, ws)
+    ctx = FP8Context(precision, x64, xq, ids, tw, g, u, aq, y, sg, su, saq, limit, experts, shared, w, ws)
+    return out, ctx
+
+
+def _down_and_combine(aq, ids, tw, w: _Deq, saq=None, ws: Optional[_Deq] = None) -> tuple[np.ndarray, np.ndarray]:
+    """The forward after the SwiGLU's quantisation: the routed down GEMMs of aq [T*k, I] (routes in
+    ``(t, j)`` order), the combine and, with ``saq`` [T, I], the shared expert's down GEMM; returns
+    ``(y [T, k, H], out [T, H])``.  The GPU forward test feeds it the kernel's own aq."""
+    tokens, k = ids.shape
+    num_e, hidden = w.down.shape[:2]
+    y = np.empty((tokens * k, hidden))
+    order, offsets = _L._group_by_expert(ids.reshape(-1), num_e)
     for e in range(num_e):
         idx = order[offsets[e]:offsets[e + 1]]
         if idx.size:
             y[idx] = aq[idx] @ w.down[e].T
     y = y.reshape(tokens, k, hidden)
     out = _L._combine(y, tw)
-    g, u = _bf16(g), _bf16(u)                                   # the context's copies
-    sg = su = saq = None
-    if ws is not None:
-        sg, su = xq @ ws.gate.T, xq @ ws.up.T
-        saq = fake_quantize(_L._swiglu(sg, su, limit), precision) if tokens else np.empty_like(sg)
+    if saq is not None:
         out = saq @ ws.down.T + out
-        sg, su = _bf16(sg), _bf16(su)
-    ctx = FP8Context(precision, x64, xq, ids, tw, g, u, aq, y, sg, su, saq, limit, experts, shared, w, ws)
-    return out, ctx
+    return y, out
 
 
 def _bf16(a: np.ndarray) -> np.ndarray:
