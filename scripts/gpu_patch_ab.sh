@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# A/B of an experiment patch against this tree in one device call, the patch applied and its cubins built
+# on the device (patches in bench/experiments leave the cubins out):
+#   * bitwise FP8 outputs on ab_numerics' 18 cases, both trees;
+#   * a slice FP8 trace (profile_layer.py --trace) of each;
+#   * the mok-only bench, the trees alternating $MOK_ROUNDS rounds (default 2) at $MOK_SHAPES
+#     (default deepseek-v3-ep8-slice,qwen3-30b-a3b), FP8 (and bf16 once, for the ratio);
+#   * where the bits are equal, the patched tree's FP8 forward + staged suites while time lasts.
+#     bash scripts/gpu_patch_ab.sh bench/experiments/bg_combine.patch        (logs under $OUT)
+set -uo pipefail
+patch=$(realpath "$1")
+source "$(dirname "$0")/gpu_env.sh"
+offline_install
+old=$PWD; new=/tmp/patched; t0=$SECONDS
+shapes="${MOK_SHAPES:-deepseek-v3-ep8-slice,qwen3-30b-a3b}"
+nvidia-smi --query-gpu=name,memory.total,power.limit --format=csv,noheader
+rm -rf "$new"; mkdir -p "$new"; tar --exclude=./.git --exclude=./.carry --exclude=./.whl -cf - . | tar -C "$new" -xf -
+(cd "$new" && git apply "$patch" && python3 -m mok_rt.build -j 16 -v) > "$out/build.txt" 2>&1
+echo "== build rc=$? ($((SECONDS - t0)) s)"; grep -E "spill|error" "$out/build.txt" | sort | uniq -c | head -6
+for side in old new; do tree=$old; [ $side = new ] && tree=$new
+  (cd "$tree" && PYTHONPATH="$tree" timeout 100 python3 "$tree/bench/ab_numerics.py" --precision fp8_block --save /tmp/ab_$side.npz) \
+    > "$out/ab_$side.txt" 2>&1
+done
+python3 bench/ab_numerics.py --compare /tmp/ab_old.npz /tmp/ab_new.npz > "$out/ab_compare.txt" 2>&1
+echo "== numerics ($((SECONDS - t0)) s)"; tail -n 1 "$out/ab_compare.txt"
+for side in old new; do tree=$old; [ $side = new ] && tree=$new
+  (cd "$tree" && PYTHONPATH="$tree" timeout 40 python3 bench/profile_layer.py --shape deepseek-v3-ep8-slice --precision fp8_block \
+     --iters 2 --trace /tmp/tr_$side.json) > "$out/trace_$side.txt" 2>&1
+  echo "== trace $side"; grep -E "tasks over|^  [a-z_]+ .*median|idle SMs" "$out/trace_$side.txt" | head -8
+done
+for r in $(seq "${MOK_ROUNDS:-2}"); do for side in old new; do tree=$old; [ $side = new ] && tree=$new
+  precs=fp8_block; [ $side = old ] && [ "$r" = 1 ] && precs=bf16,fp8_block
+  (cd "$tree" && PYTHONPATH="$tree" timeout 100 python3 bench/bench_moe.py --impl mok --shapes "$shapes" --precision $precs \
+     --out /tmp/b_$side --commit $side) > "$out/bench_${side}_$r.txt" 2>&1
+  echo "== $side round $r ($((SECONDS - t0)) s)"; grep -E "^[a-z].*[0-9] |^  \+ " "$out/bench_${side}_$r.txt" | grep -v "step memory" | head -4
+done; done
+if grep -q " 0 differ" "$out/ab_compare.txt" && [ $((SECONDS - t0)) -lt 330 ]; then
+  cd "$new" && MOK_GREP="FP8ERR" run_pytest fp8_forward_new $((580 - (SECONDS - t0))) tests/test_fp8_forward_gpu.py \
+    tests/test_fp8_staged_gpu.py
+fi
+echo "total $((SECONDS - t0)) s"
+cd "$old" && pack_out ab_compare.txt fp8_forward_new.txt
