@@ -36,6 +36,9 @@ CASES = {
     "t1": (256, 128, 8, 7, 64, None, (1,), 1, "distinct"),
     "t0": (256, 128, 8, 2, 64, None, (0,), 1, "distinct"),
     "qwen3_4096": (2048, 768, 128, 8, 0, None, (4096,), 1, "distinct"),
+    # >= 16 hidden tiles of 256: the sizes where an FP8 forward may band its down tiles (bench/experiments)
+    "h4096": (4096, 256, 6, 4, 0, None, (300,), 1, "skewed"),
+    "h4608_shared": (4608, 128, 5, 3, 128, None, (333,), 1, "distinct"),
     "ep_e6_1000_37": (1024, 512, 6, 3, 0, None, (1000, 37), 2, "distinct"),
     "ep_e6_shared_limit": (1024, 512, 6, 3, 512, 7.0, (1000, 37), 2, "skewed"),
     "ep_empty_rank": (256, 128, 4, 2, 128, None, (0, 300), 2, "distinct"),
