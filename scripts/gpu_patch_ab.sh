@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
-# A/B of an experiment patch against this tree in one device call, the patch applied and its cubins built
-# on the device (patches in bench/experiments leave the cubins out):
+# A/B of an experiment patch (or several, applied together) against this tree in one device call, the
+# patches applied and their cubins built on the device (patches in bench/experiments leave the cubins out):
 #   * bitwise FP8 outputs on ab_numerics' 18 cases, both trees;
 #   * a slice FP8 trace (profile_layer.py --trace) of each;
 #   * the mok-only bench, the trees alternating $MOK_ROUNDS rounds (default 2) at $MOK_SHAPES
 #     (default deepseek-v3-ep8-slice,qwen3-30b-a3b), FP8 (and bf16 once, for the ratio);
-#   * where the bits are equal, the patched tree's FP8 forward + staged suites while time lasts.
-#     bash scripts/gpu_patch_ab.sh bench/experiments/bg_combine.patch        (logs under $OUT)
+#   * where the bits are equal (or MOK_SUITES=1: a patch that changes the numerics on purpose), the
+#     patched tree's suites while time lasts: $MOK_TESTS (default the FP8 forward + staged suites), with
+#     -k "$MOK_K" where set.
+#     bash scripts/gpu_patch_ab.sh bench/experiments/bg_combine.patch [MORE.patch ...]   (logs under $OUT)
 # Part 2, on the warm machine right after (the patched tree alone, ~330 s): the bench of record (graph, PyTorch,
 # qwen3 + the slice), the EP + trace suites and the FP8 backward suite:
 #     MOK_PART=2 bash scripts/gpu_patch_ab.sh bench/experiments/bg_combine.patch
 set -uo pipefail
-patch=$(realpath "$1")
+patches=(); for p in "$@"; do patches+=("$(realpath "$p")"); done
+name=$(for p in "${patches[@]}"; do basename "$p" .patch; done | paste -sd+)
+patch=/tmp/applied.patch; cat "${patches[@]}" > "$patch"   # separate files: one patch, applied at once
 source "$(dirname "$0")/gpu_env.sh"
 offline_install
 old=$PWD; new=/tmp/patched; t0=$SECONDS
@@ -25,7 +29,7 @@ fi
 if [ "${MOK_PART:-1}" = 2 ]; then
   cd "$new"
   PYTHONPATH=$new timeout 80 python3 bench/bench_moe.py --timing graph --out "$out" --commit "$(cat "$old/.commit" 2>/dev/null \
-    || echo patched)+$(basename "$patch" .patch)" --shapes qwen3-30b-a3b,deepseek-v3-ep8-slice --precision bf16,fp8_block \
+    || echo patched)+$name" --shapes qwen3-30b-a3b,deepseek-v3-ep8-slice --precision bf16,fp8_block \
     > "$out/record.txt" 2>&1
   echo "== record rc=$? ($((SECONDS - t0)) s)"; grep -A6 "^shape" "$out/record.txt" | grep -v "step memory\|^---"
   run_pytest ep 150 tests/test_ep_gpu.py tests/test_trace_gpu.py
@@ -51,9 +55,10 @@ for r in $(seq "${MOK_ROUNDS:-2}"); do for side in old new; do tree=$old; [ $sid
      --out /tmp/b_$side --commit $side) > "$out/bench_${side}_$r.txt" 2>&1
   echo "== $side round $r ($((SECONDS - t0)) s)"; grep -E "^[a-z].*[0-9] |^  \+ " "$out/bench_${side}_$r.txt" | grep -v "step memory" | head -4
 done; done
-if grep -q " 0 differ" "$out/ab_compare.txt" && [ $((SECONDS - t0)) -lt 330 ]; then
-  cd "$new" && MOK_GREP="FP8ERR" run_pytest fp8_forward_new $((580 - (SECONDS - t0))) tests/test_fp8_forward_gpu.py \
-    tests/test_fp8_staged_gpu.py
+if { grep -q " 0 differ" "$out/ab_compare.txt" || [ -n "${MOK_SUITES:-}" ]; } && [ $((SECONDS - t0)) -lt 330 ]; then
+  # shellcheck disable=SC2086
+  cd "$new" && MOK_GREP="FP8ERR" run_pytest fp8_forward_new $((580 - (SECONDS - t0))) \
+    ${MOK_TESTS:-tests/test_fp8_forward_gpu.py tests/test_fp8_staged_gpu.py} ${MOK_K:+-k "$MOK_K"}
 fi
 echo "total $((SECONDS - t0)) s"
 cd "$old" && pack_out ab_compare.txt fp8_forward_new.txt
