@@ -3,8 +3,8 @@
 * fp8_quantize_rows / fp8_quantize_weights against mok_rt.reference.quantize: every E4M3 byte and
   every fp32 scale bitwise (zero, tiny, huge, inf and NaN blocks, subnormal inputs, ties, a partial
   last block), both scale layouts, and the weights' transposed (dgrad) copy; the same for the
-  megakernel's pipelined dispatch quantiser (fp8_quantize_rows_pipelined), and its per-block
-  quotient against div.rn over every bf16 input for all scales in [1, 2) and samples of the others.
+  megakernel's pipelined dispatch quantiser (fp8_quantize_rows_pipelined) and the epilogue's
+  (fp8_quantize_frag_rows), also over every bf16 input under amaxes from the flush threshold up.
 * fp8_gemm_probe (grouped, uneven groups with an empty one, M and N not tile multiples, K not a
   multiple of 128): bitwise against the float64 emulation on operands where no step rounds
   (tests/fp8_probe_host.exact_problem); within TOL_GEMM (relative Frobenius) on random operands
@@ -88,10 +88,6 @@ class QuantWeightsParams(ctypes.Structure):
                 ("st", ctypes.c_uint64), ("groups", ctypes.c_int32), ("r", ctypes.c_int32), ("c", ctypes.c_int32)]
 
 
-class QuotientCheckParams(ctypes.Structure):
-    _fields_ = [("scales", ctypes.c_uint64), ("n_scales", ctypes.c_int64), ("result", ctypes.c_uint64)]
-
-
 assert ctypes.sizeof(Fp8GemmParams) == 512 and Fp8GemmParams.sb.offset == 384 and Fp8GemmParams.err.offset == 432
 assert Fp8GemmParams.groups.offset == 448 and Fp8GemmParams.cq_ld.offset == 468
 assert ctypes.sizeof(QuantRowsParams) == 48 and ctypes.sizeof(QuantWeightsParams) == 56
@@ -151,8 +147,10 @@ def _run(kernel, grid, block, params, stream, smem=0):
 
 # ---- quantisers ---------------------------------------------------------------------------------------
 
-def quantize_rows_dev(stream, x_bits, k: int, *, scale_ld: int | None = None, kernel: str = "fp8_quantize_rows"):
-    """Device quantiser of bf16 rows; scales [rows, KB], or [KB, scale_ld] when scale_ld is given.
+def quantize_rows_dev(stream, x_bits, k: int, *, scale_ld: int | None = None, kernel: str = "fp8_quantize_rows",
+                     scale_fill: float = 0.0):
+    """Device quantiser of bf16 rows; scales [rows, KB], or [KB, scale_ld] when scale_ld is given
+    (filled with scale_fill first: the GEMM reads zeros past the rows).
     kernel "fp8_quantize_rows_pipelined" (the megakernel's dispatch quantiser) needs scale_ld."""
     rows = x_bits.shape[0]
     kb = H.cdiv(k, FP8_BLOCK)
@@ -161,7 +159,7 @@ def quantize_rows_dev(stream, x_bits, k: int, *, scale_ld: int | None = None, ke
         s = cp.full((rows, kb), -1.0, dtype=cp.float32)
         s_row, s_kb = kb, 1
     else:
-        s = cp.zeros((kb, scale_ld), dtype=cp.float32)
+        s = cp.full((kb, scale_ld), scale_fill, dtype=cp.float32)
         s_row, s_kb = 1, scale_ld
     p = QuantRowsParams(_ptr(x_bits), _ptr(q), _ptr(s), rows, k, s_row, s_kb)
     if kernel == "fp8_quantize_rows":
@@ -221,9 +219,9 @@ def test_quantize_rows_bitwise(stream, k):
 
 @pytest.mark.parametrize("k,rows", [(464, 37), (128, 37), (2048, 37), (2112, 300), (1088, 129)])
 def test_quantize_rows_pipelined_bitwise(stream, k, rows):
-    """The megakernel's dispatch quantiser (moe/tasks/quantize_rows.cuh: quad layout, BlockQuotient,
-    the div.rn fallback for scales below 2^-64 -- special_rows' subnormal block takes it) against the
-    oracle, byte for byte and scale for scale; partial last units (1088, 2112) and several tasks."""
+    """The megakernel's dispatch quantiser (moe/tasks/quantize_rows.cuh: quad layout) against the
+    oracle, byte for byte and scale for scale, special_rows' blocks included (NaN, inf, flushed,
+    subnormal elements); partial last units (1088, 2112) and several tasks."""
     rng = np.random.default_rng(k + rows)
     x = H.activation_rows(rng, rows, k)
     if k > 3 * FP8_BLOCK:
@@ -235,33 +233,46 @@ def test_quantize_rows_pipelined_bitwise(stream, k, rows):
     _assert_q_equal(q, s[:, :m].T, want, "pipelined rows, scales [KB, ld]")
 
 
-def test_block_quotient_is_div_rn(stream):
-    """BlockQuotient (common/fp8.cuh: div.rn's fast path with the reciprocal taken once per block, no
-    range check) against div.rn, for every bf16 v with |v| <= 449 s: every scale in [1, 2) (all 2^23
-    significands) and random and extreme significands at exponents -64 .. 119.  The E4M3 byte must be
-    div.rn's; the fp32 quotient too wherever |div.rn(v, s)| > 2^-13 (then |v / s| > 2^-13)."""
-    rng = np.random.default_rng(7)
-    parts = [np.arange(0x3F800000, 0x40000000, dtype=np.uint32)]
-    for e in (-64, -63, -40, -13, -1, 1, 12, 40, 90, 118, 119):
-        mant = np.concatenate([rng.integers(0, 1 << 23, size=4096, dtype=np.uint32),
-                               np.array([0, 1, (1 << 23) - 1], dtype=np.uint32)])
-        parts.append(np.uint32((e + 127) << 23) | mant)
-    bf16_max = np.array([0x7F7F0000], dtype=np.uint32).view(np.float32)
-    parts.append((bf16_max / np.float32(448.0)).view(np.uint32))  # the largest scale a block can have
-    scales = cp.asarray(np.concatenate(parts).view(np.float32))
-    result = cp.zeros(2, dtype=cp.uint64)
-    p = QuotientCheckParams(_ptr(scales), scales.size, _ptr(result))
-    _run(_kernel("fp8_block_quotient_check"), 8 * multiprocessor_count(cp.cuda.Device().id), 256, p, stream)
+def test_quantize_rows_every_bf16(stream):
+    """The dispatch quantiser (quad layout) and the epilogue's (fragment layout, fp32 in) against the
+    oracle for every finite bf16 value v with |v| <= amax, both signs, under amaxes from the flush
+    threshold (448 * 2^-126) to bf16's largest: each block holds amax and 127 of those values, so every
+    product v * fp32(448 / amax) meets cvt's rounding, saturation and subnormal paths."""
+    rng = np.random.default_rng(11)
+    # 0x04E0 = 448 * 2^-126 (s = 2^-126 exactly, m = 2^126); 0x04DF flushes; 0x43E0 = 448 (m = 1).
+    amax_bits = [0x04DF, 0x04E0, 0x04E1, 0x0500, 0x1F80, 0x2F7F, 0x3F80, 0x3F81, 0x43E0, 0x43E1, 0x5F00, 0x7F7F]
+    amax_bits += rng.integers(0x04E0, 0x7F7F, size=5).tolist()
+    blocks = []
+    for a in amax_bits:
+        mags = np.arange(0, a + 1, dtype=np.uint16)
+        vals = np.concatenate([mags, mags | 0x8000])
+        vals = np.concatenate([vals, np.zeros(-len(vals) % (FP8_BLOCK - 1), dtype=np.uint16)])
+        body = vals.reshape(-1, FP8_BLOCK - 1)
+        blocks.append(np.concatenate([np.full((body.shape[0], 1), a, dtype=np.uint16), body], axis=1))
+    bits = np.concatenate(blocks)
+    k = 8 * FP8_BLOCK                     # a unit of the dispatch quantiser per row
+    bits = np.concatenate([bits, np.zeros((-len(bits) % 8, FP8_BLOCK), dtype=np.uint16)]).reshape(-1, k)
+    x = bits.view(H.BF16)
+    want = H.quantize_rows_ref(x)
+    m = x.shape[0]
+    ld = H.cdiv(m, 4) * 4
+    q, s = quantize_rows_dev(stream, cp.asarray(bits), k, scale_ld=ld, kernel="fp8_quantize_rows_pipelined",
+                             scale_fill=-1.0)   # an unwritten scale (a flushed block's 0) shows
+    _assert_q_equal(q, s[:, :m].T, want, "pipelined rows, every bf16")
+    xf = cp.asarray(x.astype(np.float32))
+    q = cp.full((m, k), 0xAA, dtype=cp.uint8)
+    s = cp.full((m, k // FP8_BLOCK), -1.0, dtype=cp.float32)
+    p = QuantRowsParams(_ptr(xf), _ptr(q), _ptr(s), m, k, k // FP8_BLOCK, 1)
+    _run(_kernel("fp8_quantize_frag_rows"), (H.cdiv(m, 64), k // FP8_BLOCK), 128, p, stream)
     stream.synchronize()
-    bad, first = (int(v) for v in cp.asnumpy(result))
-    assert bad == 0, f"{bad} mismatches; first: scale bits {first >> 32:#010x}, bf16 bits {first & 0xFFFF:#06x}"
+    _assert_q_equal(q, s, want, "fragment rows, every bf16")
 
 
 def _fp32_special_rows(rng, k: int) -> np.ndarray:
     """fp32 rows for the epilogue quantiser: random significands (not bf16 values) at magnitudes
-    10^-3 .. 10^4, and blocks that take every path: zero, flushed (amax < 448 * 2^-126), the
-    2^64 rescale (amax 2^-117 .. 2^-56, subnormal elements among them), signed zeros, huge, inf,
-    NaN, ties after scaling by s = 2^e, quotients just around E4M3's smallest subnormal."""
+    10^-3 .. 10^4, and blocks that take every path: zero, flushed (amax < 448 * 2^-126), tiny
+    (amax 2^-117 .. 2^-56, subnormal elements among them), signed zeros, huge, inf, NaN, ties after
+    scaling by 448 / amax = 2^e, products just around E4M3's smallest subnormal."""
     assert k % FP8_BLOCK == 0
     x = H.activation_rows(rng, 24, k).astype(np.float32)
     x *= np.float32(1.0) + rng.uniform(-2.0 ** -8, 2.0 ** -8, size=x.shape).astype(np.float32)
@@ -277,15 +288,14 @@ def _fp32_special_rows(rng, k: int) -> np.ndarray:
     sp = np.zeros((len(blocks), k), dtype=np.float32)
     for i, b in enumerate(blocks):
         sp[i, (i % (k // n)) * n:(i % (k // n) + 1) * n] = np.asarray(b, dtype=np.float64).astype(np.float32)
-    sp[4, 1] = np.float32(2.0 ** -140)   # a subnormal input in a rescaled block
+    sp[4, 1] = np.float32(2.0 ** -140)   # a subnormal input in a tiny block (m near 2^116)
     return np.concatenate([x[:7], sp, x[7:]])
 
 
 @pytest.mark.parametrize("k", [128, 512])
 def test_quantize_frag_rows_fp32_bitwise(stream, k):
-    """The gate|up epilogue's quantiser (common/fp8.cuh quantize_frag_row128: fragment layout,
-    BlockQuotient with a sign copy, the 2^64 rescale of blocks with s < 2^-64) on fp32 rows, byte for
-    byte and scale for scale against the oracle."""
+    """The gate|up epilogue's quantiser (common/fp8.cuh quantize_frag_row128: fragment layout) on
+    fp32 rows, byte for byte and scale for scale against the oracle."""
     x = _fp32_special_rows(np.random.default_rng(k), k)
     want = H.quantize_rows_ref(x)
     rows, kb = x.shape[0], k // FP8_BLOCK

@@ -92,6 +92,25 @@ def test_mxfp8_saturates_at_448():
     assert deq[0] == 448.0 and deq[1] == -448.0 and np.all(deq[2:] == 1.0)
 
 
+def test_fp8_block_scales_by_a_multiplier():
+    """q = e4m3(fp32(v * fp32(448 / amax))), not e4m3(fp32(v / s)): here the two differ (v / s lands
+    on E4M3's tie 3.5 * 2^-9, which rounds to even, 4 * 2^-9; v * m an fp32 ulp below it, 3 * 2^-9)."""
+    a = np.zeros(128, dtype=np.float32)
+    a[0], a[1], a[2] = 12058624.0, 184.0, -184.0         # amax = 0x4b38 (bf16)
+    qt = Q.quantize_fp8_block(a)
+    m = np.float32(448) / np.float32(12058624.0)
+    tie = np.float32(3.5 * 2.0 ** -9)
+    assert np.float32(184.0) / qt.scales[0] == tie and np.float32(184.0) * m < tie
+    assert qt.values[1:3].astype(np.float64).tolist() == [6 * 2.0 ** -10, -6 * 2.0 ** -10]
+    assert qt.scales[0] == np.float32(12058624.0) / np.float32(448)
+    rng = np.random.default_rng(3)
+    v = (rng.standard_normal((64, 128)) * np.exp2(rng.integers(-30, 30, (64, 1)))).astype(np.float32)
+    qt = Q.quantize_fp8_block(v)
+    mul = np.float32(448) / np.abs(v).max(axis=1, keepdims=True)
+    np.testing.assert_array_equal(qt.values.view(np.uint8),
+                                  np.clip(v * mul, -448, 448).astype(Q.E4M3).view(np.uint8))
+
+
 def test_fp8_block_never_exceeds_448_and_hits_it():
     rng = np.random.default_rng(2)
     a = rng.standard_normal((2000, 128)).astype(np.float32)

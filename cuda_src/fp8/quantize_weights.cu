@@ -1,7 +1,7 @@
 // mok.quantize_weights on the CUDA backend (docs/SEMANTICS.md §10, docs/FP8_DESIGN.md): bf16
 // master weights -> the K-major E4M3 copies and 128 x 128 fp32 scales the "fp8_block" GEMMs read.
 // Bit for bit the oracle's quantize_experts (mok_rt/reference/quantize.py): the quantiser is
-// common/fp8.cuh's (integer amax, div.rn scale and quotient, satfinite cvt, flushed and NaN blocks).
+// common/fp8.cuh's (integer amax, div.rn scale and multiplier, satfinite cvt, flushed and NaN blocks).
 //
 // One launch quantises up to kMaxJobs tensors (routed gate, up, down, shared gate, up, down):
 // job j covers CTAs [first_block[j], first_block[j] + G * RB * CB), one CTA per 128 x 128 block.

@@ -13,10 +13,9 @@
 //                     two warpgroups' issues with a named barrier.  Same bits.
 // fp8_quantize_rows   bf16 rows -> e4m3 + 1 x 128 scales (the reference quantiser, warp layout).
 // fp8_quantize_rows_pipelined  the same through the megakernel's dispatch quantiser
-//                     (moe/tasks/quantize_rows.cuh: quad layout, BlockQuotient, div.rn fallback).
-// fp8_block_quotient_check  BlockQuotient against div.rn over every bf16 input, for a list of scales.
+//                     (moe/tasks/quantize_rows.cuh: quad layout).
 // fp8_quantize_frag_rows  fp32 rows -> e4m3 + 1 x 128 scales through the epilogue quantiser
-//                     (common/fp8.cuh quantize_frag_row128: wgmma fragment layout, BlockQuotient).
+//                     (common/fp8.cuh quantize_frag_row128: wgmma fragment layout).
 // fp8_quantize_weights  bf16 [G, R, C] -> e4m3 in 128 x 128 blocks, forward copy [G, R, C] and
 //                     transposed copy [G, C, R] (the dgrad operand) with their scales.
 //
@@ -30,7 +29,6 @@
 // grid; tiles (row block of a group, 128-column tile) are dealt round-robin over the CTAs.
 // fp8_quantize_rows: any grid x 256 threads.  fp8_quantize_weights: G * RB * CB CTAs x 256.
 // fp8_quantize_rows_pipelined: ceil(rows / 128) CTAs x 256 (scales [KB, s_kb] only: s_row == 1).
-// fp8_block_quotient_check: any grid x 256 threads.
 // fp8_quantize_frag_rows: (ceil(rows / 64), ceil(K / 128)) CTAs x 128; QuantRowsParams with x = fp32 rows.
 // Tensor maps (tests/test_fp8_gemm_probe_gpu.py):
 //   a:  UINT8   dims {K, max_rows},    box {128, 128},   SWIZZLE_128B
@@ -94,11 +92,6 @@ struct QuantWeightsParams {
   uint8_t* qt;               // e4m3 [G, C, R]     (transposed copy: reduction dim R)
   float* st;                 // fp32 [G, CB, RB]
   int groups, r, c;
-};
-struct QuotientCheckParams {
-  const float* scales;       // fp32 scales (normal, >= 2^-64)
-  long long n_scales;
-  unsigned long long* result;  // [0]: mismatches; [1]: the first one, scale bits << 32 | 0x10000 | bf16 bits
 };
 static_assert(sizeof(QuantRowsParams) == 48 && sizeof(QuantWeightsParams) == 56,
               "parameter layouts: update tests/test_fp8_gemm_probe_gpu.py");
@@ -337,33 +330,6 @@ __device__ void quantize_rows_pipelined(const QuantRowsParams& p) {
   fp8f::quantize_rows_warp(r);
 }
 
-// For each scale s (one per CTA at a time) and every bf16 v with |v| <= 449 s (a block's elements
-// are at most amax ~ 448 s): the byte BlockQuotient gives (sign from v, as encode_signed) must be
-// cvt(div.rn(v, s)), and where |div.rn(v, s)| > 2^-13 the fp32 quotient must be div.rn's, bit for bit.
-__device__ void block_quotient_check(const QuotientCheckParams& p) {
-  for (long long i = blockIdx.x; i < p.n_scales; i += gridDim.x) {
-    const float s = p.scales[i];
-    const fp8::BlockQuotient d = fp8::BlockQuotient::of(s);
-    const float limit = 449.0f * s;
-    for (uint32_t m = threadIdx.x; m < 0x7f80u; m += blockDim.x) {  // finite magnitudes
-      if (fp8::bf16_bits_to_f32(m) > limit) break;                     // increasing in m
-#pragma unroll
-      for (uint32_t sign = 0; sign <= 0x8000u; sign += 0x8000u) {
-        const uint32_t bits = m | sign;
-        const float v = fp8::bf16_bits_to_f32(bits);
-        const float ref = fp8::div_rn(v, s), got = d(v);
-        const float f[8] = {v, v, v, v, v, v, v, v};
-        const uint32_t got_byte = d.encode_signed(f, 0, bits * 0x10001u, bits * 0x10001u) & 0xffu;
-        const uint32_t want_byte = fp8::cvt_e4m3x2(ref, 0.0f) & 0xffu;
-        const bool bad = got_byte != want_byte ||
-                         (fabsf(ref) > 0x1p-13f && __float_as_uint(got) != __float_as_uint(ref));
-        if (bad && atomicAdd(p.result, 1ull) == 0)
-          p.result[1] = (static_cast<unsigned long long>(__float_as_uint(s)) << 32) | 0x10000u | bits;
-      }
-    }
-  }
-}
-
 // The gate|up epilogue's quantiser on fp32 rows: CTA (x, y) holds rows 64x .. 64x + 63, block y, in
 // the accumulator fragment of one m64n128 warpgroup (zeros past the rows and columns).  K % 8 == 0.
 __device__ void quantize_frag_rows(const QuantRowsParams& p) {
@@ -483,10 +449,6 @@ extern "C" __global__ void __launch_bounds__(256) fp8_quantize_weights(const __g
 
 extern "C" __global__ void __launch_bounds__(256) fp8_quantize_rows_pipelined(const __grid_constant__ QuantRowsParams p) {
   fp8probe::quantize_rows_pipelined(p);
-}
-
-extern "C" __global__ void __launch_bounds__(256) fp8_block_quotient_check(const __grid_constant__ QuotientCheckParams p) {
-  fp8probe::block_quotient_check(p);
 }
 
 extern "C" __global__ void __launch_bounds__(128) fp8_quantize_frag_rows(const __grid_constant__ QuantRowsParams p) {

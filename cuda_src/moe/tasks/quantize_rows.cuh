@@ -4,12 +4,11 @@
 //
 // Why the structure: a row of H = 2048 is 4 KB, and a warp quantises 16 rows of a 128-row task.
 // Loading a few blocks, quantising them, then loading the next few left one L2 / HBM round trip
-// exposed per batch (~2 KB in flight per warp), and each element's div.rn ran one at a time behind
-// its own branch: ~94 us per task, measured.  Here the row stream is cut into units of 8 K blocks
+// exposed per batch (~2 KB in flight per warp): ~94 us per task, measured.  Here the row stream is cut into units of 8 K blocks
 // (1024 columns: kUnitSlots 16-byte loads per lane, a block per lane quad), and the warp keeps
 // kRing units in registers: while it quantises unit i, units i+1 .. i+kRing-1 are in flight (14 KB
 // per warp, 112 KB per SM; under the GEMMs' HBM traffic a load takes several us, bench/NOTES.md).
-// The quantiser is branch-free per element (BlockQuotient): ~300 warp instructions per unit.
+// The quantiser is branch-free per element (fp8::BlockScale: an FMUL and half a cvt each).
 // kRing is what the registers allow (232 per worker thread; 10 spills) and sets the code size:
 // the ring loop is unrolled kRing times (~330 SASS instructions per unit).
 #pragma once
@@ -101,23 +100,14 @@ __device__ __forceinline__ void store_quantized_unit(const fp8::QuantizedQuadBlo
     scale[(size_t)(static_cast<unsigned>(col0) / fp8::kBlock) * ld + row] = b.scale;
 }
 
-// Quantise and store unit c of local row j (held in v).  Returns whether one of its blocks needs the
-// div.rn fallback (warp-uniform).  kDiv: that fallback (it loads the unit again itself).
-template <bool kDiv, class Second = NoSecondOutput>
-__device__ __forceinline__ bool store_unit(const uint4 (&v)[kUnitSlots], const QuantRows& q, int j, int c,
+// Quantise and store unit c of local row j (held in v).
+template <class Second = NoSecondOutput>
+__device__ __forceinline__ void store_unit(const uint4 (&v)[kUnitSlots], const QuantRows& q, int j, int c,
                                            const Second& second = Second{}) {
   const int row = q.row(j), col0 = c * kUnitCols + unit_lane_col();
-  uint4 w[kUnitSlots];
-  if (kDiv) {
-    load_unit(w, q, j, c);
-  } else {
-#pragma unroll
-    for (int k = 0; k < kUnitSlots; ++k) w[k] = v[k];
-  }
-  const fp8::QuantizedQuadBlock b = fp8::quantize_block_quad_bf16<kDiv>(w);
+  const fp8::QuantizedQuadBlock b = fp8::quantize_block_quad_bf16(v);
   store_quantized_unit(b, q.dst, q.scale, q.ld, q.hidden, row, col0);
   second(q, j, row, col0, b);
-  return __any_sync(0xffffffffu, b.needs_div);
 }
 
 // Next unit: c along the row, then the next local row.
@@ -128,8 +118,7 @@ __device__ __forceinline__ void next_unit(int& j, int& c, int upr) {
 }
 
 // The warp's rows, software-pipelined over units: the loads of the kRing - 1 units after unit i are
-// issued before unit i is quantised.  A row with a block that needs div.rn is redone at the end (the
-// same lanes store to the same addresses, so the later stores win).
+// issued before unit i is quantised.
 // R: the ring's units (kRing in the forward; the FP8 backward takes fewer registers, see there).
 // second: each unit's second output (NoSecondOutput: none).
 template <int R = kRing, class Second = NoSecondOutput>
@@ -137,7 +126,6 @@ __device__ __forceinline__ void quantize_rows_warp(const QuantRows& q, const Sec
   const int upr = (q.hidden + kUnitCols - 1) / kUnitCols;  // units per row
   int lj = 0, lc = 0;  // the next unit to load
   int sj = 0, sc = 0;  // the next unit to quantise
-  uint32_t redo = 0;   // bit j: local row j
   uint4 ring[R][kUnitSlots];
 #pragma unroll
   for (int k = 0; k < R - 1; ++k) {
@@ -150,15 +138,9 @@ __device__ __forceinline__ void quantize_rows_warp(const QuantRows& q, const Sec
       if (sj >= q.nrows) break;  // warp-uniform
       load_unit(ring[(k + R - 1) % R], q, lj, lc);
       next_unit(lj, lc, upr);
-      if (store_unit<false>(ring[k], q, sj, sc, second)) redo |= 1u << sj;
+      store_unit(ring[k], q, sj, sc, second);
       next_unit(sj, sc, upr);
     }
-  }
-#pragma unroll 1
-  for (; redo != 0; redo &= redo - 1) {
-    const int j = __ffs(redo) - 1;
-#pragma unroll 1
-    for (int c = 0; c < upr; ++c) store_unit<true>(ring[0], q, j, c, second);
   }
 }
 
@@ -167,12 +149,11 @@ __device__ __forceinline__ void quantize_rows_warp(const QuantRows& q, const Sec
 // Here the producer streams the block's source rows into the ring with one bulk copy per row
 // (rows::issue_stage, the bf16 dispatch's stream: up to kStages x 48 KB in flight), and each warp
 // quantises the units (row, kUnitCols columns) of a landed stage from shared memory, up to
-// kRingBatch units at once: a unit's amax -> quad shuffles -> scale -> reciprocal chain is serial,
+// kRingBatch units at once: a unit's amax -> quad shuffles -> scale and multiplier chain is serial,
 // and with two warps per scheduler one unit at a time left it exposed (the quantiser alone took
 // ~89 us of a 128-row deepseek-v3 block, bench/NOTES-FP8-4.md round 28).  Per unit the arithmetic
-// is quantize_rows_warp's (BlockQuotient; units with a block that needs div.rn are quantised again
-// with it, reloaded from the slot, which is still held), so the bytes are the same.  Rows whose slot is padding or
-// corrupt (rows::BlockRows: -1) are quantised as zeros, as above.
+// is quantize_rows_warp's, so the bytes are the same.  Rows whose slot is padding or corrupt
+// (rows::BlockRows: -1) are quantised as zeros, as above.
 constexpr int kRingBatch = 3;  // H = 7168: 3 rows x 7 units a stage over 8 warps; H = 2048: 12 x 2
 
 // One unit from shared memory (zeros where !valid or past the row's end).
@@ -209,21 +190,11 @@ __device__ __forceinline__ bool quantize_block_ring(const pipe::Shared& s, wg::P
         src[b] = base + static_cast<uint32_t>(u) * row_bytes + 2u * static_cast<uint32_t>(col0[b]);
       }
       fp8::QuantizedQuadBlock q[kRingBatch];
-      bool div = false;
 #pragma unroll
       for (int b = 0; b < kRingBatch; ++b) {
         uint4 v[kUnitSlots];
         load_unit_shared(v, src[b], valid[b], col0[b], d.hidden);
-        q[b] = fp8::quantize_block_quad_bf16<false>(v);
-        div = div || q[b].needs_div;
-      }
-      if (__any_sync(0xffffffffu, div)) {  // rare: tiny scales (BlockQuotient does not cover them)
-#pragma unroll
-        for (int b = 0; b < kRingBatch; ++b) {
-          uint4 v[kUnitSlots];
-          load_unit_shared(v, src[b], valid[b], col0[b], d.hidden);  // the slot is still ours
-          q[b] = fp8::quantize_block_quad_bf16<true>(v);
-        }
+        q[b] = fp8::quantize_block_quad_bf16(v);
       }
 #pragma unroll
       for (int b = 0; b < kRingBatch; ++b)
