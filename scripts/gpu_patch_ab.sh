@@ -4,7 +4,8 @@
 #   * bitwise FP8 outputs on ab_numerics' 18 cases, both trees;
 #   * a slice FP8 trace (profile_layer.py --trace) of each;
 #   * the mok-only bench, the trees alternating $MOK_ROUNDS rounds (default 2) at $MOK_SHAPES
-#     (default deepseek-v3-ep8-slice,qwen3-30b-a3b), FP8 (and bf16 once, for the ratio);
+#     (default deepseek-v3-ep8-slice,qwen3-30b-a3b), FP8 (and bf16 once, for the ratio; $MOK_PRECS: these
+#     precisions in every run);
 #   * where the bits are equal (or MOK_SUITES=1: a patch that changes the numerics on purpose), the
 #     patched tree's suites while time lasts: $MOK_TESTS (default the FP8 forward + staged suites), with
 #     -k "$MOK_K" where set.
@@ -51,6 +52,7 @@ for side in old new; do tree=$old; [ $side = new ] && tree=$new
 done
 for r in $(seq "${MOK_ROUNDS:-2}"); do for side in old new; do tree=$old; [ $side = new ] && tree=$new
   precs=fp8_block; [ $side = old ] && [ "$r" = 1 ] && precs=bf16,fp8_block
+  [ -n "${MOK_PRECS:-}" ] && precs=$MOK_PRECS   # e.g. bf16,fp8_block where the patch moves bf16 too
   (cd "$tree" && PYTHONPATH="$tree" timeout 100 python3 bench/bench_moe.py --impl mok --shapes "$shapes" --precision $precs \
      --out /tmp/b_$side --commit $side) > "$out/bench_${side}_$r.txt" 2>&1
   echo "== $side round $r ($((SECONDS - t0)) s)"; grep -E "^[a-z].*[0-9] |^  \+ " "$out/bench_${side}_$r.txt" | grep -v "step memory" | head -4
