@@ -184,6 +184,20 @@ def quantize_weights_dev(stream, w_bits, groups: int, r: int, c: int):
     return q, s, qt, st
 
 
+def quantize_frag_rows_dev(stream, x: np.ndarray):
+    """The epilogue quantiser (fp8_quantize_frag_rows) on fp32 rows [M, K], K % 8 == 0; returns
+    (e4m3 bytes [M, K], scales [M, KB]), both prefilled so an unwritten element shows."""
+    rows, k = x.shape
+    kb = H.cdiv(k, FP8_BLOCK)
+    xd = cp.asarray(np.ascontiguousarray(x, dtype=np.float32))
+    q = cp.full((rows, k), 0xAA, dtype=cp.uint8)
+    s = cp.full((rows, kb), -1.0, dtype=cp.float32)
+    p = QuantRowsParams(_ptr(xd), _ptr(q), _ptr(s), rows, k, kb, 1)
+    _run(_kernel("fp8_quantize_frag_rows"), (H.cdiv(rows, 64), kb), 128, p, stream)
+    stream.synchronize()
+    return q, s
+
+
 def _dev_bf16(x: np.ndarray):
     return cp.asarray(np.ascontiguousarray(x.astype(H.BF16)).view(np.uint16))
 
@@ -259,12 +273,7 @@ def test_quantize_rows_every_bf16(stream):
     q, s = quantize_rows_dev(stream, cp.asarray(bits), k, scale_ld=ld, kernel="fp8_quantize_rows_pipelined",
                              scale_fill=-1.0)   # an unwritten scale (a flushed block's 0) shows
     _assert_q_equal(q, s[:, :m].T, want, "pipelined rows, every bf16")
-    xf = cp.asarray(x.astype(np.float32))
-    q = cp.full((m, k), 0xAA, dtype=cp.uint8)
-    s = cp.full((m, k // FP8_BLOCK), -1.0, dtype=cp.float32)
-    p = QuantRowsParams(_ptr(xf), _ptr(q), _ptr(s), m, k, k // FP8_BLOCK, 1)
-    _run(_kernel("fp8_quantize_frag_rows"), (H.cdiv(m, 64), k // FP8_BLOCK), 128, p, stream)
-    stream.synchronize()
+    q, s = quantize_frag_rows_dev(stream, x.astype(np.float32))
     _assert_q_equal(q, s, want, "fragment rows, every bf16")
 
 
@@ -297,15 +306,8 @@ def test_quantize_frag_rows_fp32_bitwise(stream, k):
     """The gate|up epilogue's quantiser (common/fp8.cuh quantize_frag_row128: fragment layout) on
     fp32 rows, byte for byte and scale for scale against the oracle."""
     x = _fp32_special_rows(np.random.default_rng(k), k)
-    want = H.quantize_rows_ref(x)
-    rows, kb = x.shape[0], k // FP8_BLOCK
-    xd = cp.asarray(x)
-    q = cp.full((rows, k), 0xAA, dtype=cp.uint8)
-    s = cp.full((rows, kb), -1.0, dtype=cp.float32)
-    p = QuantRowsParams(_ptr(xd), _ptr(q), _ptr(s), rows, k, kb, 1)
-    _run(_kernel("fp8_quantize_frag_rows"), (H.cdiv(rows, 64), kb), 128, p, stream)
-    stream.synchronize()
-    _assert_q_equal(q, s, want, "fragment rows (fp32), scales [M, KB]")
+    q, s = quantize_frag_rows_dev(stream, x)
+    _assert_q_equal(q, s, H.quantize_rows_ref(x), "fragment rows (fp32), scales [M, KB]")
 
 
 @pytest.mark.parametrize("shape", [(2, 272, 400), (1, 128, 128), (3, 384, 768)])

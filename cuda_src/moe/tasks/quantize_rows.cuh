@@ -4,13 +4,14 @@
 //
 // Why the structure: a row of H = 2048 is 4 KB, and a warp quantises 16 rows of a 128-row task.
 // Loading a few blocks, quantising them, then loading the next few left one L2 / HBM round trip
-// exposed per batch (~2 KB in flight per warp): ~94 us per task, measured.  Here the row stream is cut into units of 8 K blocks
-// (1024 columns: kUnitSlots 16-byte loads per lane, a block per lane quad), and the warp keeps
+// exposed per batch (~2 KB in flight per warp): ~94 us per task, measured.  Here the row stream is
+// cut into units of 8 K blocks (1024 columns: kUnitSlots 16-byte loads per lane, a block per lane
+// quad), and the warp keeps
 // kRing units in registers: while it quantises unit i, units i+1 .. i+kRing-1 are in flight (14 KB
 // per warp, 112 KB per SM; under the GEMMs' HBM traffic a load takes several us, bench/NOTES.md).
 // The quantiser is branch-free per element (fp8::BlockScale: an FMUL and half a cvt each).
-// kRing is what the registers allow (232 per worker thread; 10 spills) and sets the code size:
-// the ring loop is unrolled kRing times (~330 SASS instructions per unit).
+// kRing is what the registers allow (232 per worker thread) and sets the code size: the ring loop
+// is unrolled kRing times.
 #pragma once
 #include "common/fp8.cuh"
 #include "moe/pipeline/staged_rows.cuh"
