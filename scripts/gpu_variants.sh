@@ -8,7 +8,8 @@
 #     variants alternating $MOK_ROUNDS rounds (default 2).
 #     bash scripts/gpu_variants.sh "bench/experiments/a.patch" "bench/experiments/a.patch+bench/experiments/b.patch"
 # MOK_NCU=1: instead of the traces and the bench, one ncu capture of each variant's slice FP8 forward
-# (warp states: where the warps stall, "No Instruction" among them; --clock-control none).
+# (warp states: where the warps stall, "No Instruction" among them; --clock-control none), and its
+# per-instruction SASS page as ncu_src_N.csv (bench/experiments/ncu_source_digest.py reads it).
 set -uo pipefail
 specs=("$@"); root=$PWD
 source "$(dirname "$0")/gpu_env.sh"
@@ -28,12 +29,14 @@ $(grep -ci 'error' "$out/build$((i + 1)).txt") error lines"; done
 echo "== builds ($((SECONDS - t0)) s)"
 if [ -n "${MOK_NCU:-}" ]; then
   for i in "${!trees[@]}"; do tree=${trees[$i]}
-    (cd "$tree" && PYTHONPATH="$tree" timeout 150 ncu --clock-control none --kernel-name "regex:moe_forward_fp8" --launch-skip 1 \
-       --launch-count 1 --section WarpStateStats --section SchedulerStats --section SpeedOfLight \
-       --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
+    (cd "$tree" && PYTHONPATH="$tree" timeout 140 ncu --clock-control none --kernel-name "regex:moe_forward_fp8" --launch-skip 1 \
+       --launch-count 1 --section WarpStateStats --section SourceCounters -o /tmp/ncu_$i -f \
+       --metrics 'sm__cycles_elapsed.avg.per_second,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
        python3 bench/profile_layer.py --shape deepseek-v3-ep8-slice --precision fp8_block --iters 2) > "$out/ncu_$i.txt" 2>&1
     echo "== ncu variant $i rc=$? ($((SECONDS - t0)) s)"
-    grep -E "Duration|SM Frequency|No Eligible|Warp Cycles Per Issued|issue_stalled" "$out/ncu_$i.txt" |
+    ncu -i /tmp/ncu_$i.ncu-rep --page details >> "$out/ncu_$i.txt" 2>&1
+    ncu -i /tmp/ncu_$i.ncu-rep --page source --csv --print-source sass > "$out/ncu_src_$i.csv" 2>&1
+    grep -E "Duration|per_second|Warp Cycles Per Issued|issue_stalled" "$out/ncu_$i.txt" |
       grep -vE " 0(\.0+)?$| 0\.0[0-4][0-9]*$" | head -30
   done
   pack_out; exit 0
