@@ -2,7 +2,7 @@
 # Several experiment variants against this tree in one device call, for a diagnosis rather than a
 # merge (scripts/gpu_patch_ab.sh is the A/B with numerics and suites).  A variant is a '+'-joined
 # list of patches applied together; variant 0 is this tree.  Each variant's tree gets the patches and
-# its FP8 forward cubins built on the device (in parallel), then:
+# all its cubins built on the device (the variants in parallel), then:
 #   * a slice FP8 trace of each (profile_layer.py --trace): the phases' task-time medians and span;
 #   * the mok-only bench at $MOK_SHAPES (default the slice), $MOK_PRECS (default fp8_block), the
 #     variants alternating $MOK_ROUNDS rounds (default 2).
@@ -21,7 +21,7 @@ for i in "${!specs[@]}"; do
   v=/tmp/variant$((i + 1)); trees+=("$v")
   rm -rf "$v"; mkdir -p "$v"; tar --exclude=./.git --exclude=./.carry --exclude=./.whl -cf - . | tar -C "$v" -xf -
   (cd "$v" && for p in ${specs[$i]//+/ }; do git apply "$root/$p" || exit 1; done &&
-     python3 -m mok_rt.build -j 8 -v --only moe_forward_fp8 --only moe_forward_fp8_staged) > "$out/build$((i + 1)).txt" 2>&1 &
+     python3 -m mok_rt.build -j 8 -v) > "$out/build$((i + 1)).txt" 2>&1 &
 done
 wait
 for i in "${!specs[@]}"; do echo "== variant $((i + 1)) = ${specs[$i]}: $(grep -c 'spill' "$out/build$((i + 1)).txt") spill lines, \
