@@ -33,3 +33,29 @@ run_pytest() {
   echo "pytest rc=$?" >> "$out/$name.txt"
   echo "== $name"; grep -E "^(FAILED|ERROR)|passed|failed|rc=|GPU tests${MOK_GREP:+|$MOK_GREP}" "$out/$name.txt" | tail -40
 }
+
+# patched_tree DIR JOBS PATCH...: this tree (without .git, .carry, .whl) copied to DIR, the patches
+# applied in order and every cubin built with JOBS compile jobs (bench/experiments patches leave the
+# cubins out); the log on stdout, the status of the first failing step as the return code.
+patched_tree() {
+  local dir=$1 jobs=$2 p; shift 2
+  rm -rf "$dir"; mkdir -p "$dir"
+  tar --exclude=./.git --exclude=./.carry --exclude=./.whl -cf - . | tar -C "$dir" -xf - || return
+  for p in "$@"; do (cd "$dir" && git apply "$p") || return; done
+  (cd "$dir" && python3 -m mok_rt.build -j "$jobs" -v)
+}
+
+# trace_slice TREE LOG: a two-iteration slice FP8 trace of TREE (profile_layer.py --trace) into LOG,
+# then its span and phase medians.
+trace_slice() {
+  (cd "$1" && PYTHONPATH="$1" timeout 40 python3 bench/profile_layer.py --shape deepseek-v3-ep8-slice \
+     --precision fp8_block --iters 2 --trace "/tmp/tr_$(basename "$2" .txt).json") > "$2" 2>&1
+  grep -E "tasks over|^  [a-z_]+ .*median|idle SMs" "$2" | head -8
+}
+
+# bench_mok TREE LOG SHAPES PRECS TAG: the mok-only bench of TREE into LOG, then its result lines.
+bench_mok() {
+  (cd "$1" && PYTHONPATH="$1" timeout 100 python3 bench/bench_moe.py --impl mok --shapes "$3" --precision "$4" \
+     --out "/tmp/b_$5" --commit "$5") > "$2" 2>&1
+  grep -E "^[a-z].*[0-9] |^  \+ " "$2" | grep -v "step memory" | head -4
+}

@@ -23,8 +23,7 @@ old=$PWD; new=/tmp/patched; t0=$SECONDS
 shapes="${MOK_SHAPES:-deepseek-v3-ep8-slice,qwen3-30b-a3b}"
 nvidia-smi --query-gpu=name,memory.total,power.limit --format=csv,noheader
 if [ ! -f "$new/.patched" ] || ! cmp -s "$new/.patched" "$patch"; then  # a warm machine keeps /tmp
-  rm -rf "$new"; mkdir -p "$new"; tar --exclude=./.git --exclude=./.carry --exclude=./.whl -cf - . | tar -C "$new" -xf -
-  (cd "$new" && git apply "$patch" && python3 -m mok_rt.build -j 16 -v && cp "$patch" .patched) > "$out/build.txt" 2>&1
+  patched_tree "$new" 16 "$patch" > "$out/build.txt" 2>&1 && cp "$patch" "$new/.patched"
   echo "== build rc=$? ($((SECONDS - t0)) s)"; grep -E "spill|error" "$out/build.txt" | sort | uniq -c | head -6
 fi
 if [ "${MOK_PART:-1}" = 2 ]; then
@@ -46,16 +45,12 @@ done
 python3 bench/ab_numerics.py --compare /tmp/ab_old.npz /tmp/ab_new.npz > "$out/ab_compare.txt" 2>&1
 echo "== numerics ($((SECONDS - t0)) s)"; tail -n 1 "$out/ab_compare.txt"
 for side in old new; do tree=$old; [ $side = new ] && tree=$new
-  (cd "$tree" && PYTHONPATH="$tree" timeout 40 python3 bench/profile_layer.py --shape deepseek-v3-ep8-slice --precision fp8_block \
-     --iters 2 --trace /tmp/tr_$side.json) > "$out/trace_$side.txt" 2>&1
-  echo "== trace $side"; grep -E "tasks over|^  [a-z_]+ .*median|idle SMs" "$out/trace_$side.txt" | head -8
+  echo "== trace $side"; trace_slice "$tree" "$out/trace_$side.txt"
 done
 for r in $(seq "${MOK_ROUNDS:-2}"); do for side in old new; do tree=$old; [ $side = new ] && tree=$new
   precs=fp8_block; [ $side = old ] && [ "$r" = 1 ] && precs=bf16,fp8_block
   [ -n "${MOK_PRECS:-}" ] && precs=$MOK_PRECS   # e.g. bf16,fp8_block where the patch moves bf16 too
-  (cd "$tree" && PYTHONPATH="$tree" timeout 100 python3 bench/bench_moe.py --impl mok --shapes "$shapes" --precision $precs \
-     --out /tmp/b_$side --commit $side) > "$out/bench_${side}_$r.txt" 2>&1
-  echo "== $side round $r ($((SECONDS - t0)) s)"; grep -E "^[a-z].*[0-9] |^  \+ " "$out/bench_${side}_$r.txt" | grep -v "step memory" | head -4
+  echo "== $side round $r ($((SECONDS - t0)) s)"; bench_mok "$tree" "$out/bench_${side}_$r.txt" "$shapes" "$precs" $side
 done; done
 if { grep -q " 0 differ" "$out/ab_compare.txt" || [ -n "${MOK_SUITES:-}" ]; } && [ $((SECONDS - t0)) -lt 330 ]; then
   # shellcheck disable=SC2086

@@ -19,9 +19,8 @@ nvidia-smi --query-gpu=name,memory.total,power.limit --format=csv,noheader
 trees=("$root")
 for i in "${!specs[@]}"; do
   v=/tmp/variant$((i + 1)); trees+=("$v")
-  rm -rf "$v"; mkdir -p "$v"; tar --exclude=./.git --exclude=./.carry --exclude=./.whl -cf - . | tar -C "$v" -xf -
-  (cd "$v" && for p in ${specs[$i]//+/ }; do git apply "$root/$p" || exit 1; done &&
-     python3 -m mok_rt.build -j 8 -v) > "$out/build$((i + 1)).txt" 2>&1 &
+  ps=(); for p in ${specs[$i]//+/ }; do ps+=("$root/$p"); done
+  patched_tree "$v" 8 "${ps[@]}" > "$out/build$((i + 1)).txt" 2>&1 &
 done
 wait
 for i in "${!specs[@]}"; do echo "== variant $((i + 1)) = ${specs[$i]}: $(grep -c 'spill' "$out/build$((i + 1)).txt") spill lines, \
@@ -41,15 +40,9 @@ if [ -n "${MOK_NCU:-}" ]; then
   done
   pack_out; exit 0
 fi
-for i in "${!trees[@]}"; do tree=${trees[$i]}
-  (cd "$tree" && PYTHONPATH="$tree" timeout 40 python3 bench/profile_layer.py --shape deepseek-v3-ep8-slice --precision fp8_block \
-     --iters 2 --trace /tmp/tr_$i.json) > "$out/trace_$i.txt" 2>&1
-  echo "== trace variant $i"; grep -E "tasks over|^  [a-z_]+ .*median" "$out/trace_$i.txt" | head -6
-done
-for r in $(seq "${MOK_ROUNDS:-2}"); do for i in "${!trees[@]}"; do tree=${trees[$i]}
-  (cd "$tree" && PYTHONPATH="$tree" timeout 100 python3 bench/bench_moe.py --impl mok --shapes "$shapes" --precision "$precs" \
-     --out /tmp/b_$i --commit "v$i") > "$out/bench_${i}_$r.txt" 2>&1
-  echo "== variant $i round $r ($((SECONDS - t0)) s)"; grep -E "^[a-z].*[0-9] |^  \+ " "$out/bench_${i}_$r.txt" | grep -v "step memory" | head -4
+for i in "${!trees[@]}"; do echo "== trace variant $i"; trace_slice "${trees[$i]}" "$out/trace_$i.txt"; done
+for r in $(seq "${MOK_ROUNDS:-2}"); do for i in "${!trees[@]}"; do
+  echo "== variant $i round $r ($((SECONDS - t0)) s)"; bench_mok "${trees[$i]}" "$out/bench_${i}_$r.txt" "$shapes" "$precs" "v$i"
 done; done
 echo "total $((SECONDS - t0)) s"
 pack_out
