@@ -53,9 +53,10 @@ trace_slice() {
   grep -E "tasks over|^  [a-z_]+ .*median|idle SMs" "$2" | head -8
 }
 
-# bench_mok TREE LOG SHAPES PRECS TAG: the mok-only bench of TREE into LOG, then its result lines.
+# bench_mok TREE LOG SHAPES PRECS TAG: the mok-only bench of TREE into LOG, then its result lines
+# (each once: bench_moe.py prints its table again at the end).
 bench_mok() {
   (cd "$1" && PYTHONPATH="$1" timeout 100 python3 bench/bench_moe.py --impl mok --shapes "$3" --precision "$4" \
      --out "/tmp/b_$5" --commit "$5") > "$2" 2>&1
-  grep -E "^[a-z].*[0-9] |^  \+ " "$2" | grep -v "step memory" | head -4
+  grep -E "^[a-z].*[0-9] |^  \+ " "$2" | grep -v "step memory" | awk '!seen[$0]++' | head -4
 }
