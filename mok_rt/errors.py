@@ -21,6 +21,22 @@ __all__ = [
 class MokError(Exception):
     """Base class of every mok_rt exception."""
 
+    def __reduce__(self):
+        # BaseException pickles as cls(*self.args), but the subclasses' constructors take other
+        # arguments than their one formatted message (ArgumentError(argument, message),
+        # CudaDriverError(call, result, detail)), so an error raised in a worker process could not
+        # be unpickled and broke the pool.  Rebuild without __init__: the same args (hence the same
+        # str()) and every attribute.
+        return _rebuild, (type(self), self.args, self.__dict__)
+
+
+def _rebuild(cls, args, state):
+    """The exception ``MokError.__reduce__`` saved (pickle and copy call it)."""
+    err = cls.__new__(cls, *args)
+    err.args = args
+    err.__dict__.update(state)
+    return err
+
 
 class ArgumentError(MokError, ValueError):
     """A host-side argument failed validation; ``.argument`` names it."""

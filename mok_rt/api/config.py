@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import KW_ONLY, dataclass, field
 
+import numpy as np
+
 from mok_rt.errors import ArgumentError
 
 __all__ = ["MoEConfig"]
@@ -13,10 +15,20 @@ _ALIGN = 64  # hidden / intermediate sizes must be multiples of the GEMM's K and
 MAX_TOP_K = 8  # routes per token the layer supports (the README promises top-k 1-8)
 
 
+_INT_FIELDS = ("hidden", "intermediate", "num_experts", "top_k", "shared_intermediate", "block_m", "ctas_per_sm",
+               "comm_sms")
+
+
+def is_int(v) -> bool:
+    """An int or a NumPy integer, not a bool: 128.0 or True compare equal to 128 or 1 and would
+    slip through the range checks below."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
 def _positive_int(name: str, v) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+    if not is_int(v) or v <= 0:
         raise ArgumentError(name, f"expected a positive int, got {v!r}")
-    return v
+    return int(v)
 
 
 @dataclass(frozen=True)
@@ -63,6 +75,13 @@ class MoEConfig:
     precision: str = "bf16"
 
     def __post_init__(self):
+        for name in _INT_FIELDS:
+            v = getattr(self, name)
+            if not is_int(v):
+                raise ArgumentError(name, f"expected an int, got {v!r} ({type(v).__name__})")
+            # Plain ints from here on: NumPy integers would reach the kernel parameters and the
+            # configuration the ranks compare (JSON) as they are.
+            object.__setattr__(self, name, int(v))
         for name in ("hidden", "intermediate", "num_experts", "top_k"):
             _positive_int(name, getattr(self, name))
         for name in ("hidden", "intermediate"):
@@ -70,7 +89,7 @@ class MoEConfig:
             if v % _ALIGN:
                 raise ArgumentError(name, f"must be a multiple of {_ALIGN}, got {v}")
         si = self.shared_intermediate
-        if isinstance(si, bool) or not isinstance(si, int) or si < 0 or si % _ALIGN:
+        if si < 0 or si % _ALIGN:
             raise ArgumentError("shared_intermediate", f"expected 0 (no shared expert) or a positive multiple "
                                                        f"of {_ALIGN}, got {si!r}")
         # A token may name one expert twice (its routes add up), so top_k may exceed num_experts.
@@ -85,14 +104,16 @@ class MoEConfig:
             raise ArgumentError("block_m", f"the kernels pad each expert's rows to blocks of 128, got {self.block_m!r}")
         if self.ctas_per_sm not in (1, 2):
             raise ArgumentError("ctas_per_sm", f"expected 1 or 2, got {self.ctas_per_sm!r}")
-        if isinstance(self.comm_sms, bool) or not isinstance(self.comm_sms, int) or not 1 <= self.comm_sms <= 64:
+        if not 1 <= self.comm_sms <= 64:
             raise ArgumentError("comm_sms", f"expected an int in [1, 64], got {self.comm_sms!r}")
         t = self.timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or not 0 < t <= 3600:
             raise ArgumentError("timeout_s", f"expected seconds in (0, 3600], got {t!r}")
         cf = self.capacity_factor
-        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not cf > 0):
-            raise ArgumentError("capacity_factor", f"expected None or a positive float, got {cf!r}")
+        # Finite: inf (or nan) would reach math.ceil in capacity_rows as an OverflowError.
+        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not math.isfinite(cf)
+                               or not cf > 0):
+            raise ArgumentError("capacity_factor", f"expected None or a positive finite float, got {cf!r}")
         if self.precision not in PRECISIONS:
             raise ArgumentError("precision", f"expected one of {PRECISIONS}, got {self.precision!r}")
 
@@ -101,17 +122,25 @@ class MoEConfig:
         return self.shared_intermediate > 0
 
     def experts_per_rank(self, num_ranks: int) -> int:
+        if not is_int(num_ranks) or num_ranks < 1:
+            raise ArgumentError("num_ranks", f"expected an int >= 1, got {num_ranks!r}")
         if self.num_experts % num_ranks:
             raise ArgumentError("num_experts", f"{self.num_experts} experts cannot be split evenly over "
                                                f"{num_ranks} ranks")
-        return self.num_experts // num_ranks
+        return self.num_experts // int(num_ranks)
 
     def capacity_rows(self, *, max_tokens: int, num_ranks: int) -> int:
         """Padded rows one rank's buffers hold (a multiple of block_m)."""
         el = self.experts_per_rank(num_ranks)
-        routes = num_ranks * max_tokens * self.top_k
+        if not is_int(max_tokens) or max_tokens < 0:
+            raise ArgumentError("max_tokens", f"expected an int >= 0, got {max_tokens!r}")
+        routes = int(num_ranks) * int(max_tokens) * self.top_k
         if self.capacity_factor is not None:
-            routes = min(routes, math.ceil(self.capacity_factor * max_tokens * self.top_k))
+            # Compared as a float first: a huge (finite) factor times the rows overflows to inf,
+            # which math.ceil cannot convert; such a factor means no limit below the worst case.
+            limit = self.capacity_factor * max_tokens * self.top_k
+            if limit < routes:
+                routes = math.ceil(limit)
         rows = routes + el * (self.block_m - 1)   # worst-case padding: every expert one row short
         return -(-rows // self.block_m) * self.block_m
 

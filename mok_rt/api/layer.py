@@ -1,7 +1,7 @@
 """The layer functions: schedule, forward, backward, recompute_context (docs/API.md)."""
 from __future__ import annotations
 
-from mok_rt.api.validate import import_d_out, import_grad_buffers, import_ids, import_layer_args
+from mok_rt.api.validate import check_flag, import_d_out, import_grad_buffers, import_ids, import_layer_args
 from mok_rt.api.workspace import as_rank, resolve_stream
 from mok_rt.errors import ArgumentError
 from mok_rt.types import Context, ExpertWeights, Gradients
@@ -84,14 +84,15 @@ def backward(ws, ctx: Context, d_out, *, dw: ExpertWeights | None = None, dw_sha
         raise ArgumentError("ctx", f"expected the Context returned by forward/recompute_context, "
                                    f"got {type(ctx).__name__}")
     _check_schedule(rank, ctx.schedule, "ctx")
+    accumulate = check_flag("accumulate", accumulate)
     s = resolve_stream(rank, stream)
     h = _handle(rank, s)
     ordered = set()   # d_out and the gradient buffers: one order per framework (from_dlpack)
     dout = import_d_out(rank, d_out, tokens=ctx.tokens, stream=h, ordered=ordered)
-    buffers, grad_dtype = import_grad_buffers(rank, dw, dw_shared, accumulate=bool(accumulate), stream=h,
+    buffers, grad_dtype = import_grad_buffers(rank, dw, dw_shared, accumulate=accumulate, stream=h,
                                               ordered=ordered)
     g = impl.backward(ctx.schedule, ctx.saved, dout, ctx.inputs, out=buffers, grad_dtype=grad_dtype,
-                      accumulate=bool(accumulate), stream=s)
+                      accumulate=accumulate, stream=s)
     routed = dw if dw is not None else _frozen(ExpertWeights, gate=g["dw_gate"], up=g["dw_up"], down=g["dw_down"])
     shared = None
     if rank.config.has_shared:

@@ -2,7 +2,7 @@
 The type it returns is :class:`mok_rt.types.QuantizedWeights`; its checks live in api/validate.py."""
 from __future__ import annotations
 
-from mok_rt.api.validate import _accepts, _triple, _view, check_backend_precision
+from mok_rt.api.validate import _accepts, _triple, _view, check_backend_precision, check_flag
 from mok_rt.api.workspace import as_rank, resolve_stream
 from mok_rt.errors import ArgumentError
 from mok_rt.types import QuantizedWeights
@@ -35,6 +35,7 @@ def quantize_weights(ws, experts, shared=None, *, for_backward: bool = True, str
         raise ArgumentError("precision", "the workspace computes in 'bf16': there is nothing to quantise "
                                          "(pass the ExpertWeights themselves)")
     check_backend_precision(rank.backend, cfg.precision)   # (a CUDA workspace could not exist otherwise)
+    for_backward = check_flag("for_backward", for_backward)
     H, I, Is, El = cfg.hidden, cfg.intermediate, cfg.shared_intermediate, rank.experts_per_rank
     if shared is not None and not cfg.has_shared:
         raise ArgumentError("shared", "the config has no shared expert (shared_intermediate=0)")
@@ -48,7 +49,7 @@ def quantize_weights(ws, experts, shared=None, *, for_backward: bool = True, str
         groups = [("experts", _device_weights(rank, experts, "experts", routed_shapes, s))]
         if cfg.has_shared:
             groups.append(("shared", _device_weights(rank, shared, "shared", shared_shapes, s)))
-        q = impl.quantize(groups, stream=s, for_backward=bool(for_backward))
+        q = impl.quantize(groups, stream=s, for_backward=for_backward)
         return QuantizedWeights(cfg.precision, (routed_shapes, shared_shapes), q["experts"], q.get("shared"))
     from mok_rt.reference.quantize import quantize_experts
     routed = quantize_experts(*_host_weights(rank, experts, "experts", routed_shapes, s), cfg.precision)

@@ -10,12 +10,14 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Mapping
 
+import numpy as np
+
 from mok_rt.errors import ArgumentError
 from mok_rt.interop import dtypes
 from mok_rt.interop.dlpack import TensorView, check, from_dlpack
 from mok_rt.types import ExpertWeights, QuantizedWeights
 
-__all__ = ["LayerArgs", "import_layer_args", "import_ids", "import_d_out", "import_grad_buffers"]
+__all__ = ["LayerArgs", "import_layer_args", "import_ids", "import_d_out", "import_grad_buffers", "check_flag"]
 
 _CUDA_FLOAT = (dtypes.bfloat16,)
 _ORACLE_FLOAT = (dtypes.bfloat16, dtypes.float32, dtypes.float64)
@@ -106,6 +108,31 @@ def _view(a: _Accepts, obj, name, *, shape, dtype, stream, writable=False, order
     return v
 
 
+def check_flag(name: str, value) -> bool:
+    """``value`` as a bool, where it is one (or a NumPy bool).  Not ``bool(value)``: the string
+    "False", 0.0 or an array would be taken for a choice the caller did not make."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise ArgumentError(name, f"expected True or False, got {value!r} ({type(value).__name__})")
+
+
+def _check_disjoint(views: Mapping) -> None:
+    """Raise naming the later of two buffers (by label, in order) whose memory overlaps: every
+    output of one call is written by its own kernels, so shared memory would be raced on on the
+    device (and summed on the reference backend).  The views passed check(): C-contiguous, so each
+    is the byte range [ptr, ptr + nbytes); device pointers share one (unified) address space."""
+    seen = []
+    for label, v in views.items():
+        if v is None or v.nbytes == 0:
+            continue
+        lo, hi = v.ptr, v.ptr + v.nbytes
+        for other, (olo, ohi) in seen:
+            if lo < ohi and olo < hi:
+                raise ArgumentError(label, f"overlaps {other} in memory: each gradient buffer must be its own, "
+                                           f"non-overlapping memory")
+        seen.append((label, (lo, hi)))
+
+
 def _triple(obj, name: str) -> ExpertWeights:
     if isinstance(obj, ExpertWeights):
         return obj
@@ -175,6 +202,7 @@ def import_grad_buffers(ws, dw, dw_shared, *, accumulate: bool, stream, ordered=
     if a.has_shared:
         groups.append(("dw_shared", dw_shared, a.shared_shapes, GRAD_NAMES[3:]))
     first = None   # (label, dtype) of the first buffer given
+    labelled = {}  # label -> view, in argument order: for _check_disjoint
     for name, given, shapes, names in groups:
         if given is None:
             if accumulate:
@@ -183,13 +211,14 @@ def import_grad_buffers(ws, dw, dw_shared, *, accumulate: bool, stream, ordered=
         given = _triple(given, name)
         for part, obj, shape, key in zip(("gate", "up", "down"), given, shapes, names):
             label = f"{name}.{part}"
-            v = out[key] = _view(a, obj, label, shape=shape, dtype=a.grads, stream=stream, writable=True,
-                                 ordered=ordered)
+            v = out[key] = labelled[label] = _view(a, obj, label, shape=shape, dtype=a.grads, stream=stream,
+                                                   writable=True, ordered=ordered)
             if first is None:
                 first = (label, v.dtype)
             elif v.dtype != first[1]:
                 raise ArgumentError(label, f"has dtype {v.dtype.name} but {first[0]} is {first[1].name}: the "
                                            f"weight gradients of one call share one dtype")
+    _check_disjoint(labelled)
     return out, (dtypes.float32 if first is None else first[1])
 
 
@@ -222,6 +251,15 @@ def check_quantized(rank, qw: QuantizedWeights, shared) -> None:
     if tuple(qw.shapes) != want:
         raise ArgumentError("experts", f"quantised weights of shapes {qw.shapes} do not fit this workspace "
                                        f"(expected {want})")
+    # The shapes say whether there is a shared expert, but the tensors are what the backends read:
+    # without this, QuantizedWeights(..., shared=None) would run with the shared expert dropped.
+    if cfg.has_shared and qw.shared is None:
+        raise ArgumentError("experts", f"the config has a shared expert of {Is}, but these QuantizedWeights hold "
+                                       f"none (shared=None): quantise it too, mok.quantize_weights(ws, experts, "
+                                       f"shared)")
+    if qw.shared is not None and not cfg.has_shared:
+        raise ArgumentError("experts", "these QuantizedWeights hold a shared expert, but the config has none "
+                                       "(shared_intermediate=0)")
     # The quantised tensors are in the layout of the backend that made them.
     if rank.backend == "cuda":
         from mok_rt.kernels.fp8_quantize import DeviceQuantized
@@ -236,6 +274,8 @@ def check_quantized(rank, qw: QuantizedWeights, shared) -> None:
                                                f"{rank.device_id}")
     else:
         from mok_rt.reference.quantize import QuantizedExperts
-        if not isinstance(qw.experts, QuantizedExperts):
-            raise ArgumentError("experts", "these QuantizedWeights were made by the CUDA backend: quantise with "
-                                           "mok.quantize_weights on this reference workspace")
+        for part, q in (("experts", qw.experts), ("shared", qw.shared)):
+            if q is not None and not isinstance(q, QuantizedExperts):
+                raise ArgumentError("experts", f"the QuantizedWeights' {part} is a {type(q).__name__}, not the "
+                                               f"reference backend's layout (made by the CUDA backend?): quantise "
+                                               f"with mok.quantize_weights on this reference workspace")

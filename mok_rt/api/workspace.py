@@ -5,8 +5,8 @@ from __future__ import annotations
 import itertools
 import weakref
 
-from mok_rt.api.config import MoEConfig
-from mok_rt.api.validate import check_backend_precision
+from mok_rt.api.config import MoEConfig, is_int
+from mok_rt.api.validate import check_backend_precision, check_flag
 from mok_rt.errors import ArgumentError, MokError
 
 __all__ = ["Workspace", "WorkspaceRank", "BACKENDS"]
@@ -28,6 +28,9 @@ def _register(obj) -> int:
 
 def from_handle(handle: int):
     """The live Workspace or WorkspaceRank whose ``_handle`` is ``handle``."""
+    # Not int(handle): it would take handle + 0.9 for handle, and fail on "abc" with a bare error.
+    if not is_int(handle):
+        raise ArgumentError("handle", f"expected a workspace's int handle, got {handle!r} ({type(handle).__name__})")
     obj = _LIVE.get(int(handle))
     if obj is None:
         raise ArgumentError("handle", f"no live mok_rt workspace has handle {handle} (was it garbage-collected?)")
@@ -37,27 +40,54 @@ def from_handle(handle: int):
 def handle_of(ws) -> int:
     """The int handle of ``ws`` (a Workspace, a WorkspaceRank, or already a live handle): how
     framework adapters name a workspace where only ints may travel (custom ops, static args)."""
-    if isinstance(ws, int) and not isinstance(ws, bool):
+    if is_int(ws):
         from_handle(ws)
-        return ws
+        return int(ws)
     if not isinstance(ws, (Workspace, WorkspaceRank)):
         raise ArgumentError("ws", f"expected a Workspace, a WorkspaceRank or a handle, got {type(ws).__name__}")
     return ws._handle
 
 
 def _group_layout(group) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(device of every rank, ranks this process drives) for a ProcessGroup or a duck-typed one."""
+    """(device of every rank, ranks this process drives) for a ProcessGroup or a duck-typed one.
+    A ProcessGroup checked its own; a duck-typed one is checked here, since what is read from it
+    sizes the workspace (no ranks: a division by zero; a local rank past the devices: an index
+    error)."""
     if group is None:
         return (0,), (0,)
+    name = type(group).__name__
     devices = getattr(group, "devices", None)
     if devices is not None:
-        devices = tuple(int(d) for d in devices)
-        local = tuple(getattr(group, "local_ranks", range(len(devices))))
+        devices = _ints(devices, f"{name}.devices", limit=None)
+        local = getattr(group, "local_ranks", _ALL)
+        local = tuple(range(len(devices))) if local is _ALL else _ints(local, f"{name}.local_ranks",
+                                                                        limit=len(devices))
+        if len(set(local)) != len(local):
+            raise ArgumentError("group", f"{name}.local_ranks {list(local)} name a rank twice")
         return devices, local
     dev = getattr(group, "device_id", None)
     if dev is None:
-        raise ArgumentError("group", f"{type(group).__name__} has neither 'devices' nor 'device_id'")
+        raise ArgumentError("group", f"{name} has neither 'devices' nor 'device_id'")
+    if not is_int(dev) or dev < 0:
+        raise ArgumentError("group", f"{name}.device_id must be a device ordinal (an int >= 0), got {dev!r}")
     return (int(dev),), (0,)
+
+
+_ALL = object()   # a duck-typed group without local_ranks: this process drives every rank
+
+
+def _ints(values, what: str, *, limit: int | None) -> tuple[int, ...]:
+    """A group's non-empty sequence of ints >= 0 (below ``limit`` where given), as plain ints."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise ArgumentError("group", f"{what} must be a sequence of ints, got {values!r}")
+    values = tuple(values)
+    if not values:
+        raise ArgumentError("group", f"{what} is empty: a group has at least one rank")
+    for v in values:
+        if not is_int(v) or v < 0 or (limit is not None and v >= limit):
+            want = "an int >= 0" if limit is None else f"a rank in [0, {limit})"
+            raise ArgumentError("group", f"{what} holds {v!r}; each must be {want}")
+    return tuple(int(v) for v in values)
 
 
 class WorkspaceRank:
@@ -198,12 +228,12 @@ class Workspace:
         self.backend = backend
         # Testing aid: fill every buffer mok_rt allocates for a result or a context with NaN
         # (0xFF bytes) before the kernels run, so an element they fail to write cannot pass.
-        self.poison_outputs = bool(poison_outputs)
+        self.poison_outputs = check_flag("poison_outputs", poison_outputs)
         # Profiling aid: every megakernel launch records when each task was grabbed, ready and
         # done, on which SM (32 bytes per task; see take_traces).
-        self.trace = bool(trace)
+        self.trace = check_flag("trace", trace)
         # The CUDA backend's dtype contract, on the reference backend too (CUDA: always).
-        self.strict = bool(strict) or backend == "cuda"
+        self.strict = check_flag("strict", strict) or backend == "cuda"
         self.num_ranks = len(devices)
         self.experts_per_rank = config.experts_per_rank(self.num_ranks)
         self.capacity_rows = config.capacity_rows(max_tokens=max_tokens, num_ranks=self.num_ranks)
@@ -234,6 +264,8 @@ class Workspace:
     def _build(self, streams: dict) -> None:
         if self.backend == "reference":
             from mok_rt.backends.reference import ReferenceBackend
+            for s in streams.values():
+                check_stream(s)   # ignored (the reference computes on the host), but not a typo
             for r in self._ranks.values():
                 r._impl = ReferenceBackend(r)
             return
@@ -387,9 +419,24 @@ def as_rank(ws) -> WorkspaceRank:
     raise ArgumentError("ws", f"expected a Workspace or a WorkspaceRank, got {type(ws).__name__}")
 
 
+def check_stream(stream) -> None:
+    """The type checks of runtime.device.wrap_stream, which need no GPU: what a reference
+    workspace does for the ``stream`` it then ignores, so that code run on it first does not pass
+    a stream the CUDA backend would refuse."""
+    if stream is None or getattr(stream, "__cuda_stream__", None) is not None:
+        return
+    if isinstance(stream, int) and not isinstance(stream, bool):
+        return
+    raise ArgumentError("stream", f"expected None, a cuda.core Stream, an object with __cuda_stream__ or an int "
+                                  f"CUstream, got {stream!r} ({type(stream).__name__})")
+
+
 def resolve_stream(rank: WorkspaceRank, stream):
     """The stream a call of ``rank`` runs on: ``stream`` (any stream-like) or the rank's own."""
-    if stream is None or rank.backend == "reference":
+    if rank.backend == "reference":
+        check_stream(stream)
+        return rank.stream
+    if stream is None:
         return rank.stream
     from mok_rt.runtime.device import wrap_stream
     return wrap_stream(stream, rank.device_id)
