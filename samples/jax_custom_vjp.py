@@ -68,9 +68,10 @@ def _is_tracer(a) -> bool:
 
 
 def _kernel_dtypes(ws, x):
-    """(activation/weight dtype, routing-weight dtype): bf16/f32 on the cuda backend; the
-    reference backend takes float32/float64 as given."""
-    if ws.backend == "cuda":
+    """(activation/weight dtype, routing-weight dtype): bf16/f32 on the cuda backend (and on a
+    ``strict=True`` reference workspace, which takes only those); the reference backend otherwise
+    takes float32/float64 as given."""
+    if ws.strict:   # every CUDA workspace is strict
         return jnp.bfloat16, jnp.float32
     dt = x.dtype if x.dtype in (jnp.float32, jnp.float64) else jnp.float32
     return dt, dt
@@ -176,6 +177,11 @@ def main(argv=None) -> list[float]:
     args = ap.parse_args(argv)
 
     backend = args.backend or ("cuda" if _gpu_available() else "reference")
+    if backend == "cuda" and not _gpu_available():   # one clear line, as samples/train_moe.py
+        if mok.device_count() == 0:
+            raise SystemExit("--backend cuda needs a CUDA GPU (none found); without --backend this sample "
+                             "runs on the NumPy reference")
+        raise SystemExit("--backend cuda needs a JAX that sees the GPU: pip install 'jax[cuda13]'")
     if args.jit:
         args.checkpoint = True   # jax_ops recomputes the context in the backward
     if backend == "cuda":

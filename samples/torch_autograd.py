@@ -46,9 +46,10 @@ def mok_stream(device: torch.device):
 def _kernel_dtypes(ws, like: torch.Tensor):
     """(activation/weight dtype, routing-weight dtype, weight-gradient dtype) for ``ws``.
 
-    The cuda backend computes in bf16 with fp32 routing weights and fp32 gradients; the
-    reference backend takes float32/float64 as given (float64 makes it an exact oracle)."""
-    if ws.backend == "cuda":
+    The cuda backend computes in bf16 with fp32 routing weights and fp32 gradients (and so does a
+    ``strict=True`` reference workspace, which takes only those); the reference backend otherwise
+    takes float32/float64 as given (float64 makes it an exact oracle)."""
+    if ws.strict:   # every CUDA workspace is strict
         return torch.bfloat16, torch.float32, torch.float32
     dt = like.dtype if like.dtype in (torch.float32, torch.float64) else torch.float32
     return dt, dt, dt
@@ -187,6 +188,11 @@ def main(argv=None) -> list[float]:
     args = ap.parse_args(argv)
 
     backend = args.backend or ("cuda" if _gpu_available() else "reference")
+    if backend == "cuda" and not _gpu_available():   # one clear line, as samples/train_moe.py
+        if mok.device_count() == 0:
+            raise SystemExit("--backend cuda needs a CUDA GPU (none found); without --backend this sample "
+                             "runs on the NumPy reference")
+        raise SystemExit("--backend cuda needs a CUDA build of PyTorch (torch.cuda.is_available() is False)")
     if backend == "cuda":
         device, x_dtype = torch.device("cuda", 0), torch.bfloat16
         H, I, E, k, Is, T = 1024, 512, 16, 4, 512, 4096

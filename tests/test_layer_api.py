@@ -288,8 +288,9 @@ def test_bad_dw_buffers_are_named(part, bad, arg):
 
 
 def test_bf16_gradient_buffers_get_the_rounded_gradients():
-    """bf16 dw / dw_shared buffers: the gradients rounded once (accumulate: added in fp32 to what is
-    there, as the kernel does, then rounded); mixed dtypes name the first buffer that differs."""
+    """bf16 dw / dw_shared buffers: the fp32 gradients rounded to bf16 (SEMANTICS §4; accumulate: added
+    in fp32 to what is there, as the kernel does, then rounded); mixed dtypes name the first buffer
+    that differs."""
     bf = ml_dtypes.bfloat16
     p = _problem(np.random.default_rng(23), Is=64)
     with _ws(shared_intermediate=64) as ws:
@@ -301,7 +302,7 @@ def test_bf16_gradient_buffers_get_the_rounded_gradients():
         bufs = [np.full(a.shape, np.nan, bf) for a in want]
         g = mok.backward(ws, ctx, d_out, dw=mok.ExpertWeights(*bufs[:3]), dw_shared=mok.ExpertWeights(*bufs[3:]))
         for a, w in zip(bufs, want):
-            np.testing.assert_array_equal(a.view(np.uint16), w.astype(bf).view(np.uint16))
+            np.testing.assert_array_equal(a.view(np.uint16), w.astype(np.float32).astype(bf).view(np.uint16))
         start = [np.ones(a.shape, bf) for a in want]
         g = mok.backward(ws, ctx, d_out, dw=mok.ExpertWeights(*start[:3]), dw_shared=mok.ExpertWeights(*start[3:]),
                          accumulate=True)

@@ -1,11 +1,14 @@
 """The NumPy reference behind the public API: runs anywhere, serves as the oracle.
 
 Computes in float64 (mok_rt.reference) whatever the input precision; results come back in the
-inputs' precision (out and dx like x, d_topk_weights like topk_weights, weight gradients fp32 or
-fp64 like the caller's buffers).  What the device reports through its error word (an expert id
-out of range, capacity) is recorded the same way here and raised by ``ws.synchronize()`` /
-``ws.check()``, not by ``schedule``: code written against the reference then handles errors
-where it must on the GPU.  The calls in between run and produce NaN, as on the device.
+inputs' precision (out and dx like x, rounded once from float64; d_topk_weights like
+topk_weights; weight gradients fp32, or bf16 / float64 like the caller's buffers, a bf16 one
+rounded from the fp32 value as the kernels do).  What the device reports through its error word
+(an expert id out of range, capacity) is recorded the same way here, with the device's code and
+info, and raised by ``ws.synchronize()`` / ``ws.check()``, not by ``schedule``: code written
+against the reference then handles errors where it must on the GPU.  The calls in between run
+and produce NaN, as on the device, except that gradient buffers being accumulated into keep
+their contents (the kernels do no work then).
 """
 from __future__ import annotations
 
@@ -15,12 +18,17 @@ from mok_rt import reference
 
 from mok_rt.reference import schedule as schedule_ref
 from mok_rt.interop.dlpack import TensorView
-from mok_rt.errors import ArgumentError, ExpertIdError
+from mok_rt.errors import ExpertIdError
 from mok_rt.interop.tensor import Tensor, _host_array
+from mok_rt.runtime.errorword import ERR_CAPACITY, ERR_EXPERT_ID, device_error
 
 
 # The weight gradients by the kernels' names (what api/validate.py hands in, what the API reads).
 GRAD_NAMES = ("dw_gate", "dw_up", "dw_down", "d_shared_gate", "d_shared_up", "d_shared_down")
+
+
+# Where a device error names its origin: the CUDA backend says "mok_rt (device N)".
+_CONTEXT = "mok_rt (reference)"
 
 
 class _RefSchedule:
@@ -76,17 +84,16 @@ class ReferenceBackend:
             t, j = (int(v) for v in bad[0])
             self._record(ExpertIdError(
                 f"topk_ids[{t}, {j}] = {ids[t, j]} is outside [0, {cfg.num_experts}) "
-                f"(rank {ws.rank_id}, token {t})", code=1, info=(ws.rank_id, t, int(ids[t, j]))))
+                f"(rank {ws.rank_id}, token {t})", code=ERR_EXPERT_ID, info=(ws.rank_id, t, int(ids[t, j]))))
             return _RefSchedule(ids, None)
         try:
             layout = schedule_ref.schedule_reference([ids], num_experts=cfg.num_experts, num_ranks=ws.num_ranks,
                                                      block_m=cfg.block_m, rank=ws.rank_id,
                                                      capacity_rows=ws.capacity_rows)
-        except ArgumentError as ex:
-            if ex.argument != "capacity_rows":
-                raise
-            from mok_rt.errors import CapacityError
-            self._record(CapacityError(str(ex)))
+        except schedule_ref.CapacityOverflow as ex:
+            # The device's error word and wording (code, (rank, rows, capacity)), so that handlers
+            # written against the reference read the same fields as on the GPU (SEMANTICS.md §8).
+            self._record(device_error(ERR_CAPACITY, (ex.rank, ex.rows, ex.capacity), _CONTEXT))
             return _RefSchedule(ids, None)
         return _RefSchedule(ids, layout)
 
@@ -115,7 +122,7 @@ class ReferenceBackend:
         ``grad_dtype``)."""
         grad_np = grad_dtype.numpy
         if sched.layout is None:
-            return self._nan_gradients(sched, args, out, grad_np)
+            return self._nan_gradients(sched, args, out, grad_np, accumulate)
         _, rctx = self._run_forward(sched, args)
         g = reference.backward(rctx, _np(dout_view))
         x_dtype, tw_dtype = args.x.dtype.numpy, args.topk_weights.dtype.numpy
@@ -125,19 +132,22 @@ class ReferenceBackend:
             val = getattr(g, ref_name)
             view = out.get(name)
             if val is None or view is None:
-                result[name] = None if val is None else Tensor.from_numpy(np.ascontiguousarray(val.astype(grad_np)))
+                result[name] = None if val is None else Tensor.from_numpy(np.ascontiguousarray(_grad_as(val, grad_np)))
                 continue
             arr = host_array(view)
             if accumulate:   # as the kernel adds: in fp32 (float64 buffers: float64), then into the buffer
                 wide = np.float64 if arr.dtype == np.float64 else np.float32
                 arr[...] = (arr.astype(wide) + val.astype(wide)).astype(arr.dtype)
             else:
-                arr[...] = val.astype(arr.dtype)
+                arr[...] = _grad_as(val, arr.dtype)
             result[name] = view
         return result
 
-    def _nan_gradients(self, sched, args, out, grad_np) -> dict:
-        """What a backward on a failed schedule leaves: NaN everywhere (the error is pending)."""
+    def _nan_gradients(self, sched, args, out, grad_np, accumulate: bool) -> dict:
+        """What a backward on a failed schedule leaves (the error is pending): NaN in what this
+        call owns (dx, d_topk_weights, new gradients) and in caller buffers it would overwrite.
+        Buffers it would add into keep their contents: the kernels exit without doing any work,
+        so on the device the sums accumulated over earlier micro-batches survive."""
         cfg, ws = self.ws.config, self.ws
         T, H, I, El = sched.tokens, cfg.hidden, cfg.intermediate, ws.experts_per_rank
         shapes = {"dw_gate": (El, I, H), "dw_up": (El, I, H), "dw_down": (El, H, I)}
@@ -152,6 +162,17 @@ class ReferenceBackend:
             elif out.get(name) is None:
                 result[name] = self._nan(shapes[name], grad_np)
             else:
-                host_array(out[name])[...] = np.nan
+                if not accumulate:
+                    host_array(out[name])[...] = np.nan
                 result[name] = out[name]
         return result
+
+
+def _grad_as(val: np.ndarray, dtype) -> np.ndarray:
+    """A float64 weight gradient as ``dtype``; narrower than fp32 (bf16): through fp32, so that a
+    bf16 gradient is bitwise the fp32 one rounded (SEMANTICS.md §4: the kernels round their fp32
+    sums).  A direct float64 -> bf16 cast differs where fp32 rounding lands on a bf16 tie."""
+    dtype = np.dtype(dtype)
+    if dtype.itemsize < 4:
+        return val.astype(np.float32).astype(dtype)
+    return val.astype(dtype)

@@ -59,11 +59,12 @@ wrapper that keeps the context instead.)
 Gradients reach ``x``, ``topk_weights`` and every weight; the integer ids get none (``None``
 in the ``custom_vjp`` backward, a ``float0`` zero to JAX's callers).  Dtypes, as in
 :mod:`mok_rt.frameworks.torch_ops`: on CUDA the layer computes in bf16 with fp32 routing
-weights; on the reference backend in ``x``'s dtype when it is float32 or float64, else float32.
+weights; on the reference backend in ``x``'s dtype when it is float32 or float64, else float32,
+unless the workspace is ``strict`` (it then takes the CUDA dtypes only, and gets them).
 The casts happen in JAX around the custom calls.  ``out`` and ``dx`` have ``x``'s dtype;
 ``d_topk_weights`` and the weight gradients come out of the kernel in the routing / gradient
-compute dtype (fp32, or float64 for float64 inputs on the reference backend; bf16 on CUDA when
-every weight is bf16) and are then cast to each input's dtype.
+compute dtype (fp32, or float64 for float64 inputs on the reference backend; bf16 on CUDA or a
+strict reference workspace when every weight is bf16) and are then cast to each input's dtype.
 """
 from __future__ import annotations
 
@@ -78,7 +79,7 @@ import mok_rt as mok
 from mok_rt.api.workspace import from_handle as _from_handle
 from mok_rt.api.workspace import handle_of
 from mok_rt.frameworks import ffi_layer, xla_ffi
-from mok_rt.frameworks.common import bf16_gradients, shared_parts
+from mok_rt.frameworks.common import bf16_gradients, dtype_backend, shared_parts
 
 __all__ = ["moe_layer", "workspace_handle", "lookup_workspace", "kernel_dtypes", "register_targets",
            "FORWARD_TARGET", "BACKWARD_TARGET"]
@@ -101,7 +102,8 @@ def lookup_workspace(handle: int):
 # --------------------------------------------------------------------------- helpers
 def kernel_dtypes(backend: str, x_dtype):
     """(activation/weight dtype, routing-weight dtype, weight-gradient dtype) the layer computes in,
-    as NumPy dtypes."""
+    as NumPy dtypes.  ``backend``: ``"cuda"`` for the CUDA dtypes (what a strict reference
+    workspace takes too: see frameworks.common.dtype_backend)."""
     if backend == "cuda":
         return jnp.dtype(jnp.bfloat16), np.dtype(np.float32), np.dtype(np.float32)
     x_dtype = np.dtype(x_dtype)
@@ -147,7 +149,7 @@ def register_targets() -> tuple:
 # --------------------------------------------------------------------------- the custom calls
 def _call_forward(handle, x, ids, tw, w):
     register_targets()
-    act, route, _ = kernel_dtypes(lookup_workspace(handle).backend, x.dtype)
+    act, route, _ = kernel_dtypes(dtype_backend(lookup_workspace(handle)), x.dtype)
     present = _present(w)
     out = jax.ffi.ffi_call(FORWARD_TARGET, jax.ShapeDtypeStruct(x.shape, act), vmap_method="sequential")(
         x.astype(act), ids, tw.astype(route), *(a.astype(act) for a in present), handle=np.int64(handle))
@@ -156,7 +158,7 @@ def _call_forward(handle, x, ids, tw, w):
 
 def _call_backward(handle, d_out, x, ids, tw, w):
     register_targets()
-    backend = lookup_workspace(handle).backend
+    backend = dtype_backend(lookup_workspace(handle))
     act, route, grad = kernel_dtypes(backend, x.dtype)
     present = _present(w)
     if bf16_gradients(backend, all(a.dtype == jnp.bfloat16 for a in present)):

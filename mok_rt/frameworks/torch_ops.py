@@ -32,11 +32,13 @@ the activations, or the call's inputs) is released at once.
 Dtypes.  On the CUDA backend the kernels compute in bf16 with fp32 routing weights: ``x``, the
 weights and ``d_out`` are cast to bf16 and ``topk_weights`` to fp32 inside the ops (a no-op when
 they already are), so fp32 master weights work and their gradients come back in fp32 without a
-bf16 round trip; bf16 weights get bf16 gradients from the kernel (the fp32 sums rounded once).  The reference backend (CPU tensors) computes in ``x``'s dtype when it is
-float32 or float64, else in float32.  Outputs: ``out`` and ``dx`` like ``x``; ``d_topk_weights``
-and the weight gradients in the compute dtype of the routing weights / gradients (fp32 on CUDA;
-on the reference backend float32, or float64 for float64 inputs); autograd then casts each
-gradient to its input's dtype.
+bf16 round trip; bf16 weights get bf16 gradients from the kernel (the fp32 sums rounded once).
+The reference backend (CPU tensors) computes in ``x``'s dtype when it is float32 or float64, else
+in float32, unless the workspace is ``strict``: it then takes the CUDA dtypes only, and the ops
+cast as on CUDA.  Outputs: ``out`` and ``dx`` like ``x``; ``d_topk_weights`` and the weight
+gradients in the compute dtype of the routing weights / gradients (fp32 on CUDA; on the reference
+backend float32, or float64 for float64 inputs); autograd then casts each gradient to its input's
+dtype.
 """
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ import torch
 import mok_rt as mok
 from mok_rt.api.workspace import from_handle as _from_handle
 from mok_rt.api.workspace import handle_of
-from mok_rt.frameworks.common import bf16_gradients, shared_parts
+from mok_rt.frameworks.common import bf16_gradients, dtype_backend, shared_parts
 
 __all__ = ["moe_layer", "register_workspace", "workspace_handle", "lookup_workspace", "moe_forward",
            "moe_backward", "kernel_dtypes"]
@@ -72,7 +74,9 @@ def lookup_workspace(handle: int):
 
 # --------------------------------------------------------------------------- helpers
 def kernel_dtypes(backend: str, x_dtype: torch.dtype):
-    """(activation/weight dtype, routing-weight dtype, weight-gradient dtype) the layer computes in."""
+    """(activation/weight dtype, routing-weight dtype, weight-gradient dtype) the layer computes in.
+    ``backend``: ``"cuda"`` for the CUDA dtypes (what a strict reference workspace takes too: see
+    frameworks.common.dtype_backend)."""
     if backend == "cuda":
         return torch.bfloat16, torch.float32, torch.float32
     dt = x_dtype if x_dtype in (torch.float32, torch.float64) else torch.float32
@@ -129,7 +133,8 @@ class _Call:
     def __init__(self, handle, x, topk_ids, topk_weights, weights):
         self.ws = lookup_workspace(handle)
         _check_shared(*weights[3:])
-        self.act, self.route, self.grad = kernel_dtypes(self.ws.backend, x.dtype)
+        self.dtypes = dtype_backend(self.ws)   # "cuda" for a strict reference workspace too
+        self.act, self.route, self.grad = kernel_dtypes(self.dtypes, x.dtype)
         self.stream = _stream(x.device)
         self.sched = mok.schedule(self.ws, topk_ids.detach().contiguous(), stream=self.stream)
         self.experts, self.shared = _experts(self.act, *weights)
@@ -161,7 +166,7 @@ def moe_backward(d_out: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, t
     ctx = mok.recompute_context(c.ws, c.sched, c.x, c.topk_weights, c.experts, shared=c.shared, stream=c.stream)
     # Weight gradients land straight in torch-owned buffers (mok_rt writes through DLPack).
     weights = [w for w in (w_gate, w_up, w_down, ws_gate, ws_up, ws_down) if w is not None]
-    gdt = _grad_dtype(c.ws.backend, c.grad, weights)
+    gdt = _grad_dtype(c.dtypes, c.grad, weights)
     bufs = [torch.empty(w.shape, dtype=gdt, device=w.device) for w in weights]
     dw_shared = mok.ExpertWeights(*bufs[3:]) if len(bufs) == 6 else None
     g = mok.backward(c.ws, ctx, _as(d_out, c.act), dw=mok.ExpertWeights(*bufs[:3]), dw_shared=dw_shared,
@@ -171,7 +176,7 @@ def moe_backward(d_out: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, t
 
 @moe_backward.register_fake
 def _(d_out, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, handle):
-    backend = lookup_workspace(handle).backend
+    backend = dtype_backend(lookup_workspace(handle))
     _, route, grad = kernel_dtypes(backend, x.dtype)
     weights = [w for w in (w_gate, w_up, w_down, ws_gate, ws_up, ws_down) if w is not None]
     gdt = _grad_dtype(backend, grad, weights)

@@ -136,8 +136,11 @@ class EPContext:
 # ----------------------------------------------------------------------------------------------
 
 def _sigmoid(z: np.ndarray) -> np.ndarray:
-    # tanh form: no overflow for large |z| (exp(-z) would overflow for very negative z).
-    return 0.5 * (1.0 + np.tanh(0.5 * z))
+    # From e = exp(-|z|) in (0, 1]: never overflows (exp(-z) would for z < -709), and each side
+    # keeps full relative accuracy: 1 / (1 + e) for z >= 0, e / (1 + e) for z < 0.  The tanh form
+    # 0.5 * (1 + tanh(z / 2)) cancels for z < -20 and returns 0 from z = -38 (true: 3e-17).
+    e = np.exp(-np.abs(z))
+    return np.where(z >= 0, 1.0, e) / (1.0 + e)
 
 
 def silu(z: np.ndarray) -> np.ndarray:

@@ -22,9 +22,20 @@ import numpy as np
 
 from mok_rt.errors import ArgumentError
 
-__all__ = ["Schedule", "schedule_reference", "schedule_reference_all_ranks"]
+__all__ = ["Schedule", "CapacityOverflow", "schedule_reference", "schedule_reference_all_ranks"]
 
 _INT32_MAX = np.iinfo(np.int32).max
+
+
+class CapacityOverflow(ArgumentError):
+    """More padded rows for a rank than ``capacity_rows``: an :class:`ArgumentError` naming
+    ``capacity_rows`` that also carries what the device's error word reports (``rank``, ``rows``,
+    ``capacity``), so that the reference backend can raise the device's ``CapacityError``."""
+
+    def __init__(self, rank: int, rows: int, capacity: int):
+        self.rank, self.rows, self.capacity = rank, rows, capacity
+        super().__init__("capacity_rows", f"rank {rank} receives {rows} padded rows, more than "
+                                          f"capacity_rows = {capacity}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -133,8 +144,7 @@ class _Global:
             over = np.nonzero(self.offset[:, -1] > capacity_rows)[0]
             if over.size:
                 d = int(over[0])
-                raise ArgumentError("capacity_rows", f"rank {d} receives {int(self.offset[d, -1])} padded "
-                                                     f"rows, more than capacity_rows = {capacity_rows}")
+                raise CapacityOverflow(d, int(self.offset[d, -1]), capacity_rows)
         row_src_rank = np.full(num_rows, -1, dtype=np.int64)
         row_slot = np.full(num_rows, -1, dtype=np.int64)
         mine = self.dest == rank
@@ -165,7 +175,8 @@ def schedule_reference(topk_ids: Sequence, *, num_experts: int, num_ranks: int, 
     """Schedule of ``rank`` given every source rank's ``[T_r, k]`` global expert ids.
 
     Raises :class:`ArgumentError` for an id outside ``[0, num_experts)`` (naming rank, token and
-    id), ``num_experts`` not divisible by ``num_ranks``, or more padded rows than ``capacity_rows``.
+    id), ``num_experts`` not divisible by ``num_ranks``, or (:class:`CapacityOverflow`) more padded
+    rows for any rank than ``capacity_rows``.
     """
     g = _Global(topk_ids, num_experts, num_ranks, block_m)
     if isinstance(rank, bool) or not isinstance(rank, Integral) or not 0 <= rank < g.num_ranks:
