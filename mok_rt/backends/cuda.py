@@ -4,13 +4,14 @@ Memory, per call and per rank:
   * results (the schedule's arrays; the forward's context and ``out``; ``dx``, ``d_topk_weights``
     and new weight gradients) come in one block per call: when eager, from the device's
     stream-ordered pool or a block of an earlier call whose results are all gone, reused on the
-    stream it was last used on (cuda_calls.Recycler); from the workspace's graph arena while
-    the stream captures a CUDA graph (runtime/memory.py: kept until the workspace closes, each
-    replay rewrites them);
+    stream it was last used on, or on any once a synchronize drained it (cuda_calls.Recycler);
+    from the workspace's graph arena while the stream captures a CUDA graph (runtime/memory.py:
+    kept until the workspace closes, each replay rewrites them);
   * scratch (counters, fp32 partial sums, the backward's routed rows) is the rank's own, reused
     by every eager call and grown to the largest token count seen; eager calls on different
     streams are ordered (runtime/memory.StreamOrder), so sharing it is safe.  A captured call's
     scratch is its own, from the graph arena (its replays run on streams the rank never sees).
+    See cuda_scratch.py, also for what ``poison_outputs`` fills there.
 Plans, sizes and block layouts are cached per token count, and the prepared launches (filled
 parameter structs, tensor maps, grids) per call signature: kind, flags, token count, stream and
 every pointer (cuda_calls.PreparedCalls), so a call that repeats one of the last few enqueues its
@@ -21,7 +22,9 @@ rows that travel between ranks live in the workspace's symmetric heap (see ep.py
 from __future__ import annotations
 
 import collections
+import functools
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import numpy as np
 
@@ -36,9 +39,10 @@ from mok_rt.kernels.schedule import (Schedule, build_schedule, build_schedule_ep
                                      scratch_words)
 from mok_rt.backends.cuda_calls import ForwardState, Layout, PreparedCalls, Recycler, device_ptr
 from mok_rt.backends.cuda_fp8 import Fp8Calls
+from mok_rt.backends.cuda_scratch import RankScratch
 from mok_rt.runtime.device import activate
-from mok_rt.runtime.driver import call, driver
-from mok_rt.runtime.errorword import ErrorWord, device_error
+from mok_rt.runtime.driver import call, driver, ready
+from mok_rt.runtime.errorword import ErrorReports, ErrorWord, device_error
 from mok_rt.runtime.launch import multiprocessor_count
 from mok_rt.runtime.memory import GraphArena, StreamOrder, is_capturing
 
@@ -70,6 +74,11 @@ class _Shapes:
 
 
 class CudaBackend(Fp8Calls):
+    # What a backend that has made no call holds (check() reads them): no graph captured, no
+    # stream to wait for.  __init__ gives every backend its own.
+    _captured = False
+    _streams = MappingProxyType({})
+
     def __init__(self, ws, ep=None):
         self.ws = ws
         self.ep = ep
@@ -102,40 +111,62 @@ class CudaBackend(Fp8Calls):
         self._traces: collections.deque[tuple[str, tuple, Tensor]] = collections.deque(maxlen=_MAX_PENDING_TRACES)
         self._arena = GraphArena(self.device_id)
         self._order = StreamOrder()
-        self._scratch: dict[tuple, tuple] = {}  # (kind, name) -> (pointer, bytes, owning Tensor)
-        self._scratch_gen = 0                   # scratch buffers replaced so far
-        self._scratch_last: dict[str, tuple] = {}   # kind -> (sizes, generation, pointers, as a tuple)
+        self._poison = bool(ws.poison_outputs)
+        self._mem_scratch = RankScratch(self.device_id, self._arena, poison=self._poison, note_peak=self._note_peak,
+                                        stream_int=ws._stream_int)   # cuda_scratch.py
+        self._scratch = self._mem_scratch.buffers   # (kind, name) -> (pointer, bytes, owning Tensor)
+        self._scratch_ptrs = self._mem_scratch.ptrs  # (kind, sizes, stream, capturing) -> (by name, as a tuple)
         self._shapes: dict[int, _Shapes] = {}
         self._captured = False                  # a graph was captured: synchronize waits for the device
         self._blocks = Recycler(self.device_id)  # eager calls' result blocks (cuda_calls.py)
         self._calls = PreparedCalls()           # prepared launches of calls that repeat (cuda_calls.py)
-        self._poison = bool(ws.poison_outputs)
         self._peak = 0                          # memory_bytes()["peak"]
         self._fp8 = cfg.precision == "fp8_block"   # moe_forward_fp8 / moe_backward_fp8 (one rank; cuda_fp8.py)
         self._fp8_sizes: dict[tuple, tuple] = {}   # ("forward" / "backward", T) -> (buffer bytes, scratch's)
 
+    @functools.cached_property
+    def _reports(self) -> ErrorReports:
+        """When check() may clear the error word (made on first use, then a plain attribute)."""
+        return ErrorReports(self.error)
+
     # -- lifetime / errors ---------------------------------------------------------------------
     def close(self) -> None:
-        try:
-            activate(self.device_id)
-            self._sync_streams()
-            if self._captured:
-                call("cuCtxSynchronize")
-        finally:
-            self._order.close()
-            self._arena.close()
-            self._scratch.clear()
-            self._scratch_last.clear()
-            self._calls.clear()
-            self._blocks.clear()
-            if self.ep is None:   # an EP rank's error word belongs to the heap
-                self.error.close()
+        """Wait for the rank's work, then release everything it holds.  Every step is attempted
+        even when one fails (the workspace marks itself closed first, so there is no second try),
+        and the first error is raised afterwards."""
+        errors = []
+
+        def attempt(step, *args):
+            try:
+                step(*args)
+            except BaseException as e:   # keep releasing
+                errors.append(e)
+
+        attempt(activate, self.device_id)
+        attempt(self._sync_streams)
+        if self._captured:
+            attempt(call, "cuCtxSynchronize")
+        attempt(self._order.close)
+        attempt(self._arena.close)
+        attempt(self._mem_scratch.close, self.ws.stream)   # drained: on the rank's stream
+        self._calls.clear()
+        attempt(self._blocks.clear)
+        attempt(self._reports.close)
+        if self.ep is None:   # an EP rank's error word belongs to the heap
+            attempt(self.error.close)
+        if errors:
+            raise errors[0]
 
     def _sync_streams(self) -> None:
+        """Wait for every stream the rank's eager calls used since the last time: their work, the
+        blocks and the stream order no longer belong to them (their owners may destroy them)."""
         self.ws.stream.sync()
-        streams, self._streams = self._streams, {}
-        for s in streams.values():
-            s.sync()
+        streams = self._streams
+        for h in list(streams):
+            streams[h].sync()
+            del streams[h]   # only once waited for: a failed wait leaves it to wait again
+        self._order.drained()
+        self._blocks.drained(self.ws.stream)
 
     def synchronize(self) -> None:
         self._sync_streams()
@@ -143,20 +174,32 @@ class CudaBackend(Fp8Calls):
         if self._captured:   # replays run on streams mok_rt never sees
             activate(self.device_id)
             call("cuCtxSynchronize")
-        self.check()
+        self._check(_drained)
 
     def check(self) -> None:
-        code, a, b, c = self.error.read()
-        if not code:
+        self._check(self._idle)
+
+    def _idle(self) -> bool:
+        """Whether no kernel of this rank can still be pending, without waiting: every stream its
+        eager calls used since the last synchronize has finished (cuStreamQuery).  Never after a
+        graph was captured: its replays run on streams mok_rt does not know."""
+        if self._captured:
+            return False
+        return all(ready("cuStreamQuery", driver.CUstream(h)) for h in self._streams)
+
+    def _check(self, idle) -> None:
+        """Raise the error the kernels reported and check() / synchronize() has not raised yet;
+        the word is cleared now if ``idle()``, else by the rank's next eager call
+        (runtime/errorword.ErrorReports)."""
+        info = self._reports.poll(idle)
+        if info is None:
             return
-        try:
-            where = f"device {self.device_id}" if self.ep is None else f"rank {self.ep.rank}, device {self.device_id}"
-            err = device_error(code, (a, b, c), f"mok_rt ({where})")
-            if self.ep is not None:
-                note = self.ep.shared.health.record(code, str(err))
-                err = device_error(code, (a, b, c), f"mok_rt ({where})", note=note)
-        finally:
-            self.error.clear()
+        code, a, b, c = info
+        where = f"device {self.device_id}" if self.ep is None else f"rank {self.ep.rank}, device {self.device_id}"
+        err = device_error(code, (a, b, c), f"mok_rt ({where})")
+        if self.ep is not None:
+            note = self.ep.shared.health.record(code, str(err))
+            err = device_error(code, (a, b, c), f"mok_rt ({where})", note=note)
         raise err
 
     def _check_usable(self) -> None:
@@ -182,6 +225,8 @@ class CudaBackend(Fp8Calls):
             return True, handle
         self._streams[handle] = stream
         self._order.enter(handle)
+        if self._reports.raised:   # an error raised while its step was pending: cleared before this call
+            self._reports.before_call(handle)
         self._blocks.recycle()   # released blocks become spares; each frees on its own stream
         return False, handle
 
@@ -213,54 +258,15 @@ class CudaBackend(Fp8Calls):
         base, owner = self._results(lay.total, stream, handle, capturing, poison=poison, tag=tag)
         return lay.tensors(base, self.device_id, owner, None if capturing else stream, handle)
 
-    def _scratch_ptrs(self, kind: str, sizes: dict, stream, capturing: bool) -> tuple[dict, tuple]:
-        """This rank's scratch buffers of ``kind`` ("schedule", "forward", "backward") by name, and
-        their pointers as a tuple (for the prepared calls' keys): reused while large enough,
-        replaced by a larger one when a call needs more (the old one is freed in stream order
-        after the calls that used it).  0 for a buffer of 0 bytes.  The dict may be shared with
-        the other calls of the same sizes until a buffer is replaced: read only."""
-        if capturing:
-            # A captured call's scratch is its own, in the arena: a replay may run beside eager
-            # calls or other graphs on streams this rank never sees, so nothing may share it.
-            ptrs = {name: self._arena.allocate(nbytes) for name, nbytes in sizes.items()}
-            self._note_peak()
-            return ptrs, tuple(ptrs.values())
-        # The answer for these sizes while no buffer was replaced since (``sizes`` is held by the
-        # entry, so comparing it by identity is sound).
-        last = self._scratch_last.get(kind)
-        if last is not None and last[0] is sizes and last[1] == self._scratch_gen:
-            return last[2], last[3]
-        out = {}
-        scratch = self._scratch
-        for name, nbytes in sizes.items():
-            if not nbytes:
-                out[name] = 0
-                continue
-            key = (kind, name)
-            have = scratch.get(key)
-            if have is None or have[1] < nbytes:
-                if have is not None:
-                    # Freed on this call's stream, which StreamOrder placed after every earlier
-                    # call of the rank (the last users of the old buffer), whatever their streams.
-                    have[2]._owner.close(stream)
-                t = Tensor.empty((nbytes,), dtypes.uint8, device_id=self.device_id, stream=stream)
-                have = scratch[key] = (t.ptr, nbytes, t)
-                self._scratch_gen += 1
-                self._note_peak()
-            out[name] = have[0]
-        values = tuple(out.values())
-        self._scratch_last[kind] = (sizes, self._scratch_gen, out, values)
-        return out, values
-
     def memory_bytes(self) -> dict:
         """Device memory this rank holds now: its scratch, its graph arena, the result blocks of
         eager calls (live results, and spares kept for reuse), and the peak of their sum."""
         # Memory held only grows at an allocation, and each one notes the peak: _peak >= _held().
-        return {"scratch": sum(v[1] for v in self._scratch.values()), "graph_arena": self._arena.nbytes,
+        return {"scratch": self._mem_scratch.nbytes, "graph_arena": self._arena.nbytes,
                 "results": self._blocks.held_bytes, "peak": self._peak}
 
     def _held(self) -> int:
-        return sum(v[1] for v in self._scratch.values()) + self._arena.nbytes + self._blocks.held_bytes
+        return self._mem_scratch.nbytes + self._arena.nbytes + self._blocks.held_bytes
 
     def _note_peak(self) -> None:
         """After a call's allocations: the high-water mark memory_bytes reports."""
@@ -393,6 +399,15 @@ class CudaBackend(Fp8Calls):
             run()
         return s, bufs, bufs_key
 
+    def _rewind(self, epoch) -> None:
+        """A launch that took a new EP epoch (``ep.peers``) raised before it was enqueued (its trace
+        buffer's allocation, its preparation, the launch call itself): the epoch goes back.  Every
+        rank must give the same launch the same epoch (ep.py counts them on the host): advanced for
+        a launch this rank never made, its next launch would wait for its peers under an epoch
+        they are not at, and time out."""
+        if epoch is not None:
+            self.ep._epoch = epoch
+
     def _cacheable(self, capturing: bool) -> bool:
         """Whether a call's prepared launch may be kept: not while capturing (its arena pointers are
         never seen again), not with traces (a new record buffer per launch) nor with expert
@@ -417,25 +432,31 @@ class CudaBackend(Fp8Calls):
         cacheable = self._cacheable(capturing)
         key = (kind, T, handle, base, sched._launch_key, inputs, scratch_key) if cacheable else None
         hit = self._calls.get(key) if cacheable else None
-        if hit is None:
-            ptrs = lay.pointers(base)
-            out_ptr = ptrs.pop("out", 0)
-            fb = L.ForwardBuffers(
-                x=inputs[0], topk_weights=inputs[1], w_gate=inputs[2], w_up=inputs[3], w_down=inputs[4],
-                shared_gate=inputs[5], shared_up=inputs[6], shared_down=inputs[7], out=out_ptr, **ptrs, **scratch)
-            # Only now the EP epoch advances: an allocation that failed above leaves the ranks in step.
-            peers = None if self.ep is None else self.ep.peers(T)
-            plan = L.forward_plan(dims, context_only=context_only,
-                                  push_tasks=0 if peers is None else peers.push_tasks)
-            trace = self._trace_buffer("recompute" if context_only else "forward", plan, stream, capturing)
-            prep = L.prepare_forward(fb, sched._launch_bufs, dims, stream=stream, err_ptr=self.error.device_ptr,
-                                     device_id=self.device_id, knobs=self.knobs, context_only=context_only,
-                                     peers=peers, trace_ptr=trace, plan=plan)
-            hit = (prep, ptrs, tuple(ptrs.values()))
-            if cacheable:
-                self._calls.put(key, hit)
-        prep, ptrs, ptrs_key = hit
-        prep()
+        epoch = None if self.ep is None else self.ep._epoch   # restored if nothing is launched (_rewind)
+        try:
+            if hit is None:
+                ptrs = lay.pointers(base)
+                out_ptr = ptrs.pop("out", 0)
+                fb = L.ForwardBuffers(
+                    x=inputs[0], topk_weights=inputs[1], w_gate=inputs[2], w_up=inputs[3], w_down=inputs[4],
+                    shared_gate=inputs[5], shared_up=inputs[6], shared_down=inputs[7], out=out_ptr, **ptrs,
+                    **scratch)
+                # Only now the EP epoch advances; it goes back if this launch is not enqueued (_rewind).
+                peers = None if self.ep is None else self.ep.peers(T)
+                plan = L.forward_plan(dims, context_only=context_only,
+                                      push_tasks=0 if peers is None else peers.push_tasks)
+                trace = self._trace_buffer("recompute" if context_only else "forward", plan, stream, capturing)
+                prep = L.prepare_forward(fb, sched._launch_bufs, dims, stream=stream, err_ptr=self.error.device_ptr,
+                                         device_id=self.device_id, knobs=self.knobs, context_only=context_only,
+                                         peers=peers, trace_ptr=trace, plan=plan)
+                hit = (prep, ptrs, tuple(ptrs.values()))
+                if cacheable:
+                    self._calls.put(key, hit)
+            prep, ptrs, ptrs_key = hit
+            prep()
+        except BaseException:
+            self._rewind(epoch)
+            raise
         return out, ForwardState(dims, ptrs, ptrs_key, (args, sched, owner))
 
     @staticmethod
@@ -478,20 +499,26 @@ class CudaBackend(Fp8Calls):
         key = ("backward", bool(accumulate), grad_bf16, T, handle, base, sched._launch_key, state.bufs_key, inputs,
                grad_ptrs, scratch_key) if cacheable else None
         prep = self._calls.get(key) if cacheable else None
-        if prep is None:
-            bb = L.BackwardBuffers(
-                d_out=inputs[0], x=inputs[1], topk_weights=inputs[2], w_gate=inputs[3], w_up=inputs[4],
-                w_down=inputs[5], shared_gate=inputs[6], shared_up=inputs[7], shared_down=inputs[8], dx=dx.ptr,
-                d_topk_weights=dtw.ptr, **state.bufs, **dict(zip(GRAD_NAMES, grad_ptrs)), **scratch, **heap_rows)
-            peers = None if self.ep is None else self.ep.peers(T)
-            plan = L.backward_plan(dims, push_tasks=0 if peers is None else peers.push_tasks)
-            trace = self._trace_buffer("backward", plan, stream, capturing)
-            prep = L.prepare_backward(bb, sched._launch_bufs, dims, stream=stream, err_ptr=self.error.device_ptr,
-                                      device_id=self.device_id, knobs=self.knobs, accumulate=accumulate,
-                                      grad_bf16=grad_bf16, peers=peers, trace_ptr=trace, plan=plan)
-            if cacheable:
-                self._calls.put(key, prep)
-        prep()
+        epoch = None if self.ep is None else self.ep._epoch   # restored if nothing is launched (_rewind)
+        try:
+            if prep is None:
+                bb = L.BackwardBuffers(
+                    d_out=inputs[0], x=inputs[1], topk_weights=inputs[2], w_gate=inputs[3], w_up=inputs[4],
+                    w_down=inputs[5], shared_gate=inputs[6], shared_up=inputs[7], shared_down=inputs[8], dx=dx.ptr,
+                    d_topk_weights=dtw.ptr, **state.bufs, **dict(zip(GRAD_NAMES, grad_ptrs)), **scratch, **heap_rows)
+                # Only now the EP epoch advances; it goes back if this launch is not enqueued (_rewind).
+                peers = None if self.ep is None else self.ep.peers(T)
+                plan = L.backward_plan(dims, push_tasks=0 if peers is None else peers.push_tasks)
+                trace = self._trace_buffer("backward", plan, stream, capturing)
+                prep = L.prepare_backward(bb, sched._launch_bufs, dims, stream=stream, err_ptr=self.error.device_ptr,
+                                          device_id=self.device_id, knobs=self.knobs, accumulate=accumulate,
+                                          grad_bf16=grad_bf16, peers=peers, trace_ptr=trace, plan=plan)
+                if cacheable:
+                    self._calls.put(key, prep)
+            prep()
+        except BaseException:
+            self._rewind(epoch)
+            raise
         dx._owner = (dx._owner, args, dout)   # keep the inputs alive with the result
         return grads
 
@@ -531,4 +558,9 @@ def _input_ptrs(args) -> tuple:
 
 
 _FORWARD_KINDS = {False: ("forward", False), True: ("forward", True)}   # layout and cache-key tags
+
+
+def _drained() -> bool:
+    """synchronize()'s answer to "may the error word be cleared now": it has waited for everything."""
+    return True
 _SCHED_NAMES = tuple(b.name for b in P.FORWARD_BUFFERS if b.role == "schedule")

@@ -9,6 +9,9 @@ on the host: the layout of a call's result block, recycled result blocks, and pr
   call of the same size on the same stream takes one back instead of allocating.  That is what
   the stream-ordered pool would do (free on the block's stream, allocate again on it), without
   the pool's host cost, and it keeps the addresses stable, so the prepared launches below hit.
+  A synchronize drains every stream: the blocks released by then belong to no stream any more
+  (any call may take them; freed on the rank's own stream), since their streams' owners may
+  destroy them and a new stream may get the same handle.
 * :class:`PreparedCalls`: a small LRU of prepared launches (filled parameter structs, tensor maps,
   grid) keyed by everything they were built from: the call kind and flags, the token count, the
   stream, and every pointer the launch reads or writes.  A repeated call compares the key and
@@ -96,22 +99,26 @@ class Recycler:
         self.allocations = 0           # blocks taken from the pool (tests)
         self.held_bytes = 0            # bytes of every block from the pool not yet freed (live or spare)
         self._calls = 0                # eager calls so far
+        self._home = None              # the rank's own stream: drained blocks are freed on it
 
     def take(self, nbytes: int, stream, handle: int, tag=None):
         """(pointer, owner) of a block of ``nbytes`` for a call on ``stream``: a spare of that size
-        last used on that stream (preferably by a call of the same ``tag``, so that each call kind
-        keeps getting the same block and its prepared launch keeps hitting), else a new one from
-        the pool.  Only during an eager call."""
+        last used on that stream or drained since (:meth:`drained`), preferably one a call of the
+        same ``tag`` used, so that each call kind keeps getting the same block and its prepared
+        launch keeps hitting; else a new one from the pool.  Only during an eager call."""
         spares = self.spares
         found = -1
         for i in range(len(spares) - 1, -1, -1):
             t = spares[i][0]
-            if t._producer_stream == handle and t._shape[0] == nbytes:
+            last = t._producer_stream   # None: drained, any stream's
+            if (last == handle or last is None) and t._shape[0] == nbytes:
                 found = i
                 if spares[i][1] == tag:
                     break
         if found >= 0:
             t = spares.pop(found)[0]
+            # Now this stream's (a drained block's work is done: it may serve any stream).
+            t._producer_stream, t._stream_keep = handle, stream
         else:
             t = Tensor.empty((nbytes,), dtypes.uint8, device_id=self.device_id, stream=stream)
             self.allocations += 1
@@ -131,13 +138,41 @@ class Recycler:
             keep = [s for s in spares if now - s[2] <= self.max_age]
             keep = keep[max(0, len(keep) - self.limit):]
             kept = {id(s[0]) for s in keep}
-            self.held_bytes -= sum(s[0]._shape[0] for s in spares if id(s[0]) not in kept)
+            gone = [s[0] for s in spares if id(s[0]) not in kept]
+            self.held_bytes -= sum(t._shape[0] for t in gone)
             spares[:] = keep
+            self._free(gone)
+
+    def drained(self, home) -> None:
+        """Every stream of the rank has finished its work (a synchronize).  The blocks released
+        by now belong to no stream any more: a call on any stream may take them, and one freed is
+        freed on ``home`` (the rank's own stream, alive as long as the workspace).  Their last
+        streams' owners may destroy those streams now, and a new stream may get the same handle:
+        matched or freed by that handle, a block would be tied to a stream it has nothing to do
+        with, or freed on a dead one.  Blocks whose results are still held keep their stream."""
+        self._home = home
+        for t in [s[0] for s in self.spares] + [g[0] for g in list(self.graveyard)]:
+            t._producer_stream = t._stream_keep = None
+
+    def _free(self, blocks) -> None:
+        """Free ``blocks`` now, each on its stream (a drained one on the rank's), not whenever the
+        garbage collector gets to them on the stream they were allocated on."""
+        first = None
+        for t in blocks:
+            try:   # every block, even after a failed free
+                if t._owner is not None:
+                    t._owner.close(self._home if t._producer_stream is None else t._stream_keep)
+            except Exception as e:
+                first = first or e
+        if first is not None:
+            raise first
 
     def clear(self) -> None:
+        blocks = [s[0] for s in self.spares] + [g[0] for g in self.graveyard]
         self.graveyard.clear()
         self.spares.clear()
         self.held_bytes = 0
+        self._free(blocks)
 
 
 class PreparedCalls:

@@ -70,7 +70,9 @@ class Fp8Calls:
                     vt = Q8.transposed_shape(v.shape)
                     parts[f"{name}.{part}_t"] = (vt, dtypes.float8_e4m3fn)
                     parts[f"{name}.{part}_t_scale"] = (Q8.scale_shape(vt), dtypes.float32)
-        block = self._block(parts, stream, capturing, poison=False)
+        # Poisoned under Workspace(poison_outputs=True) like every result: the kernel writes every
+        # byte and scale, all-zero blocks included, and a test that reads them must see that it did.
+        block = self._block(parts, stream, capturing, poison=True)
 
         def dst(name, part):
             t = (block[f"{name}.{part}"].ptr, block[f"{name}.{part}_scale"].ptr)
@@ -122,13 +124,19 @@ class Fp8Calls:
                 wq[f"{prefix}{part}_s"] = 0 if g is None else getattr(g, f"{part}_scale").ptr
         fb = M8.Fp8ForwardBuffers(x=args.x.ptr, topk_weights=device_ptr(args.topk_weights), out=device_ptr(out),
                                   **wq, **{n: (v.ptr if sizes[n] else 0) for n, v in block.items()}, **scratch)
-        # Only now the EP epoch advances: an allocation that failed above leaves the ranks in step.
-        peers = None if self.ep is None else M8.fp8_peers(self.ep.peers(T), dims)
-        plan = M8.forward_plan(dims, context_only=context_only, push_tasks=0 if peers is None else peers.push_tasks)
-        trace = self._trace_buffer("recompute" if context_only else "forward", plan, stream, capturing)
-        M8.launch_forward_fp8(fb, sched._launch_bufs, dims, stream=stream, err_ptr=self.error.device_ptr,
-                              device_id=self.device_id, knobs=self.knobs, context_only=context_only,
-                              trace_ptr=trace, plan=plan, peers=peers)
+        # Only now the EP epoch advances; it goes back if the launch is not enqueued (CudaBackend._rewind).
+        epoch = None if self.ep is None else self.ep._epoch   # restored if nothing is launched (_rewind)
+        try:
+            peers = None if self.ep is None else M8.fp8_peers(self.ep.peers(T), dims)
+            plan = M8.forward_plan(dims, context_only=context_only,
+                                   push_tasks=0 if peers is None else peers.push_tasks)
+            trace = self._trace_buffer("recompute" if context_only else "forward", plan, stream, capturing)
+            M8.launch_forward_fp8(fb, sched._launch_bufs, dims, stream=stream, err_ptr=self.error.device_ptr,
+                                  device_id=self.device_id, knobs=self.knobs, context_only=context_only,
+                                  trace_ptr=trace, plan=plan, peers=peers)
+        except BaseException:
+            self._rewind(epoch)
+            raise
         return out, ForwardState(dims=dims, bufs=block, keep=(args, sched, routed, shared),
                                  weights=(routed, shared))
 
@@ -162,7 +170,7 @@ class Fp8Calls:
                 vt = Q8.transposed_shape(tuple(v.shape))
                 parts[f"{name}_t"] = (vt, dtypes.float8_e4m3fn)
                 parts[f"{name}_t_s"] = (Q8.scale_shape(vt), dtypes.float32)
-            block = self._block(parts, stream, capturing, poison=False, tag="fp8_weights_t")
+            block = self._block(parts, stream, capturing, poison=True, tag="fp8_weights_t")
             Q8.launch_quantize([(v.ptr, Q8.as_shape3(tuple(v.shape)), 0, 0, block[f"{name}_t"].ptr,
                                  block[f"{name}_t_s"].ptr) for name, v in todo],
                                stream=stream, device_id=self.device_id)
@@ -193,22 +201,29 @@ class Fp8Calls:
                tuple(ctx.values()), dout.ptr, args.topk_weights.ptr, tuple(wt.values()), grad_ptrs,
                scratch_key)
         prep = self._calls.get(key) if cacheable else None
-        if prep is None:
-            # With EP dx returns into the slot rows of the symmetric block (as in the bf16 EP backward).
-            heap = {} if self.ep is None else {"dx_slot": self.ep.slot_ptr()}
-            bb = MB.Fp8BackwardBuffers(d_out=dout.ptr, topk_weights=args.topk_weights.ptr, dx=dx.ptr,
-                                       d_topk_weights=dtw.ptr, **ctx, **wt, **dict(zip(P.GRAD_NAMES, grad_ptrs)),
-                                       **scratch, **heap)
-            # Only now the EP epoch advances: an allocation that failed above leaves the ranks in step.
-            peers = None if self.ep is None else M8.fp8_peers(self.ep.peers(T), dims)
-            plan = MB.backward_plan(dims, push_tasks=0 if peers is None else peers.push_tasks)
-            trace = self._trace_buffer("backward", plan, stream, capturing)
-            prep = MB.prepare_backward_fp8(bb, sched._launch_bufs, dims, stream=stream, err_ptr=self.error.device_ptr,
-                                           device_id=self.device_id, knobs=self.knobs, accumulate=accumulate,
-                                           grad_bf16=grad_bf16, trace_ptr=trace, plan=plan, peers=peers)
-            if cacheable:
-                self._calls.put(key, prep)
-        prep()
+        epoch = None if self.ep is None else self.ep._epoch   # restored if nothing is launched (_rewind)
+        try:
+            if prep is None:
+                # With EP dx returns into the slot rows of the symmetric block (as in the bf16 EP backward).
+                heap = {} if self.ep is None else {"dx_slot": self.ep.slot_ptr()}
+                bb = MB.Fp8BackwardBuffers(d_out=dout.ptr, topk_weights=args.topk_weights.ptr, dx=dx.ptr,
+                                           d_topk_weights=dtw.ptr, **ctx, **wt, **dict(zip(P.GRAD_NAMES, grad_ptrs)),
+                                           **scratch, **heap)
+                # Only now the EP epoch advances; it goes back if the launch is not enqueued
+                # (CudaBackend._rewind).
+                peers = None if self.ep is None else M8.fp8_peers(self.ep.peers(T), dims)
+                plan = MB.backward_plan(dims, push_tasks=0 if peers is None else peers.push_tasks)
+                trace = self._trace_buffer("backward", plan, stream, capturing)
+                prep = MB.prepare_backward_fp8(bb, sched._launch_bufs, dims, stream=stream,
+                                               err_ptr=self.error.device_ptr, device_id=self.device_id,
+                                               knobs=self.knobs, accumulate=accumulate, grad_bf16=grad_bf16,
+                                               trace_ptr=trace, plan=plan, peers=peers)
+                if cacheable:
+                    self._calls.put(key, prep)
+            prep()
+        except BaseException:
+            self._rewind(epoch)
+            raise
         # Copies made for this call are released now: like every result block, reused only by a
         # later call on this stream (after this launch in stream order) or freed on it.
         del copies

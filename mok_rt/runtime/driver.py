@@ -53,6 +53,21 @@ def call(name: str, *args):
     return out[1:]
 
 
+_NOT_READY = CUresult.CUDA_ERROR_NOT_READY
+
+
+def ready(name: str, *args) -> bool:
+    """``cuStreamQuery`` / ``cuEventQuery`` (``name``): True when the work is complete, False while
+    it is not (CUDA_ERROR_NOT_READY, which :func:`call` would raise); any other result raises."""
+    out = getattr(_drv, name)(*args)
+    res = out[0] if type(out) is tuple else out
+    if res == _NOT_READY:
+        return False
+    if res != _SUCCESS:
+        check(name, res)
+    return True
+
+
 @functools.lru_cache(maxsize=None)
 def init() -> None:
     """cuInit(0), once per process; a missing driver becomes a :class:`CudaDriverError`."""

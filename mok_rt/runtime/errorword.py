@@ -15,7 +15,7 @@ from mok_rt.runtime import driver as _driver
 from mok_rt.errors import (ArgumentError, CapacityError, DeviceError, ExpertIdError, MokError, PeerTimeoutError,
                      TokenCountError)
 
-__all__ = ["ErrorWord", "PrimaryContext", "device_error"]
+__all__ = ["ErrorWord", "ErrorReports", "PrimaryContext", "device_error"]
 
 # Mirrors mok::ErrorCode in cuda_src/common/errors.cuh.
 ERR_NONE, ERR_EXPERT_ID, ERR_CAPACITY, ERR_TIMEOUT, ERR_TOKENS, ERR_INTERNAL = range(6)
@@ -52,7 +52,8 @@ class PrimaryContext:
 
 
 class ErrorWord:
-    """``int32[4]`` in host-mapped pinned memory that kernels on any device may write.
+    """``int32[4]`` in the device memory of ``device_id`` (``cuMemAlloc``; module doc: not
+    host-mapped), written by the kernels launched on that device.
 
     ``device_ptr`` goes into a kernel's parameters; after synchronising, :meth:`read` returns
     ``(code, a, b, c)`` and :meth:`raise_if_set` raises the matching :class:`DeviceError`.
@@ -138,6 +139,71 @@ class ErrorWord:
     def __repr__(self) -> str:
         state = "closed" if self.closed else str(self.read())
         return f"ErrorWord(device_id={self.device_id}, {state})"
+
+
+class ErrorReports:
+    """When a backend's ``check()`` may clear its error word (docs/SEMANTICS.md §8).
+
+    A kernel that finds an error sets the word, and every kernel launched after it exits at once
+    while the word is set.  Clearing it while kernels of the failed step are still pending would
+    let them run as if nothing had failed (a backward with ``accumulate=True`` adding a stale
+    layout into the caller's buffers; with expert parallelism, ranks that diverge).  So an error
+    is cleared by the host only when nothing can still read the word (``idle``); otherwise it is
+    left set and remembered as *raised*: it is not raised again, and the next eager call clears
+    it on its own stream (:meth:`before_call`), after every earlier call of the rank
+    (runtime/memory.StreamOrder) and before its own kernels, so calls made after the report run.
+    An event recorded after that clear tells, without waiting, when the word may hold a new error.
+    """
+
+    def __init__(self, word: ErrorWord):
+        self.word = word
+        self.raised = False      # the word holds an error already raised, not cleared yet
+        self._enqueued = False   # ... whose clear is enqueued, followed by _event
+        self._event = None
+
+    def poll(self, idle) -> tuple | None:
+        """The error to raise now, ``(code, a, b, c)``, or None (none, or the one already raised).
+        ``idle()``: whether no work of the rank can still be pending (asked only when the word is
+        set); then the word is cleared now."""
+        info = self.word.read()
+        if self.raised and self._enqueued and _driver.ready("cuEventQuery", self._event):
+            # The clear enqueued since has run, after the read above or before it: read again,
+            # what the word holds now came after the clear.
+            self.raised = self._enqueued = False
+            info = self.word.read()
+        if not info[0]:
+            return None
+        if self.raised:   # the error already raised: the clear enqueued has not run yet
+            if not self._enqueued and idle():
+                self.word.clear()
+                self.raised = False
+            return None
+        if idle():
+            self.word.clear()
+        else:
+            self.raised = True
+        return info
+
+    def before_call(self, handle: int) -> None:
+        """An eager call on stream ``handle`` begins (ordered after every earlier call of the rank):
+        enqueue the clear of an error already raised, once."""
+        if not self.raised or self._enqueued:
+            return
+        drv = _driver.driver
+        stream = drv.CUstream(handle)
+        _driver.call("cuMemsetD32Async", drv.CUdeviceptr(self.word.device_ptr), 0, _WORDS, stream)
+        if self._event is None:
+            self._event = _driver.call("cuEventCreate", int(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING))
+        # Enqueued only once recorded: a failed record leaves the next call to clear again (no
+        # kernel ran in between, so a second clear loses nothing).
+        _driver.call("cuEventRecord", self._event, stream)
+        self._enqueued = True
+
+    def close(self) -> None:
+        event, self._event = self._event, None
+        self.raised = self._enqueued = False
+        if event is not None:
+            _driver.call("cuEventDestroy", event)
 
 
 def device_error(code: int, info: tuple, context: str, *, note: str = "") -> DeviceError:

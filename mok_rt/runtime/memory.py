@@ -55,10 +55,18 @@ class GraphArena:
         return ptr
 
     def close(self) -> None:
-        """Free every block (the graphs that use them must not be replayed afterwards)."""
+        """Free every block (the graphs that use them must not be replayed afterwards).  Every
+        block is freed even if one free fails (the first error is raised afterwards): a failure
+        must not leak the blocks after it."""
         blocks, self._blocks, self.nbytes = self._blocks, [], 0
+        first = None
         for ptr in blocks:
-            call("cuMemFree", driver.CUdeviceptr(ptr))
+            try:
+                call("cuMemFree", driver.CUdeviceptr(ptr))
+            except Exception as e:
+                first = first or e
+        if first is not None:
+            raise first
 
 
 class StreamOrder:
@@ -80,7 +88,14 @@ class StreamOrder:
         call("cuEventRecord", self._event, driver.CUstream(last))
         call("cuStreamWaitEvent", driver.CUstream(handle), self._event, 0)
 
+    def drained(self) -> None:
+        """Every stream's work has finished (a synchronize): the next call needs no order, and the
+        previous call's stream is forgotten -- its owner may destroy it now, and an event recorded
+        on a dead handle (or on another stream that reuses it) would fail or order the wrong work."""
+        self._last = None
+
     def close(self) -> None:
-        if self._event is not None:
-            call("cuEventDestroy", self._event)
-            self._event = None
+        # Dropped before it is destroyed: a failed destroy is not retried on a dead handle.
+        event, self._event, self._last = self._event, None, None
+        if event is not None:
+            call("cuEventDestroy", event)
