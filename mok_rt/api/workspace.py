@@ -2,6 +2,7 @@
 token count; :class:`WorkspaceRank`: one of those ranks, what the functional API runs on."""
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
 
@@ -185,29 +186,32 @@ class Workspace:
     strict.  Errors the device reports (expert id, capacity) are raised by :meth:`synchronize`
     / :meth:`check` on both backends.
 
-    Expert parallelism: creating the workspace is collective (every rank's process must create
-    it, with the same config and ``max_tokens``; a mismatch raises :class:`ArgumentError` on
-    every rank).  Every rank then makes the same sequence of ``schedule`` / ``forward`` /
-    ``recompute_context`` / ``backward`` calls, each rank's calls ordered on one stream; the
-    kernels meet their peers on the device (no host synchronisation).  A rank that does not make
-    a call makes its peers raise :class:`~mok_rt.PeerTimeoutError` naming it after
-    ``cfg.timeout_s``; the workspace then refuses further calls (the state the ranks share is
-    undefined) and must be closed and recreated on every rank.  An expert-id or capacity error
-    is reported by every rank alike and leaves the workspace usable.  With one process per rank
-    (MPIGroup, CallableGroup) pass the workspace itself to the API; when one process drives
-    several ranks (``SingleProcessGroup(devices=[0, 1])``, or ``[0, 0]``: ranks sharing a GPU
-    split its SMs) pass ``ws.rank(i)``, and issue one step's calls of every rank before waiting
-    for any of them: nothing that synchronises the device (``cudaDeviceSynchronize``, a copy on
-    the legacy default stream, ``ws.rank(i).synchronize()``) may come between rank 0's call and
-    rank 1's, since rank 0's kernels wait on the device for rank 1's (they would time out).
+    Expert parallelism: creating the workspace is collective (every rank's process must create it,
+    with the same config and ``max_tokens``; a mismatch raises :class:`ArgumentError` on every rank,
+    and any other failure of one process while creating it raises on every process: there its own
+    error, elsewhere a :class:`MokError` naming its rank).  Every rank then makes the same sequence
+    of ``schedule`` / ``forward`` / ``recompute_context`` / ``backward`` calls, each rank's calls
+    ordered on one stream; the kernels meet their peers on the device (no host synchronisation).  A
+    rank that does not make a call makes its peers raise :class:`~mok_rt.PeerTimeoutError` naming it
+    after ``cfg.timeout_s``; the workspace then refuses further calls (the state the ranks share is
+    undefined) and must be closed and recreated on every rank.  An expert-id or capacity error is
+    reported by every rank alike and leaves the workspace usable.  With one process per rank
+    (MPIGroup, CallableGroup) pass the workspace itself to the API; when one process drives several
+    ranks (``SingleProcessGroup(devices=[0, 1])``, or ``[0, 0]``: ranks sharing a GPU split its SMs)
+    pass ``ws.rank(i)``, and issue one step's calls of every rank before waiting for any of them:
+    nothing that synchronises the device (``cudaDeviceSynchronize``, a copy on the legacy default
+    stream, ``ws.rank(i).synchronize()``) may come between rank 0's call and rank 1's, since rank
+    0's kernels wait on the device for rank 1's (they would time out).
     """
 
     def __init__(self, config: MoEConfig, group=None, *, max_tokens: int, backend: str = "cuda", stream=None,
                  poison_outputs: bool = False, trace: bool = False, strict: bool = False):
         self._closed = True   # until everything exists: close() must work on a half-built workspace
         self._ep = None
+        self._ranks = {}
         self._handle = _register(self)
         devices, local = _group_layout(group)
+        step = _alone
         if len(devices) > 1:
             from mok_rt.dist.ep import check_same_config
             from mok_rt.dist.group import ProcessGroup
@@ -215,6 +219,29 @@ class Workspace:
                 raise ArgumentError("group", f"expert parallelism needs a ProcessGroup, got {type(group).__name__}")
             # Collective, first: the checks below then fail alike on every rank.
             check_same_config(group, config, max_tokens, backend)
+            # What follows can still fail on this process alone (a flag, a stream, a device this
+            # node lacks, a driver call); its peers would then wait forever in the heap's first
+            # collective.  So each per-process part runs as a status exchange: a failure anywhere
+            # raises on every process, naming the failing rank.
+            step = functools.partial(_collective, group)
+        try:
+            step("check the arguments and set up the local ranks",
+                 lambda: self._prepare(config, group, devices, local, max_tokens=max_tokens, backend=backend,
+                                       stream=stream, poison_outputs=poison_outputs, trace=trace, strict=strict))
+            if self.num_ranks > 1:
+                from mok_rt.dist.ep import EPShared
+                # Collective itself; every step of it that can fail on one process is exchanged.
+                self._ep = EPShared(self.group, config=self.config, max_tokens=self.max_tokens,
+                                    capacity_rows=self.capacity_rows)
+            step("create the backends", self._make_backends)
+        except BaseException:
+            self.close()
+            raise
+
+    def _prepare(self, config, group, devices, local, *, max_tokens, backend, stream, poison_outputs, trace,
+                 strict) -> None:
+        """This process's part of creating the workspace before the shared heap: the arguments,
+        its ranks and their streams."""
         if not isinstance(config, MoEConfig):
             raise ArgumentError("config", f"expected a MoEConfig, got {type(config).__name__}")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
@@ -245,11 +272,7 @@ class Workspace:
         self._ranks = {r: WorkspaceRank(self, r, devices[r]) for r in local}
         streams = self._streams(stream)
         self._closed = False
-        try:
-            self._build(streams)
-        except BaseException:
-            self.close()
-            raise
+        self._open_streams(streams)
 
     def _streams(self, stream) -> dict:
         ranks = list(self._ranks)
@@ -261,15 +284,11 @@ class Workspace:
             raise ArgumentError("stream", f"expected {len(ranks)} streams (one per local rank), got {len(stream)}")
         return dict(zip(ranks, stream))
 
-    def _build(self, streams: dict) -> None:
+    def _open_streams(self, streams: dict) -> None:
         if self.backend == "reference":
-            from mok_rt.backends.reference import ReferenceBackend
             for s in streams.values():
                 check_stream(s)   # ignored (the reference computes on the host), but not a typo
-            for r in self._ranks.values():
-                r._impl = ReferenceBackend(r)
             return
-        from mok_rt.backends.cuda import CudaBackend
         from mok_rt.runtime.device import activate, wrap_stream
         several = len(self._ranks) > 1
         for rid, r in self._ranks.items():
@@ -277,13 +296,19 @@ class Workspace:
             # Ranks driven by one process need their own streams: each waits for its peers on the device.
             r.stream = activate(r.device_id).create_stream() if s is None and several else \
                 wrap_stream(s, r.device_id)
-        if self.num_ranks == 1:
+
+    def _make_backends(self) -> None:
+        if self.backend == "reference":
+            from mok_rt.backends.reference import ReferenceBackend
+            for r in self._ranks.values():
+                r._impl = ReferenceBackend(r)
+            return
+        from mok_rt.backends.cuda import CudaBackend
+        if self._ep is None:
             r = next(iter(self._ranks.values()))
             r._impl = CudaBackend(r)
             return
-        from mok_rt.dist.ep import EPRank, EPShared
-        self._ep = EPShared(self.group, config=self.config, max_tokens=self.max_tokens,
-                            capacity_rows=self.capacity_rows)
+        from mok_rt.dist.ep import EPRank
         for rid, r in self._ranks.items():
             ep = EPRank(self._ep, rid, timeout_s=self.config.timeout_s, push_tasks=self.config.comm_sms)
             r._impl = CudaBackend(r, ep=ep)
@@ -408,6 +433,19 @@ class Workspace:
         ranks = ", ".join(f"{r}:{where(w)}" for r, w in self._ranks.items())
         return (f"Workspace(backend={self.backend!r}, ranks=[{ranks}] of {self.num_ranks}, "
                 f"H={c.hidden}, I={c.intermediate}, E={c.num_experts}, k={c.top_k}, max_tokens={self.max_tokens})")
+
+
+def _alone(what: str, fn):
+    """A setup step of a workspace without peers: nobody to tell when it fails."""
+    return fn()
+
+
+def _collective(group, what: str, fn):
+    """A setup step of an expert-parallel workspace, followed by a status all-gather: when it
+    fails on any process every process raises (there: its own error; elsewhere a MokError naming
+    the failing rank and its error) rather than some waiting for the others forever."""
+    from mok_rt.dist.group import collective_step
+    return collective_step(group, f"Workspace: {what}", fn)[0]
 
 
 def as_rank(ws) -> WorkspaceRank:

@@ -97,10 +97,12 @@ def check_same_config(group: ProcessGroup, config, max_tokens, backend: str = "c
     (naming the field and the ranks) on every process.  Run before any other validation, so that
     a bad argument then fails the same way on every rank instead of on one rank only (which would
     leave the others waiting in the next collective)."""
-    fields = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else {"config": repr(config)}
-    mine = {"config": {k: _plain(v) for k, v in fields.items()}, "max_tokens": _plain(max_tokens),
-            "backend": _plain(backend), "ranks": list(group.local_ranks)}
-    _, entries = collective_step(group, "Workspace: compare configurations", lambda: mine, share=lambda m: m)
+    def describe() -> dict:   # inside the step: even this could fail on one process only
+        fields = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else {"config": repr(config)}
+        return {"config": {k: _plain(v) for k, v in fields.items()}, "max_tokens": _plain(max_tokens),
+                "backend": _plain(backend), "ranks": list(group.local_ranks)}
+
+    _, entries = collective_step(group, "Workspace: compare configurations", describe, share=lambda m: m)
     first = entries[0]
     for e in entries[1:]:
         who, ref = e["ranks"][0] if e["ranks"] else "?", first["ranks"][0] if first["ranks"] else "?"
@@ -153,6 +155,8 @@ class EPShared:
 
     def __init__(self, group: ProcessGroup, *, config, max_tokens: int, capacity_rows: int):
         from mok_rt.dist.symmetric import SymmetricHeap
+        # No status exchange before the heap's: these depend only on what every process agreed
+        # on (the group's size, check_same_config's config and max_tokens), so they fail alike.
         if group.size > MAX_EP_RANKS:
             raise ArgumentError("group", f"at most {MAX_EP_RANKS} ranks are supported, got {group.size}")
         self.group = group

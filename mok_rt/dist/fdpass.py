@@ -216,17 +216,22 @@ def exchange_fds(group, fds: Mapping[int, int], *, timeout_s: float = 60.0) -> d
     n, me = group.num_processes, group.process_index
     if n == 1:
         return {}
-    ranks = sorted(int(r) for r in fds)
-    if len(ranks) > _MAX_FDS:
-        raise FdExchangeError(f"{len(ranks)} descriptors exceed the {_MAX_FDS} one message may carry")
-    send_fds = [int(fds[r]) for r in ranks]
     deadline = time.monotonic() + timeout_s
     made = None  # the directory this process created (process 0 only)
     listener = None
     received: dict[int, tuple[list[int], list[int]]] = {}
+    ranks: list[int] = []
+    send_fds: list[int] = []
 
     def rendezvous():
-        nonlocal made
+        # This process's checks run inside the first step: failing before it would leave the
+        # other processes waiting in its all-gather forever.
+        nonlocal made, ranks, send_fds
+        ranks = sorted(int(r) for r in fds)
+        if len(ranks) > _MAX_FDS:
+            raise FdExchangeError(f"process {me}: {len(ranks)} descriptors exceed the {_MAX_FDS} one message "
+                                  f"may carry")
+        send_fds = [int(fds[r]) for r in ranks]
         if me == 0:
             made = make_rendezvous_dir()
             return {"dir": made, "token": secrets.token_hex(16)}

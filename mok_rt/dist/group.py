@@ -13,6 +13,13 @@ the process that drives rank ``r``).  Ranks are driven by one or more *processes
 The collectives work between *processes*: :meth:`ProcessGroup.all_gather_bytes` returns one entry
 per process, in process order (for one-rank-per-process groups: one per rank, in rank order).
 mok_rt has no bootstrap of its own: it only ever uses what the caller's engine provides.
+
+A failure that mok_rt sees on one process during a collective setup is reported to every process
+(:func:`collective_step`).  A process that dies or never makes the call is not: the others wait
+as long as the engine's all-gather does.  mok_rt adds no host-side timeout (``MoEConfig.timeout_s``
+and :class:`~mok_rt.errors.PeerTimeoutError` bound the kernels' waits on the device, and
+SymmetricHeap's ``timeout_s`` only its descriptor exchange); bound it in the engine (e.g. the
+``timeout`` of ``torch.distributed.init_process_group``; MPI has none).
 """
 from __future__ import annotations
 
@@ -104,20 +111,41 @@ class _OneRankPerProcess(ProcessGroup):
     """Shared part of the groups whose every process drives exactly one rank."""
 
     rank: int
+    #: What the engine's all-gather is called in errors about what it returned.
+    _GATHER: str
 
-    def _setup(self, rank: int, size: int, device_id: int, *, source: str) -> None:
-        self.size = _as_index(size, "size", low=1)
-        self.rank = _as_index(rank, "rank")
-        if self.rank >= self.size:
-            raise ArgumentError("rank", f"rank {self.rank} is outside a group of size {self.size}")
-        device_id = _as_index(device_id, "device_id")
-        self.local_ranks = (self.rank,)
-        self.process_index = self.rank
-        self.num_processes = self.size
+    def _gather(self, data: bytes) -> list:
+        """The engine's all-gather of ``data`` (bytes), unchecked: every process's item."""
+        raise NotImplementedError
+
+    def _setup(self, rank, size, device_id, *, source: str, failure: BaseException | None = None) -> None:
+        """Check this process's arguments and run the group's first collective.  ``failure``: what
+        went wrong on this process before (MPIGroup's device detection)."""
+        # A bad argument on one process must not leave the others waiting forever in the
+        # all-gather below: it is noted, this process still takes part, and then every process
+        # raises (this one its own error, the others a MokError naming it).
+        try:
+            self.size = _as_index(size, "size", low=1)
+            self.rank = _as_index(rank, "rank")
+            if self.rank >= self.size:
+                raise ArgumentError("rank", f"rank {self.rank} is outside a group of size {self.size}")
+            device_id = _as_index(device_id, "device_id")
+        except ArgumentError as e:
+            failure = e if failure is None else failure   # the earlier one explains this one
         # One collective up front checks that every process agrees on the group's shape (and that
         # the gather returns its items in rank order) and learns every rank's device.
-        mine = json.dumps({"rank": self.rank, "size": self.size, "device": device_id}).encode()
-        entries = [json.loads(e) for e in self.all_gather_bytes(mine)]
+        if failure is None:
+            mine = {"rank": self.rank, "size": self.size, "device": device_id}
+        else:
+            mine = {"error": f"{type(failure).__name__}: {failure}"}
+        gathered = self._gather(json.dumps(mine).encode())
+        if failure is not None:
+            raise failure
+        items = self._check_gathered(gathered, self._GATHER)
+        entries = [json.loads(e) for e in items]
+        failed = [f"rank {i} failed: {e['error']}" for i, e in enumerate(entries) if e.get("error")]
+        if failed:
+            raise MokError(f"{type(self).__name__} construction: " + "; ".join(failed))
         for i, e in enumerate(entries):
             if e["size"] != self.size:
                 raise ArgumentError("size", f"rank {i} says the group has {e['size']} ranks, rank {self.rank} "
@@ -126,6 +154,9 @@ class _OneRankPerProcess(ProcessGroup):
                 raise ArgumentError(source, f"item {i} of the all-gather came from rank {e['rank']}: it must "
                                             f"return one item per rank, in rank order")
         self.devices = tuple(int(e["device"]) for e in entries)
+        self.local_ranks = (self.rank,)
+        self.process_index = self.rank
+        self.num_processes = self.size
 
     @property
     def device(self) -> int:
@@ -147,31 +178,43 @@ class MPIGroup(_OneRankPerProcess):
     of visible GPUs (so two ranks on a one-GPU machine share GPU 0).  Construction is collective.
     """
 
+    _GATHER = "comm.allgather"
+
     def __init__(self, comm, *, device_id: int | None = None):
         for name in ("Get_rank", "Get_size", "allgather", "Barrier"):
             if not hasattr(comm, name):
                 raise ArgumentError("comm", f"expected an mpi4py communicator, got {type(comm).__name__}")
         self.comm = comm
+        failure = None
         if device_id is None:
-            device_id = self._node_local_device(comm)
-        self._setup(comm.Get_rank(), comm.Get_size(), device_id, source="comm")
+            try:
+                device_id = self._node_local_device(comm)
+            except Exception as e:  # reported through _setup's all-gather, which every process joins
+                failure = e
+        self._setup(comm.Get_rank(), comm.Get_size(), device_id, source="comm", failure=failure)
 
     @staticmethod
     def _node_local_device(comm) -> int:
         from mpi4py import MPI
 
         from mok_rt.runtime.driver import device_count
+        # The split is collective: every process makes it before anything that can fail on one
+        # process only (a node without a visible GPU), so that none is left waiting in it.
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        try:
+            local = node.Get_rank()
+        finally:
+            node.Free()
         n = device_count()
         if n == 0:
             raise ArgumentError("device_id", "no CUDA device is visible to this process; pass device_id=")
-        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-        try:
-            return node.Get_rank() % n
-        finally:
-            node.Free()
+        return local % n
+
+    def _gather(self, data: bytes) -> list:
+        return self.comm.allgather(data)
 
     def all_gather_bytes(self, data: bytes) -> list[bytes]:
-        return self._check_gathered(self.comm.allgather(_as_bytes(data, "data")), "comm.allgather")
+        return self._check_gathered(self._gather(_as_bytes(data, "data")), self._GATHER)
 
     def barrier(self) -> None:
         self.comm.Barrier()
@@ -194,6 +237,8 @@ class CallableGroup(_OneRankPerProcess):
     ``barrier`` defaults to an all-gather of nothing.  Construction is collective.
     """
 
+    _GATHER = "all_gather"
+
     def __init__(self, *, rank: int, size: int, device_id: int, all_gather: Callable[[Any], list],
                  barrier: Callable[[], Any] | None = None):
         if not callable(all_gather):
@@ -204,11 +249,14 @@ class CallableGroup(_OneRankPerProcess):
         self._barrier = barrier
         self._setup(rank, size, device_id, source="all_gather")
 
-    def all_gather_bytes(self, data: bytes) -> list[bytes]:
-        out = self._all_gather(_as_bytes(data, "data"))
+    def _gather(self, data: bytes) -> list:
+        out = self._all_gather(data)
         if out is None or isinstance(out, (bytes, str)) or not hasattr(out, "__len__"):
             raise ArgumentError("all_gather", f"expected it to return a list, got {type(out).__name__}")
-        return self._check_gathered(out, "all_gather")
+        return out
+
+    def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        return self._check_gathered(self._gather(_as_bytes(data, "data")), self._GATHER)
 
     def barrier(self) -> None:
         if self._barrier is None:
@@ -224,20 +272,30 @@ def collective_step(group: ProcessGroup, what: str, fn: Callable[[], Any], *,
 
     A step that fails on one process must fail on all of them, or the others wait forever in the
     next collective.  So each process reports success or its error, and if any failed, every
-    process raises: its own exception where it failed, a :class:`MokError` naming the failed
-    process elsewhere.
+    process raises: its own exception where it failed, elsewhere a :class:`MokError` naming every
+    failed process, the ranks it drives and its error.
     """
     failure = result = None
+    ranks = list(group.local_ranks)
     try:
         result = fn()
-        mine = {"ok": True, "payload": share(result) if share is not None else None}
+        # Encoded here: a payload JSON cannot take is this process's failure too.
+        mine = json.dumps({"ok": True, "ranks": ranks, "payload": share(result) if share is not None else None})
     except BaseException as e:
         failure = e
-        mine = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-    entries = [json.loads(e) for e in group.all_gather_bytes(json.dumps(mine).encode())]
+        mine = json.dumps({"ok": False, "ranks": ranks, "error": f"{type(e).__name__}: {e}"})
+    entries = [json.loads(e) for e in group.all_gather_bytes(mine.encode())]
     if failure is not None:
         raise failure
-    for p, e in enumerate(entries):
-        if not e["ok"]:
-            raise MokError(f"{what}: process {p} failed: {e['error']}")
+    failed = [f"process {p} failed: {e['error']} ({_ranks_text(e.get('ranks'))})"
+              for p, e in enumerate(entries) if not e["ok"]]
+    if failed:
+        raise MokError(f"{what}: " + "; ".join(failed))
     return result, [e["payload"] for e in entries]
+
+
+def _ranks_text(ranks) -> str:
+    """Which ranks a failed process drives, for the error every other process raises."""
+    if not ranks:
+        return "no rank"
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(str(r) for r in ranks)

@@ -95,16 +95,10 @@ class SymmetricHeap:
     def __init__(self, group: ProcessGroup, nbytes: int, *, handle_type: str = "auto", multicast: bool = False,
                  timeout_s: float = 60.0, _api=None):
         self._closed = True  # until the resources exist; close() must work on a half-built heap
+        # Without a group there is no one to tell; every other argument is checked in the first
+        # collective step (_setup), so that a bad value on one process fails every process.
         if not isinstance(group, ProcessGroup):
             raise ArgumentError("group", f"expected a ProcessGroup, got {type(group).__name__}")
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
-            raise ArgumentError("nbytes", f"expected an int > 0, got {nbytes!r}")
-        if handle_type not in HANDLE_TYPES:
-            raise ArgumentError("handle_type", f"expected one of {HANDLE_TYPES}, got {handle_type!r}")
-        if not isinstance(multicast, bool):
-            raise ArgumentError("multicast", f"expected a bool, got {multicast!r}")
-        if not (isinstance(timeout_s, (int, float)) and 0 < timeout_s < math.inf):
-            raise ArgumentError("timeout_s", f"expected a positive number of seconds, got {timeout_s!r}")
         self.group = group
         self.size = group.size
         self.nbytes = nbytes
@@ -128,14 +122,31 @@ class SymmetricHeap:
             raise
 
     # -- setup ---------------------------------------------------------------------------------
-    def _setup(self, handle_type: str, timeout_s: float) -> None:
-        api, drv, group = self._api, self._api.driver, self.group
-        api.init()
-        self._local_devices = sorted({group.devices[r] for r in group.local_ranks})
+    @staticmethod
+    def _check_args(nbytes, handle_type, multicast, timeout_s) -> None:
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+            raise ArgumentError("nbytes", f"expected an int > 0, got {nbytes!r}")
+        if handle_type not in HANDLE_TYPES:
+            raise ArgumentError("handle_type", f"expected one of {HANDLE_TYPES}, got {handle_type!r}")
+        if not isinstance(multicast, bool):
+            raise ArgumentError("multicast", f"expected a bool, got {multicast!r}")
+        if not (isinstance(timeout_s, (int, float)) and 0 < timeout_s < math.inf):
+            raise ArgumentError("timeout_s", f"expected a positive number of seconds, got {timeout_s!r}")
 
-        # 1. Every process describes its ranks; everyone validates the same table.
-        _, table = collective_step(group, "SymmetricHeap: describe ranks", lambda: self._local_facts(handle_type),
-                                   share=lambda facts: facts)
+    def _setup(self, handle_type: str, timeout_s: float) -> None:
+        api, group = self._api, self.group
+
+        # 1. Every process checks its arguments and describes its ranks; everyone validates the
+        #    same table (which also holds the arguments that must agree).  Nothing runs before
+        #    this step: a failure on one process would leave the others waiting in it forever.
+        def describe():
+            self._check_args(self.nbytes, handle_type, self.multicast, timeout_s)
+            api.init()
+            self._local_devices = sorted({group.devices[r] for r in group.local_ranks})
+            return self._local_facts(handle_type)
+
+        _, table = collective_step(group, "SymmetricHeap: describe ranks", describe, share=lambda facts: facts)
+        drv = api.driver
         ranks = self._validate(table, handle_type)
         self._uuids = [ranks[r]["uuid"] for r in range(self.size)]
         nproc = group.num_processes
@@ -351,7 +362,7 @@ class SymmetricHeap:
                 self._ptr_arrays[d] = int(api.call("cuMemAlloc", ptrs.nbytes))
                 api.call("cuMemcpyHtoD", self._ptr_arrays[d], ptrs.ctypes.data, ptrs.nbytes)
                 api.call("cuCtxSynchronize")
-        # Now rather than on first use: allocating pinned memory serialises streams, which would
+        # Now rather than on first use: allocating device memory may serialise streams, which would
         # stall a barrier kernel already spinning on another stream.
         for r in self.group.local_ranks:
             self._error_words[r] = ErrorWord(self.group.devices[r], _api=api)
