@@ -15,6 +15,7 @@ import numpy as np
 from mok_rt.errors import ArgumentError
 from mok_rt.interop import dtypes
 from mok_rt.interop.dlpack import TensorView, check, from_dlpack
+from mok_rt.interop.producers import immutable_framework
 from mok_rt.types import ExpertWeights, QuantizedWeights
 
 __all__ = ["LayerArgs", "import_layer_args", "import_ids", "import_d_out", "import_grad_buffers", "check_flag"]
@@ -87,6 +88,14 @@ def _view(a: _Accepts, obj, name, *, shape, dtype, stream, writable=False, order
     import on its own."""
     if obj is None:
         raise ArgumentError(name, "is required")
+    if writable and (fw := immutable_framework(obj)) is not None:
+        # Before the import: a JAX array's capsule is a legacy one, which has no read-only flag
+        # (v.readonly below would be False), and writing into it would change an immutable array
+        # that JAX may share, cache or have donated.
+        raise ArgumentError(name, f"is a {fw} array, which is immutable, but mok_rt writes the gradient into it in "
+                                  f"place: output buffers must be writable NumPy arrays, torch tensors, CuPy arrays "
+                                  f"or mok_rt.Tensors. Pass no buffers to have mok_rt allocate the gradients (from "
+                                  f"JAX, mok_rt.frameworks.jax_ops.moe_layer differentiates the layer)")
     try:
         v = from_dlpack(obj, name=name, stream=stream, ordered=ordered)
     except ArgumentError as ex:

@@ -157,11 +157,14 @@ def _stream_handle(stream, *, argument: str = "stream") -> int | None:
     proto = getattr(stream, "__cuda_stream__", None)
     if proto is not None:
         return int(proto()[1])
-    try:
-        return int(stream)  # cuda.bindings CUstream supports int()
-    except (TypeError, ValueError):
-        raise ArgumentError(argument, f"expected a CUDA stream (int handle or object with "
-                                      f"__cuda_stream__), got {type(stream).__name__}") from None
+    # int() below is for cuda.bindings' CUstream; it would also parse "5" and truncate 1.5.
+    if not isinstance(stream, (str, bytes, bytearray, float, np.floating)):
+        try:
+            return int(stream)
+        except (TypeError, ValueError):
+            pass
+    raise ArgumentError(argument, f"expected a CUDA stream (int handle or object with "
+                                  f"__cuda_stream__), got {type(stream).__name__}")
 
 
 def _view_from_numpy(arr: np.ndarray, name: str) -> TensorView:
@@ -324,12 +327,14 @@ def _shape_str(spec) -> str:
 
 
 def _device_matches(view: TensorView, device) -> bool:
-    if device == "cpu":
+    if isinstance(device, str) and device == "cpu":
         return view.device_type in (kDLCPU, kDLCUDAHost)
-    kind, index = device
-    if kind != "cuda":
+    # Checked before unpacking: "gpu" would unpack into three letters (a bare ValueError), and
+    # ("cuda", "0") or ("cuda", 0.5) would be taken for device 0.
+    if not (isinstance(device, (tuple, list)) and len(device) == 2 and device[0] == "cuda"
+            and isinstance(device[1], (int, np.integer)) and not isinstance(device[1], bool)):
         raise ArgumentError("device", f"expected ('cuda', id) or 'cpu', got {device!r}")
-    return view.device_type in (kDLCUDA, kDLCUDAManaged) and view.device_id == int(index)
+    return view.device_type in (kDLCUDA, kDLCUDAManaged) and view.device_id == int(device[1])
 
 
 def check(view: TensorView, *, name: str, dtype=None, ndim: int | None = None, shape=None,

@@ -18,12 +18,16 @@ on every import.
 Only the exact classes are listed (``cupy.ndarray``; ``torch.Tensor`` and ``torch.nn.Parameter``
 on a CUDA device): a subclass may export differently.  The frameworks are never imported here:
 an instance of their class means they already are.
+
+:func:`immutable_framework` names producers whose arrays must never be written through DLPack
+(JAX's): a consumer cannot tell from the capsule, because a legacy (pre-1.0) capsule has no
+read-only flag and jax exports legacy ones.
 """
 from __future__ import annotations
 
 import sys
 
-__all__ = ["current_stream_framework"]
+__all__ = ["current_stream_framework", "immutable_framework"]
 
 _UNSEEN = object()
 _MAX_TYPES = 64
@@ -52,4 +56,32 @@ def _classify(tp) -> str | None:
     if torch is not None and (tp is getattr(torch, "Tensor", None)
                               or tp is getattr(getattr(torch, "nn", None), "Parameter", None)):
         return "torch"
+    return None
+
+
+_immutable_by_type: dict = {}   # type -> "jax" or None
+
+
+def immutable_framework(obj) -> str | None:
+    """``"jax"`` when ``obj`` is a JAX array, which is immutable: JAX may share its buffer between
+    arrays, cache it or donate it, so writing through a DLPack view of it corrupts values JAX
+    still uses.  None otherwise (writability is then the capsule's read-only flag)."""
+    tp = type(obj)
+    fw = _immutable_by_type.get(tp, _UNSEEN)
+    if fw is _UNSEEN:
+        if len(_immutable_by_type) >= _MAX_TYPES:
+            _immutable_by_type.clear()
+        fw = _immutable_by_type[tp] = _classify_immutable(tp)
+    return fw
+
+
+def _classify_immutable(tp) -> str | None:
+    jax = sys.modules.get("jax")
+    array = getattr(jax, "Array", None) if jax is not None else None
+    # jax.Array is the base class of JAX's concrete array type(s) (jaxlib's ArrayImpl), which is
+    # private and has moved between modules: a subclass test against the public base is the exact
+    # check on the type, not duck typing.  Unlike the stream classes above, a subclass is included:
+    # immutability is part of jax.Array's contract, not of how one class exports.
+    if isinstance(array, type) and issubclass(tp, array):
+        return "jax"
     return None

@@ -11,6 +11,7 @@ included).  Writes a DLPack consumer makes on its own streams are the consumer's
 from __future__ import annotations
 
 import ctypes
+import enum
 import math
 from typing import Union
 
@@ -56,10 +57,11 @@ def _core_stream(stream):
 
 
 def _check_shape(shape) -> tuple[int, ...]:
-    try:
-        out = tuple(int(n) for n in (shape if isinstance(shape, (tuple, list)) else (shape,)))
-    except (TypeError, ValueError):
-        raise ArgumentError("shape", f"expected a tuple of ints, got {shape!r}") from None
+    dims = shape if isinstance(shape, (tuple, list)) else (shape,)
+    # Integers only: int() would turn 2.9 into 2 and True into 1, a shape nobody asked for.
+    if any(isinstance(n, bool) or not isinstance(n, (int, np.integer)) for n in dims):
+        raise ArgumentError("shape", f"expected a tuple of ints, got {shape!r}")
+    out = tuple(int(n) for n in dims)
     if any(n < 0 for n in out):
         raise ArgumentError("shape", f"dimensions must be >= 0, got {out}")
     return out
@@ -76,6 +78,45 @@ def _host_array(ptr: int, shape, strides, dtype: DType, keep) -> np.ndarray:
     buf._mok_keepalive = keep  # the array's base chain now ends at the owner
     return np.ndarray(shape, dtype.numpy, buffer=buf, offset=-lo * item,
                       strides=tuple(s * item for s in strides))
+
+
+def _requested_version(max_version) -> tuple[bool, tuple[int, int]]:
+    """``__dlpack__``'s ``max_version``: (versioned capsule?, the version to write in it)."""
+    if max_version is None:
+        return False, (1, 0)
+    if not (isinstance(max_version, tuple) and len(max_version) == 2
+            and all(_is_int(v) for v in max_version)):
+        raise TypeError(f"__dlpack__: max_version must be None or a (major, minor) tuple of ints, "
+                        f"got {max_version!r}")
+    if max_version[0] < 1:   # a pre-1.0 consumer reads only the legacy struct
+        return False, (1, 0)
+    return True, (DLPACK_VERSION if tuple(max_version) >= DLPACK_VERSION else (1, 0))
+
+
+def _requested_device(dl_device) -> tuple[int, int]:
+    """``__dlpack__``'s ``dl_device`` (a ``__dlpack_device__()``-style tuple) as two ints."""
+    if isinstance(dl_device, tuple) and len(dl_device) == 2:
+        kind, index = dl_device
+        if isinstance(kind, enum.Enum):   # the standard types it tuple[Enum, int]
+            kind = kind.value
+        if _is_int(kind) and _is_int(index):
+            return int(kind), int(index)
+    raise TypeError(f"__dlpack__: dl_device must be None or a (device_type, device_id) tuple as "
+                    f"__dlpack_device__() returns, e.g. (1, 0) for the CPU, got {dl_device!r}")
+
+
+def _requested_stream(stream) -> int | None:
+    """``__dlpack__``'s ``stream`` as a handle: TypeError, not the ArgumentError the layer calls
+    raise, for a value that is no stream at all."""
+    try:
+        return _stream_handle(stream)
+    except ArgumentError:
+        raise TypeError(f"__dlpack__: stream must be None, an int CUDA stream handle or an object "
+                        f"with __cuda_stream__, got {stream!r}") from None
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
 
 class Tensor:
@@ -286,26 +327,39 @@ class Tensor:
 
         Device tensors: the consumer's ``stream`` (None = legacy default stream, a CUstream
         int, 1 legacy, 2 per-thread, -1 no synchronisation) waits for the producer stream.
-        ``copy=True`` exports a fresh copy; ``dl_device`` must be this tensor's device.
+        ``copy=True`` exports a fresh copy; ``dl_device`` must be this tensor's device.  A
+        read-only tensor needs a versioned capsule (or ``copy=True``): a legacy one cannot say
+        it is read-only.
+
+        As the Python array API standard has it, an argument of the wrong type raises TypeError
+        and a request this tensor cannot satisfy BufferError (which consumers handle, e.g. by
+        asking for a copy): the caller is a DLPack consumer, not a mok_rt API user.
         """
-        if dl_device is not None and tuple(int(v) for v in dl_device) != self.__dlpack_device__():
-            raise BufferError(f"cannot export {self!r} to DLPack device {tuple(dl_device)} "
-                              f"without a cross-device copy")
+        versioned, version = _requested_version(max_version)
+        if copy is not None and not isinstance(copy, (bool, np.bool_)):
+            raise TypeError(f"__dlpack__: copy must be None, True or False, got {copy!r}")
+        if dl_device is not None and _requested_device(dl_device) != self.__dlpack_device__():
+            raise BufferError(f"cannot export {self!r} to DLPack device {dl_device} without a "
+                              f"cross-device copy")
+        handle = _requested_stream(stream)
         if self._device_id is None:
-            if stream is not None and stream != -1:
+            if handle is not None and handle != -1:
                 raise BufferError(f"stream must be None for a host tensor, got {stream!r}")
             handle = -1
         else:
-            handle = _LEGACY_STREAM if stream is None else _stream_handle(stream)
-            if handle == 0:  # disallowed by the spec; CUDA's stream 0 is the legacy stream
-                handle = _LEGACY_STREAM
+            if handle is None or handle == 0:  # 0 is disallowed by the spec; CUDA's stream 0 is
+                handle = _LEGACY_STREAM        # the legacy stream
             if handle < -1:
                 raise BufferError(f"invalid DLPack stream {handle}")
+        if self._readonly and not versioned and not copy:
+            # NumPy refuses this too: the consumer of a legacy capsule takes the memory for
+            # writable, and would write into a read-only array (a gradient buffer, say).
+            raise BufferError(f"cannot export read-only {self!r} as a legacy DLPack capsule, "
+                              f"which has no read-only flag: pass max_version=(1, 0) or later, or "
+                              f"copy=True for a writable copy")
         source = self._copy() if copy else self
         if handle != -1:
             source._order_before(handle)  # a copy runs on our producer stream, so after it
-        versioned = max_version is not None and int(max_version[0]) >= 1
-        version = DLPACK_VERSION if versioned and tuple(max_version) >= DLPACK_VERSION else (1, 0)
         return _export_capsule(
             ptr=source._ptr, shape=source._shape, strides=source._strides, dtype=source._dtype,
             device=source.__dlpack_device__(), owner=source, versioned=versioned,
