@@ -156,7 +156,12 @@ def check_ep_against_one_rank(case: str, devices, *, precision: str = "bf16", hs
         assert a.shape == b.shape, n
         diffs[n] = rel_err(a, b)
         identical[n] = a.dtype == b.dtype and np.array_equal(np.asarray(a).view(np.uint8), b.view(np.uint8))
-        assert diffs[n] <= 1e-2, (n, diffs[n])
+        # Only the shared expert's fp32 sums differ (P partial sums added here in float64 against one
+        # sum over every token): e6_shared_limit fp8_block measured 8.8e-8 to 8.9e-8 (EP = 2) and
+        # 1.5e-6 (EP = 3) in every logged run, H200 and H100 alike (bench/results/
+        # 2026-12-02T0618Z_h200x1_c7069b5_ep_tests.log ... 2026-12-08T0125Z_h100x1_..._s34.log);
+        # empty_rank 0.  1e-5 keeps ~7x over the largest; everything else must be bitwise (below).
+        assert diffs[n] <= 1e-5, (n, diffs[n])
         assert identical[n] or n.startswith("dws"), (n, diffs[n])
     REPORT.append(f"{case} {precision} EP={P} vs EP=1 on the same global problem: "
                   + " ".join(f"{n}={'bitwise' if identical[n] else f'{diffs[n]:.1e}'}" for n in diffs))
@@ -178,15 +183,12 @@ def _skewed_inputs(case: str, devices) -> list[dict]:
     return hs
 
 
-def check_fp8_ep_against_the_oracle(case: str, devices, *, skewed: bool = False) -> None:
-    """fp8_block on P ranks against the FP8 oracle of the global problem (mok_rt.reference fp8
-    emulation, the tolerances of tests/test_fp8_forward_gpu.py / test_fp8_backward_gpu.py: ``out``
-    5e-3, gradients 1.5e-2), and bitwise equal to the same problem on one rank."""
+def _fp8_oracle_errors(case: str, hs: list[dict], got: list[dict]) -> dict:
+    """Relative errors of the P ranks' fp8_block results ``got`` against the FP8 oracle of the
+    global problem of the ranks' inputs ``hs`` (asserts every result finite); _assert_fp8_errors
+    holds them to the tolerances."""
     from mok_rt import reference
-    P = len(devices)
-    hs = _skewed_inputs(case, devices) if skewed else [rank_inputs(case, SEED, r, P) for r in range(P)]
-    check_ep_against_one_rank(case, devices, precision="fp8_block", hs=hs)   # bitwise vs EP = 1
-    got = run_one_process(case, SEED, devices, recompute=False, inputs=hs, cfg=config(case, precision="fp8_block"))
+    P = len(hs)
     g = _global_problem(hs)
     f = lambda a: None if a is None else a.astype(np.float64)  # noqa: E731
     ref_out, ctx = reference.forward(f(g["x"]), g["ids"], g["tw"].astype(np.float64), f(g["w_gate"]), f(g["w_up"]),
@@ -205,18 +207,37 @@ def check_fp8_ep_against_the_oracle(case: str, devices, *, skewed: bool = False)
             have = np.concatenate([got[r][n] for r in range(P)]).astype(np.float64)
         assert np.isfinite(have).all(), n
         errs[n] = rel_err(have, want)
-    REPORT.append(f"{case}{' skewed' if skewed else ''} fp8_block EP={P} vs the FP8 oracle: "
-                  + " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
-    print(REPORT[-1])
+    return errs
+
+
+def _assert_fp8_errors(errs: dict) -> None:
+    """The tolerances of tests/test_fp8_forward_gpu.py / test_fp8_backward_gpu.py: ``out`` 5e-3,
+    the gradients 1.5e-2; every result but the shared expert's gradients present."""
     assert set(errs) >= {"out", "dx", "d_topk_weights", "dw_gate", "dw_up", "dw_down"}, sorted(errs)
     bad = {n: e for n, e in errs.items() if e > (5e-3 if n == "out" else 1.5e-2)}
     assert not bad, bad
 
 
+def check_fp8_ep_against_the_oracle(case: str, devices, *, skewed: bool = False) -> None:
+    """fp8_block on P ranks against the FP8 oracle of the global problem (mok_rt.reference fp8
+    emulation, the tolerances of tests/test_fp8_forward_gpu.py / test_fp8_backward_gpu.py: ``out``
+    5e-3, gradients 1.5e-2), and bitwise equal to the same problem on one rank."""
+    P = len(devices)
+    hs = _skewed_inputs(case, devices) if skewed else [rank_inputs(case, SEED, r, P) for r in range(P)]
+    check_ep_against_one_rank(case, devices, precision="fp8_block", hs=hs)   # bitwise vs EP = 1
+    got = run_one_process(case, SEED, devices, recompute=False, inputs=hs, cfg=config(case, precision="fp8_block"))
+    errs = _fp8_oracle_errors(case, hs, got)
+    REPORT.append(f"{case}{' skewed' if skewed else ''} fp8_block EP={P} vs the FP8 oracle: "
+                  + " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
+    print(REPORT[-1])
+    _assert_fp8_errors(errs)
+
+
 def check_capacity_error_on_every_rank(devices, *, precision: str = "bf16") -> None:
     """Every rank raises CapacityError naming the overflowing rank (the forward and backward
     enqueued behind the overflowing schedule are skipped alike on every rank), then the same
-    workspace runs correct steps again (fp8_block: finite, the same bits twice)."""
+    workspace (outputs poisoned) runs correct steps again: twice, against the reference (bf16) or
+    the FP8 oracle (fp8_block), and bit for bit the same step on a fresh workspace."""
     P = len(devices)
     case = "e6_1000_37"
     fp8 = precision != "bf16"
@@ -226,8 +247,9 @@ def check_capacity_error_on_every_rank(devices, *, precision: str = "bf16") -> N
     # Every input is on the device before the first call: to_device synchronises the device, which
     # must never happen between two ranks' calls of one step (rank 0's kernels wait for rank 1's).
     ds = [to_device(hs[r], devices[r]) for r in range(P)]
-    ok = [to_device(rank_inputs(case, SEED, r, P), devices[r]) for r in range(P)]
-    with mok.Workspace(cfg, mok.SingleProcessGroup(devices), max_tokens=max(T)) as ws:
+    ok_inputs = [rank_inputs(case, SEED, r, P) for r in range(P)]
+    ok = [to_device(h, devices[r]) for r, h in enumerate(ok_inputs)]
+    with mok.Workspace(cfg, mok.SingleProcessGroup(devices), max_tokens=max(T), poison_outputs=True) as ws:
         assert ws.capacity_rows < sum(T) * 3
         for r in range(P):
             enqueue(ws.rank(r), ds[r], recompute=False)
@@ -242,15 +264,21 @@ def check_capacity_error_on_every_rank(devices, *, precision: str = "bf16") -> N
             pending = [enqueue(ws.rank(r), ok[r], recompute=False) for r in range(P)]
             ws.synchronize()
             runs.append([to_numpy(p) for p in pending])
-            for r in range(P):
-                if fp8:
-                    assert all(np.isfinite(v.astype(np.float32)).all() for v in runs[-1][r].values()), r
-                else:
+            del pending
+            if fp8:
+                _assert_fp8_errors(_fp8_oracle_errors(case, ok_inputs, runs[-1]))
+            else:
+                for r in range(P):
                     _, bad = compare(runs[-1][r], ref[r])
                     assert not bad, (r, bad)
-        for r in range(P):
-            for n in runs[0][r]:
-                np.testing.assert_array_equal(runs[0][r][n].view(np.uint8), runs[1][r][n].view(np.uint8))
+    # The same step on a fresh workspace (same config and max_tokens): the same bits.
+    fresh = run_one_process(case, SEED, devices, recompute=False, cfg=cfg, inputs=ok_inputs)
+    for r in range(P):
+        assert set(runs[0][r]) == set(fresh[r]), r
+        for n in runs[0][r]:
+            for i, run in enumerate(runs):
+                np.testing.assert_array_equal(run[r][n].view(np.uint8), fresh[r][n].view(np.uint8),
+                                              err_msg=f"rank {r} {n}: recovered run {i} != a fresh workspace's")
 
 
 def _assert_refuses_calls(ws, rank: int, ids) -> None:

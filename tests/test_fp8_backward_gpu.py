@@ -22,6 +22,7 @@ multiple of 64, skewed and empty experts, top-k 1..8, T = 0 and 1, a shared expe
 """
 from __future__ import annotations
 
+import contextlib
 import zlib
 
 import ml_dtypes
@@ -31,7 +32,7 @@ import pytest
 pytestmark = pytest.mark.gpu
 from _gpu import cp, run_isolated  # noqa: E402  (CuPy is imported when a test first uses it)
 from test_fp8_forward_gpu import CASES as FORWARD_CASES  # noqa: E402
-from test_fp8_forward_gpu import _cfg, _reference, make_problem, rel_err  # noqa: E402
+from test_fp8_forward_gpu import _cfg, _ctx_arrays, _reference, _warm_up, make_problem, rel_err, stale_pair  # noqa: E402
 
 import mok_rt as mok  # noqa: E402
 from mok_rt import reference  # noqa: E402
@@ -85,11 +86,13 @@ def _bits(a):
     return a.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[a.itemsize])
 
 
-def run_gpu(cfg, h, d_out, *, max_tokens=None):
+def run_gpu(cfg, h, d_out, *, max_tokens=None, warm=None):
     """The CUDA FP8 backward, five ways on one workspace: twice on the forward's context (the first
     run's scratch kept), on recompute_context's, and on the contexts of a forward on bf16 master
     weights and on quantize_weights(for_backward=False) (the transposed copies then quantised in the
-    backward)."""
+    backward).  The workspace poisons its outputs (and the scratch the kernels fully write), so the
+    padding checks on the scratch (_check_quantized) see what the kernels wrote.  ``warm``: (problem,
+    d_out) of a forward + backward run on the workspace first (test_fp8_forward_gpu._warm_up)."""
     d = {n: cp.asarray(v) for n, v in h.items() if n != "shared"}
     dout = cp.asarray(d_out)
     sh = None if h["shared"][0] is None else mok.ExpertWeights(*(cp.asarray(s) for s in h["shared"]))
@@ -97,6 +100,8 @@ def run_gpu(cfg, h, d_out, *, max_tokens=None):
     T = len(h["x"])
     with mok.Workspace(cfg, mok.SingleProcessGroup(devices=[0]), max_tokens=max_tokens or max(1, T),
                        poison_outputs=True) as ws:
+        if warm is not None:
+            _warm_up(ws, *warm)
         sched = mok.schedule(ws, d["ids"])
         qw = mok.quantize_weights(ws, ew, sh)
         _, ctx = mok.forward(ws, sched, d["x"], d["tw"], qw)
@@ -304,6 +309,58 @@ def test_fewer_tokens_than_the_workspace_holds(request):
         return
     h = make_problem(9, T=77, H=256, I=128, E=8, k=4, Is=128)
     check_case("T77_of_512", _cfg(h, 4), h, seed=9, max_tokens=512)
+
+
+def test_a_step_after_another_routing_and_token_count(request):
+    if _isolated(request):
+        return
+    # Stale scratch: a T = 700 forward + backward with other routing, weights, larger activations and
+    # d_out runs on the workspace first; check_case then holds the T = 211 step to the oracle, the
+    # scratch's padding rows and columns to zero (_check_quantized) and every rerun bitwise.
+    first, h = stale_pair()
+    d_first = (_d_out(44, 700, 320).astype(np.float32) * 8).astype(BF16)
+    got = check_case("after_T700", _cfg(h, 3), h, seed=45, warm=(first, d_first), max_tokens=700)
+    for n in ("dw_gate", "dw_up", "dw_down"):   # the empty experts' gradients: zero, not stale
+        assert not got["runs"][0][n][[2, 4, 7]].any(), n
+
+
+def _fresh_step(stack, cfg, h, d_out) -> dict:
+    """One FP8 step on a workspace of its own (poisoned outputs; entered into ``stack``, so it stays
+    open): the quantised weights, out, the forward's context arrays and every gradient, as host
+    arrays by name."""
+    d = {n: cp.asarray(v) for n, v in h.items() if n != "shared"}
+    sh = None if h["shared"][0] is None else mok.ExpertWeights(*(cp.asarray(s) for s in h["shared"]))
+    ws = stack.enter_context(mok.Workspace(cfg, mok.SingleProcessGroup(devices=[0]), max_tokens=len(h["x"]),
+                                           poison_outputs=True))
+    qw = mok.quantize_weights(ws, mok.ExpertWeights(d["w_gate"], d["w_up"], d["w_down"]), sh)
+    out, ctx = mok.forward(ws, mok.schedule(ws, d["ids"]), d["x"], d["tw"], qw)
+    g = mok.backward(ws, ctx, cp.asarray(d_out))
+    ws.synchronize()
+    res = {"out": out.to_numpy(), **_grads(g)}
+    res.update({f"ctx.{n}": a for n, a in _ctx_arrays(ctx, ctx.saved.dims).items()})
+    for group, q in (("experts", qw.experts), ("shared", qw.shared)):
+        if q is not None:
+            res.update({f"{group}.{n}": a for n, a in q.to_numpy().items()})
+    return res
+
+
+def test_two_fresh_workspaces_give_the_same_bits(request):
+    if _isolated(request):
+        return
+    # Determinism across workspaces, forward and backward: two workspaces open at once (different
+    # memory, nothing inherited from the other's allocations), the same step on each, every result,
+    # the context and the quantised weights bit for bit.
+    h = make_problem(51, T=389, H=320, I=192, E=8, k=4, Is=192)
+    d_out = _d_out(52, 389, 320)
+    cfg = _cfg(h, 4)
+    with contextlib.ExitStack() as stack:
+        a = _fresh_step(stack, cfg, h, d_out)
+        b = _fresh_step(stack, cfg, h, d_out)
+    assert set(a) == set(b) and {"out", "dx", "dws_down", "ctx.gu", "experts.gate_t"} <= set(a), sorted(a)
+    for n in a:
+        assert np.isfinite(a[n].astype(np.float64)).all() or n.startswith(("ctx.", "experts.", "shared.")), n
+        np.testing.assert_array_equal(np.ascontiguousarray(a[n]).view(np.uint8),
+                                      np.ascontiguousarray(b[n]).view(np.uint8), err_msg=n)
 
 
 def test_zero_tokens(request):

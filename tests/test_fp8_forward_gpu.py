@@ -101,15 +101,44 @@ def _ctx_arrays(ctx, dims) -> dict:
     return out
 
 
-def run_gpu(cfg, h, *, max_tokens=None, repeat=2):
+def _warm_up(ws, h, d_out=None) -> None:
+    """A step of another problem ``h`` (same shapes) on ``ws`` first: schedule, quantize_weights,
+    forward (and, given ``d_out``, backward); its results dropped, so that the next step gets its
+    result blocks and scratch back holding this step's values (stale-scratch checks)."""
+    d = {n: cp.asarray(v) for n, v in h.items() if n != "shared"}
+    sh = None if h["shared"][0] is None else mok.ExpertWeights(*(cp.asarray(s) for s in h["shared"]))
+    qw = mok.quantize_weights(ws, mok.ExpertWeights(d["w_gate"], d["w_up"], d["w_down"]), sh)
+    out, ctx = mok.forward(ws, mok.schedule(ws, d["ids"]), d["x"], d["tw"], qw)
+    g = None if d_out is None else mok.backward(ws, ctx, cp.asarray(d_out))
+    ws.synchronize()
+    assert np.isfinite(out.to_numpy().astype(np.float32)).all(), "the warm-up step's out"
+    del out, ctx, g, qw
+
+
+def stale_pair():
+    """(first, second) problems for the stale-scratch tests: first T = 700 on every expert
+    (uniform routing), activations 8x larger, other weights; second T = 211, ragged, experts 2, 4
+    and 7 empty.  H = 320 and I = 192: partial K blocks, I an odd multiple of 64; a shared expert."""
+    p = dict(H=320, I=192, E=8, k=3, Is=128)
+    first = make_problem(41, T=700, x_scale=8.0, **p)
+    rng = np.random.default_rng(42)
+    probs = [0.4, 0.3, 0.0, 0.2, 0.0, 0.05, 0.05, 0.0]
+    ids = np.stack([rng.choice(8, size=3, replace=False, p=probs) for _ in range(211)])
+    return first, make_problem(43, T=211, ids=ids, **p)
+
+
+def run_gpu(cfg, h, *, max_tokens=None, repeat=2, warm=None):
     """Runs of the CUDA FP8 forward: outs (repeat runs), the quantised weights, the context arrays of
-    the first run and of a recompute, the schedule's row slots."""
+    the first run and of a recompute, the schedule's row slots.  ``warm``: a problem whose forward
+    runs on the workspace first (_warm_up)."""
     d = {n: cp.asarray(v) for n, v in h.items() if n != "shared"}
     sh = None if h["shared"][0] is None else mok.ExpertWeights(*(cp.asarray(s) for s in h["shared"]))
     ew = mok.ExpertWeights(d["w_gate"], d["w_up"], d["w_down"])
     T = len(h["x"])
     with mok.Workspace(cfg, mok.SingleProcessGroup(devices=[0]), max_tokens=max_tokens or max(1, T),
                        poison_outputs=True) as ws:
+        if warm is not None:
+            _warm_up(ws, warm)
         sched = mok.schedule(ws, d["ids"])
         qw = mok.quantize_weights(ws, ew, sh)
         runs = [mok.forward(ws, sched, d["x"], d["tw"], qw) for _ in range(repeat)]
@@ -293,19 +322,45 @@ def test_every_token_on_one_expert_and_duplicate_routes(request):
     check_case("all_on_expert0_dup", _cfg(h, 2), h)
 
 
-def test_zero_tokens(request):
+@pytest.mark.parametrize("Is", [128, 0])
+def test_zero_tokens(request, Is):
     if _isolated(request):
         return
-    h = make_problem(8, T=0, H=256, I=128, E=4, k=2, Is=128)
+    # T = 0, with and without a shared expert: a zero-size out (forward and recompute_context run);
+    # then, on the same workspace and quantised weights, a T = 16 forward against the FP8 oracle.
+    h = make_problem(8, T=0, H=256, I=128, E=4, k=2, Is=Is)
     cfg = _cfg(h, 2)
     d = {n: cp.asarray(v) for n, v in h.items() if n != "shared"}
-    sh = mok.ExpertWeights(*(cp.asarray(s) for s in h["shared"]))
+    sh = mok.ExpertWeights(*(cp.asarray(s) for s in h["shared"])) if Is else None
+    h16 = make_problem(18, T=16, H=256, I=128, E=4, k=2, Is=Is)
+    d16 = {n: cp.asarray(h16[n]) for n in ("x", "ids", "tw")}
     with mok.Workspace(cfg, mok.SingleProcessGroup(devices=[0]), max_tokens=16, poison_outputs=True) as ws:
         sched = mok.schedule(ws, d["ids"])
         qw = mok.quantize_weights(ws, mok.ExpertWeights(d["w_gate"], d["w_up"], d["w_down"]), sh)
-        out, _ = mok.forward(ws, sched, d["x"], d["tw"], qw)
+        out, ctx = mok.forward(ws, sched, d["x"], d["tw"], qw)
+        ctx_r = mok.recompute_context(ws, sched, d["x"], d["tw"], qw)
         ws.synchronize()
         assert out.to_numpy().shape == (0, 256)
+        assert ctx.saved.dims.tokens == 0 and ctx_r.saved.dims.tokens == 0
+        del ctx, ctx_r
+        # The same workspace and weights (h's) on T = 16 tokens: the FP8 oracle on h16's tokens.
+        out16, _ = mok.forward(ws, mok.schedule(ws, d16["ids"]), d16["x"], d16["tw"], qw)
+        ws.synchronize()
+        got16 = out16.to_numpy()
+    h16.update({n: h[n] for n in ("w_gate", "w_up", "w_down", "shared")})
+    want16, _ = _reference(cfg, h16)
+    assert got16.shape == (16, 256) and np.isfinite(got16.astype(np.float64)).all()
+    assert rel_err(got16, want16) <= TOL_E2E, rel_err(got16, want16)
+
+
+def test_a_step_after_another_routing_and_token_count(request):
+    if _isolated(request):
+        return
+    # Stale scratch: a T = 700 forward with other routing, weights and larger activations runs on
+    # the workspace first; check_case then holds the T = 211 step to the oracle, its padding rows
+    # to zero (_check_xq) and its context bitwise to a recompute.
+    first, h = stale_pair()
+    check_case("after_T700", _cfg(h, 3), h, warm=first, max_tokens=700)
 
 
 def test_fewer_tokens_than_the_workspace_holds(request):

@@ -39,7 +39,7 @@ import numpy as np
 import pytest
 
 pytestmark = pytest.mark.gpu
-from _gpu import cp, median_launch_ms, run_isolated  # noqa: E402
+from _gpu import cp, median_launch_ms, run_isolated, skip_or_fail  # noqa: E402
 import fp8_probe_host as H  # noqa: E402
 
 from mok_rt import build  # noqa: E402
@@ -103,7 +103,7 @@ def _probe_cubin() -> Path:
         try:
             build.find_nvcc()
         except build.BuildError as ex:
-            pytest.skip(f"the FP8 probe is compiled on the fly and needs nvcc: {ex}")
+            skip_or_fail(f"the FP8 probe is compiled on the fly and needs nvcc: {ex}")
         _cubin = build.compile_cubin(_SOURCE, Path(tempfile.mkdtemp(prefix="mok_fp8_probe_")))
     return _cubin
 

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 pytestmark = pytest.mark.gpu
-from _gpu import cp, median_launch_ms  # noqa: E402  (CuPy is imported when a test first uses it)
+from _gpu import cp, median_launch_ms, skip_or_fail  # noqa: E402  (CuPy is imported when a test first uses it)
 
 from mok_rt.runtime import tensormap as tm  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -83,7 +83,7 @@ def _probe_cubin() -> Path:
         try:
             build.find_nvcc()
         except build.BuildError as ex:
-            pytest.skip(f"the GEMM probe is compiled on the fly and needs nvcc: {ex}")
+            skip_or_fail(f"the GEMM probe is compiled on the fly and needs nvcc: {ex}")
         _probe_path = build.compile_cubin(_PROBE_SOURCE, Path(tempfile.mkdtemp(prefix="mok_probe_")))
     return _probe_path
 

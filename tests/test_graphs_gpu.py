@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 pytestmark = pytest.mark.gpu
-from _gpu import cp  # noqa: E402  (CuPy is imported when a test first uses it)
+from _gpu import cp, skip_or_fail  # noqa: E402  (CuPy is imported when a test first uses it)
 
 import mok_rt as mok  # noqa: E402
 from mok_rt.runtime.driver import call, driver  # noqa: E402
@@ -43,6 +43,14 @@ def _step(ws, d, *, stream=None, recompute=False, weights=None):
 
 def _host(results):
     return {n: cp.asnumpy(cp.from_dlpack(t)).view(np.uint8) for n, t in results.items()}
+
+
+def _poison(results) -> None:
+    """NaN (0xFF bytes) into a captured call's results before a replay, so that a replay that does
+    not write an element cannot pass on what the previous replay (or eager run) left there."""
+    for t in results.values():
+        t.poison()
+    cp.cuda.Device(0).synchronize()   # the fills (on the legacy stream) before the replay
 
 
 def _refill(d, h, *, weights=False):
@@ -117,7 +125,7 @@ def test_raw_capture_replays_match_eager_bitwise(precision, recompute, fp8_weigh
                 captured = _step(ws, d, recompute=recompute, weights=qw)
             for h, want in zip(probs, eager):
                 _refill(d, h, weights=True)
-                cp.cuda.Device(0).synchronize()
+                _poison(captured)
                 g.replay()
                 ws.synchronize()
                 got = _host(captured)
@@ -129,7 +137,8 @@ def test_raw_capture_replays_match_eager_bitwise(precision, recompute, fp8_weigh
 
 def test_two_layers_in_one_graph_and_a_device_error_in_a_replay():
     h1, h2 = make_problem(201, **SHAPE), make_problem(202, **SHAPE)
-    with mok.Workspace(_cfg(), mok.SingleProcessGroup(devices=[0]), max_tokens=SHAPE["T"]) as ws:
+    with mok.Workspace(_cfg(), mok.SingleProcessGroup(devices=[0]), max_tokens=SHAPE["T"],
+                       poison_outputs=True) as ws:
         d1, d2 = _to_dev(h1), _to_dev(h2)
         cp.cuda.Device(0).synchronize()
 
@@ -142,12 +151,17 @@ def test_two_layers_in_one_graph_and_a_device_error_in_a_replay():
             g1 = mok.backward(ws, c1, g2.dx)
             return dict(z=z, dx=g1.dx, dw1=g1.dw.down, dw2=g2.dw.gate)
 
-        want = _host(two_layers())
+        eager = two_layers()
         ws.synchronize()
+        want = _host(eager)
+        for n, t in eager.items():   # eager results written (poisoned first), so a replay has something to match
+            assert np.isfinite(t.to_numpy().astype(np.float32)).all(), n
+        del eager
         g = _RawGraph(int(ws.stream.handle))
         try:
             with g:
                 captured = two_layers()
+            _poison(captured)
             g.replay()
             ws.synchronize()
             got = _host(captured)
@@ -161,22 +175,30 @@ def test_two_layers_in_one_graph_and_a_device_error_in_a_replay():
             with pytest.raises(mok.ExpertIdError):
                 ws.synchronize()
             d2["ids"][...] = cp.asarray(h2["ids"])
-            cp.cuda.Device(0).synchronize()
+            _poison(captured)   # else the first replay's bits would still be there to compare
             g.replay()
             ws.synchronize()   # the error word was cleared: the next replay is clean
-            assert np.array_equal(_host(captured)["z"], want["z"])
+            got = _host(captured)
+            for n in want:
+                assert np.array_equal(got[n], want[n]), n
         finally:
             g.close()
 
 
 def test_torch_cuda_graph_capture_matches_eager():
-    torch = pytest.importorskip("torch")
+    try:
+        import torch
+    except ImportError:
+        skip_or_fail("torch is not installed (pip install -e '.[torch]')")
+    if not torch.cuda.is_available():
+        skip_or_fail("torch has no CUDA")
     h = make_problem(301, **SHAPE)
     dev = torch.device("cuda", 0)
     t = {n: torch.from_dlpack(cp.asarray(v)) if n != "shared" else v for n, v in _to_dev(h).items()}
     d = {n: v for n, v in t.items() if n != "shared"}
     d["shared"] = tuple(torch.from_dlpack(v) for v in _to_dev(h)["shared"])
-    with mok.Workspace(_cfg(), mok.SingleProcessGroup(devices=[0]), max_tokens=SHAPE["T"]) as ws:
+    with mok.Workspace(_cfg(), mok.SingleProcessGroup(devices=[0]), max_tokens=SHAPE["T"],
+                       poison_outputs=True) as ws:
         side = torch.cuda.Stream(device=dev)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):   # warm-up off the default stream, as torch's docs advise
@@ -186,6 +208,9 @@ def test_torch_cuda_graph_capture_matches_eager():
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             captured = _step(ws, d, stream=torch.cuda.current_stream())
+        for n, w in want.items():   # the eager results were written (poisoned first)
+            assert torch.isfinite(w.float()).all(), n
+        _poison(captured)
         graph.replay()
         torch.cuda.synchronize()
         ws.synchronize()

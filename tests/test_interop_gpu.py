@@ -7,7 +7,8 @@ current stream and on a non-default one, with the same bits as a run on mok_rt's
 another stream, with a control run that drops the ordering and reads stale data.  The autograd
 wrappers of samples/ are checked bitwise against direct API calls, and the samples run.
 
-Each framework's tests skip when it is missing (or, for JAX, has no GPU backend).
+Each framework's tests skip when it is missing (or has no GPU backend); with MOK_RT_REQUIRE_GPU=1
+they fail instead (tests/_gpu.skip_or_fail).
 """
 from __future__ import annotations
 
@@ -42,9 +43,13 @@ PRODUCER_STEPS = 40
 # --------------------------------------------------------------------------- fixtures and helpers
 @pytest.fixture(scope="module")
 def torch():
-    t = pytest.importorskip("torch")
+    from _gpu import skip_or_fail   # on a GPU machine with MOK_RT_REQUIRE_GPU=1: fail, not skip
+    try:
+        import torch as t
+    except ImportError:
+        skip_or_fail("torch is not installed (pip install -e '.[torch]')")
     if not t.cuda.is_available():
-        pytest.skip("torch has no CUDA")
+        skip_or_fail("torch has no CUDA")
     return t
 
 
@@ -56,11 +61,15 @@ def cp():
 
 @pytest.fixture(scope="module")
 def jax():
-    j = pytest.importorskip("jax")
+    from _gpu import skip_or_fail
+    try:
+        import jax as j
+    except ImportError:
+        skip_or_fail("jax is not installed (pip install -e '.[jax]' and jax[cuda13])")
     try:
         j.devices("gpu")
     except RuntimeError:
-        pytest.skip("jax has no GPU backend")
+        skip_or_fail("jax has no GPU backend (jax[cuda13])")
     return j
 
 

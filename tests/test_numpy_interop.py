@@ -71,11 +71,13 @@ def test_from_dlpack_bf16_raises_cleanly():
         from mok_rt.interop.tensor import Tensor
         t = Tensor.from_numpy(np.zeros(3, ml_dtypes.bfloat16))
         try:
-            np.from_dlpack(t)
+            got = np.from_dlpack(t)
         except SystemError as ex:
             raise SystemExit(f"SystemError: {ex}")
         except Exception as ex:
-            print("raised", type(ex).__name__, ex)
+            print("BF16 raised", type(ex).__name__, ex)
+        else:
+            print("BF16 imported", got.dtype)
         try:
             np.from_dlpack(Tensor.from_numpy(np.zeros(3, np.float32))) + "text"
         except SystemError as ex:
@@ -86,7 +88,9 @@ def test_from_dlpack_bf16_raises_cleanly():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "raised" in res.stdout and "raised TypeError" in res.stdout
+    # NumPy has no bf16: the bf16 export (kDLBfloat) must be refused, not read as float16
+    assert "BF16 raised " in res.stdout and "BF16 imported" not in res.stdout, res.stdout
+    assert "raised TypeError" in res.stdout, res.stdout
     assert "Exception ignored" not in res.stderr, res.stderr
     assert res.stderr == ""
 
