@@ -1,6 +1,6 @@
 // Device-side error word: the one way a kernel reports what only the device can see.
 //
-// Layout (int32[4], host-mapped pinned memory owned by the workspace):
+// Layout (int32[4] in device memory owned by the workspace, runtime/errorword.py):
 //   [0] code (first error wins; 0 = none)   [1..3] details, meaning per code below.
 // A kernel that finds the word set does no further work and returns: no trap, no hang.
 #pragma once
