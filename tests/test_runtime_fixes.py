@@ -305,6 +305,26 @@ def _failing(exc):
     return fail
 
 
+def test_an_ep_schedule_that_fails_to_allocate_takes_no_routing_area():
+    # build_schedule_ep takes the routing area (EPRank.exchange advances the rank's schedule count)
+    # only once its outputs and scratch are allocated: a rank that failed before would otherwise
+    # publish its next schedule into the other area than its peers.
+    with null_driver():
+        ws = _workspace()
+        be = ws._single()._impl
+        ep = _expert_parallel(be)
+        a = _Inputs()
+        oom = CudaDriverError("cuMemAllocFromPoolAsync", real.CUresult.CUDA_ERROR_OUT_OF_MEMORY)
+        be._block = _failing(oom)           # the schedule's output block
+        with pytest.raises(CudaDriverError):
+            mok.schedule(ws, a.ids)
+        assert ep.mark() == (0, 0)
+        del be._block
+        mok.schedule(ws, a.ids)
+        assert ep.mark() == (0, 1)
+        be.ep = None
+
+
 def test_bf16_launches_that_fail_before_they_are_enqueued_keep_the_epoch(monkeypatch):
     with null_driver() as fake:
         ws = _workspace(trace=True)

@@ -361,7 +361,8 @@ class CudaBackend(Fp8Calls):
         def scratch(words):
             return self._scratch_ptrs("schedule", {n: 4 * w for n, w in words.items()}, stream, capturing)[0]
 
-        return build_schedule_ep(ids.ptr, T, exchange=self.ep.exchange(), max_tokens=self.ws.max_tokens,
+        return build_schedule_ep(ids.ptr, T, exchange=self.ep.exchange, num_ranks=self.ep.num_ranks,
+                                 max_tokens=self.ws.max_tokens,
                                  wave_tokens=self.ep.shared.layout.chunk_tokens * self.ep.push_tasks_max,
                                  **self._schedule_args(ids, stream), outputs=outputs, scratch=scratch)
 
@@ -406,7 +407,7 @@ class CudaBackend(Fp8Calls):
         a launch this rank never made, its next launch would wait for its peers under an epoch
         they are not at, and time out."""
         if epoch is not None:
-            self.ep._epoch = epoch
+            self.ep.rewind(epoch)
 
     def _cacheable(self, capturing: bool) -> bool:
         """Whether a call's prepared launch may be kept: not while capturing (its arena pointers are
@@ -432,7 +433,7 @@ class CudaBackend(Fp8Calls):
         cacheable = self._cacheable(capturing)
         key = (kind, T, handle, base, sched._launch_key, inputs, scratch_key) if cacheable else None
         hit = self._calls.get(key) if cacheable else None
-        epoch = None if self.ep is None else self.ep._epoch   # restored if nothing is launched (_rewind)
+        epoch = None if self.ep is None else self.ep.mark()   # restored if nothing is launched (_rewind)
         try:
             if hit is None:
                 ptrs = lay.pointers(base)
@@ -499,7 +500,7 @@ class CudaBackend(Fp8Calls):
         key = ("backward", bool(accumulate), grad_bf16, T, handle, base, sched._launch_key, state.bufs_key, inputs,
                grad_ptrs, scratch_key) if cacheable else None
         prep = self._calls.get(key) if cacheable else None
-        epoch = None if self.ep is None else self.ep._epoch   # restored if nothing is launched (_rewind)
+        epoch = None if self.ep is None else self.ep.mark()   # restored if nothing is launched (_rewind)
         try:
             if prep is None:
                 bb = L.BackwardBuffers(

@@ -125,7 +125,7 @@ class Fp8Calls:
         fb = M8.Fp8ForwardBuffers(x=args.x.ptr, topk_weights=device_ptr(args.topk_weights), out=device_ptr(out),
                                   **wq, **{n: (v.ptr if sizes[n] else 0) for n, v in block.items()}, **scratch)
         # Only now the EP epoch advances; it goes back if the launch is not enqueued (CudaBackend._rewind).
-        epoch = None if self.ep is None else self.ep._epoch   # restored if nothing is launched (_rewind)
+        epoch = None if self.ep is None else self.ep.mark()   # restored if nothing is launched (_rewind)
         try:
             peers = None if self.ep is None else M8.fp8_peers(self.ep.peers(T), dims)
             plan = M8.forward_plan(dims, context_only=context_only,
@@ -201,7 +201,7 @@ class Fp8Calls:
                tuple(ctx.values()), dout.ptr, args.topk_weights.ptr, tuple(wt.values()), grad_ptrs,
                scratch_key)
         prep = self._calls.get(key) if cacheable else None
-        epoch = None if self.ep is None else self.ep._epoch   # restored if nothing is launched (_rewind)
+        epoch = None if self.ep is None else self.ep.mark()   # restored if nothing is launched (_rewind)
         try:
             if prep is None:
                 # With EP dx returns into the slot rows of the symmetric block (as in the bf16 EP backward).

@@ -205,6 +205,16 @@ class EPRank:
         self._epoch = 0
         self._schedules = 0
 
+    def mark(self) -> tuple[int, int]:
+        """This rank's counts of launches (epochs) and schedules (routing areas), for rewind()."""
+        return self._epoch, self._schedules
+
+    def rewind(self, mark: tuple[int, int]) -> None:
+        """Give back the epochs / routing areas taken since ``mark`` by a call that raised before
+        its kernels were enqueued: every rank must count the same launches and schedules (a rank
+        ahead by one would wait for its peers under an epoch they never use)."""
+        self._epoch, self._schedules = mark
+
     def exchange(self) -> RoutingExchange:
         """The next schedule's routing exchange (alternating routing areas)."""
         lay = self.shared.layout

@@ -137,7 +137,7 @@ def build_schedule(ids_ptrs: Sequence[int], tokens: Sequence[int], *, ids_int64:
                     scratch=scratch)
 
 
-def build_schedule_ep(ids_ptr: int, tokens: int, *, ids_int64: bool, exchange: RoutingExchange, num_experts: int,
+def build_schedule_ep(ids_ptr: int, tokens: int, *, ids_int64: bool, exchange, num_ranks: int, num_experts: int,
                       top_k: int, rank: int, block_m: int, max_rows: int, max_tokens: int, wave_tokens: int,
                       device_id: int, stream, err_ptr: int, poison: bool = False, outputs=None,
                       scratch=None) -> Schedule:
@@ -147,30 +147,40 @@ def build_schedule_ep(ids_ptr: int, tokens: int, *, ids_int64: bool, exchange: R
     and the order in which the layer launches take the row blocks (the second half of
     block_expert): by the wave of readiness chunks (``wave_tokens`` source tokens: one chunk per
     push task) that brings a block's last row, stably (cuda_src/moe/schedule_params.cuh).
-    Every rank of the group must call it, in the same order as its other collective calls."""
-    num_ranks = len(exchange.peer_bases)
+    Every rank of the group must call it, in the same order as its other collective calls.
+
+    ``exchange()`` gives the routing area to publish into (a :class:`RoutingExchange`; taking one
+    advances the rank's count of schedules, dist/ep.py).  It is called once every check and
+    allocation of this call has passed, right before the exchange kernel is enqueued: a call that
+    raises before has taken no area, so the ranks keep counting the same schedules."""
     _check_layout(num_ranks, num_experts, max_rows, block_m)
     if isinstance(wave_tokens, bool) or not isinstance(wave_tokens, int) or wave_tokens < 1:
         raise ArgumentError("wave_tokens", f"expected an int >= 1, got {wave_tokens!r}")   # (before the collective)
     if not 0 <= tokens <= max_tokens:
         raise ArgumentError("topk_ids", f"{tokens} tokens exceed max_tokens={max_tokens}")
-    x = ExchangeParams()
-    x.peer_bases, x.ids, x.err = exchange.peer_array, ids_ptr, err_ptr
-    x.area_offset, x.pad_offset, x.timeout_ns = exchange.area_offset, exchange.pad_offset, exchange.timeout_ns
-    x.tokens, x.top_k, x.ids_int64, x.rank, x.num_ranks = tokens, top_k, int(bool(ids_int64)), rank, num_ranks
-    launch(get_kernel(_CUBIN, "schedule_exchange", device_id), grid=1, block=SCHEDULE_THREADS, params=x,
-           stream=stream, device_id=device_id)
     p = ScheduleParams()
     p.ids_int64 = 0                       # the routing areas hold int32 ids
     p.tokens_on_device = 1
-    for s, base in enumerate(exchange.peer_bases):
-        area = int(base) + exchange.area_offset
-        p.src_ids[s] = area + ROUTING_IDS_OFFSET
-        p.src_tokens_at[s] = area
+
+    def publish():   # after the allocations (_enqueue): the routing area is taken only now
+        ex = exchange()
+        if len(ex.peer_bases) != num_ranks:
+            raise ArgumentError("exchange", f"{len(ex.peer_bases)} peers for {num_ranks} ranks")
+        x = ExchangeParams()
+        x.peer_bases, x.ids, x.err = ex.peer_array, ids_ptr, err_ptr
+        x.area_offset, x.pad_offset, x.timeout_ns = ex.area_offset, ex.pad_offset, ex.timeout_ns
+        x.tokens, x.top_k, x.ids_int64, x.rank, x.num_ranks = tokens, top_k, int(bool(ids_int64)), rank, num_ranks
+        launch(get_kernel(_CUBIN, "schedule_exchange", device_id), grid=1, block=SCHEDULE_THREADS, params=x,
+               stream=stream, device_id=device_id)
+        for s, base in enumerate(ex.peer_bases):
+            area = int(base) + ex.area_offset
+            p.src_ids[s] = area + ROUTING_IDS_OFFSET
+            p.src_tokens_at[s] = area
+
     out = _enqueue(p, num_ranks=num_ranks, tokens=tokens, num_experts=num_experts, top_k=top_k, rank=rank,
                    block_m=block_m, max_rows=max_rows, max_total_routes=num_ranks * max_tokens * top_k,
                    device_id=device_id, stream=stream, err_ptr=err_ptr, poison=poison, outputs=outputs,
-                   scratch=scratch)
+                   scratch=scratch, before_passes=publish)
     mb = max_rows // block_m
     o = BlockOrderParams()
     o.row_slot, o.totals, o.block_order = out.row_slot.ptr, out.totals.ptr, out.block_expert.ptr + 4 * mb
@@ -247,8 +257,9 @@ def poison_schedule(s: Schedule, stream) -> None:
 
 def _enqueue(p: ScheduleParams, *, num_ranks: int, tokens: int, num_experts: int, top_k: int, rank: int,
              block_m: int, max_rows: int, max_total_routes: int, device_id: int, stream, err_ptr: int,
-             poison: bool, outputs=None, scratch=None) -> Schedule:
-    """Allocate the outputs and enqueue the count / scan / place passes (``p``'s sources set).
+             poison: bool, outputs=None, scratch=None, before_passes=None) -> Schedule:
+    """Allocate the outputs and enqueue the count / scan / place passes (``p``'s sources set, or
+    set by ``before_passes()``, which runs once everything is allocated, before any pass).
 
     ``outputs(shapes)``: int32 tensors for ``{name: shape}`` (the schedule's arrays);
     ``scratch(words)``: device pointers to ``{name: int32 words}`` that live until the passes ran.
@@ -274,6 +285,8 @@ def _enqueue(p: ScheduleParams, *, num_ranks: int, tokens: int, num_experts: int
     out._scratch = tuple(keep)
     if poison:
         poison_schedule(out, stream)
+    if before_passes is not None:
+        before_passes()
 
     p.err = err_ptr
     p.chunk_count, p.expert_total, p.expert_row_base = work["chunk_count"], work["expert_total"], \
