@@ -305,6 +305,20 @@ def _failing(exc):
     return fail
 
 
+def _backward_keeps_the_epoch_until_enqueued(monkeypatch, module, prepare: str, ws, be, ctx, d_out):
+    """After one forward (epoch 1): a backward whose preparation (``module.prepare``) raises keeps
+    epoch 1, the next one takes epoch 2; then the workspace is closed."""
+    monkeypatch.setattr(module, prepare, _failing(mok.ArgumentError("bufs", "refused")))
+    with pytest.raises(mok.ArgumentError):
+        mok.backward(ws, ctx, d_out)
+    assert be.ep._epoch == 1
+    monkeypatch.undo()
+    mok.backward(ws, ctx, d_out)
+    assert be.ep._epoch == 2
+    be.ep = None
+    ws.close()
+
+
 def test_an_ep_schedule_that_fails_to_allocate_takes_no_routing_area():
     # build_schedule_ep takes the routing area (EPRank.exchange advances the rank's schedule count)
     # only once its outputs and scratch are allocated: a rank that failed before would otherwise
@@ -345,15 +359,7 @@ def test_bf16_launches_that_fail_before_they_are_enqueued_keep_the_epoch(monkeyp
         del fake._cuLaunchKernelEx
         _, ctx = mok.forward(ws, sched, a.x, a.tw, a.experts)
         assert ep._epoch == 1
-        monkeypatch.setattr(L, "prepare_backward", _failing(mok.ArgumentError("bufs", "refused")))
-        with pytest.raises(mok.ArgumentError):
-            mok.backward(ws, ctx, a.d_out)
-        assert ep._epoch == 1
-        monkeypatch.undo()
-        mok.backward(ws, ctx, a.d_out)
-        assert ep._epoch == 2
-        be.ep = None
-        ws.close()
+        _backward_keeps_the_epoch_until_enqueued(monkeypatch, L, "prepare_backward", ws, be, ctx, a.d_out)
 
 
 def test_fp8_launches_that_fail_before_they_are_enqueued_keep_the_epoch(monkeypatch):
@@ -374,15 +380,7 @@ def test_fp8_launches_that_fail_before_they_are_enqueued_keep_the_epoch(monkeypa
         del be._trace_buffer
         _, ctx = mok.forward(ws, sched, a.x, a.tw, qw)
         assert ep._epoch == 1
-        monkeypatch.setattr(MB, "prepare_backward_fp8", _failing(mok.ArgumentError("bufs", "refused")))
-        with pytest.raises(mok.ArgumentError):
-            mok.backward(ws, ctx, a.d_out)
-        assert ep._epoch == 1
-        monkeypatch.undo()
-        mok.backward(ws, ctx, a.d_out)
-        assert ep._epoch == 2
-        be.ep = None
-        ws.close()
+        _backward_keeps_the_epoch_until_enqueued(monkeypatch, MB, "prepare_backward_fp8", ws, be, ctx, a.d_out)
 
 
 # ---- 6. poison_outputs fills the scratch and the quantised weights -----------------------------------

@@ -22,6 +22,7 @@ rows that travel between ranks live in the workspace's symmetric heap (see ep.py
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -400,14 +401,20 @@ class CudaBackend(Fp8Calls):
             run()
         return s, bufs, bufs_key
 
-    def _rewind(self, epoch) -> None:
-        """A launch that took a new EP epoch (``ep.peers``) raised before it was enqueued (its trace
-        buffer's allocation, its preparation, the launch call itself): the epoch goes back.  Every
-        rank must give the same launch the same epoch (ep.py counts them on the host): advanced for
-        a launch this rank never made, its next launch would wait for its peers under an epoch
-        they are not at, and time out."""
-        if epoch is not None:
-            self.ep.rewind(epoch)
+    @contextlib.contextmanager
+    def _launch_epoch(self):
+        """Around a launch that takes a new EP epoch (``ep.peers``): if it raises before it is
+        enqueued (its trace buffer's allocation, its preparation, the launch call itself), the
+        epoch goes back.  Every rank must give the same launch the same epoch (ep.py counts them
+        on the host): advanced for a launch this rank never made, its next launch would wait for
+        its peers under an epoch they are not at, and time out."""
+        mark = None if self.ep is None else self.ep.mark()
+        try:
+            yield
+        except BaseException:
+            if mark is not None:
+                self.ep.rewind(mark)
+            raise
 
     def _cacheable(self, capturing: bool) -> bool:
         """Whether a call's prepared launch may be kept: not while capturing (its arena pointers are
@@ -433,8 +440,7 @@ class CudaBackend(Fp8Calls):
         cacheable = self._cacheable(capturing)
         key = (kind, T, handle, base, sched._launch_key, inputs, scratch_key) if cacheable else None
         hit = self._calls.get(key) if cacheable else None
-        epoch = None if self.ep is None else self.ep.mark()   # restored if nothing is launched (_rewind)
-        try:
+        with self._launch_epoch():   # the EP epoch goes back if nothing is enqueued
             if hit is None:
                 ptrs = lay.pointers(base)
                 out_ptr = ptrs.pop("out", 0)
@@ -442,7 +448,7 @@ class CudaBackend(Fp8Calls):
                     x=inputs[0], topk_weights=inputs[1], w_gate=inputs[2], w_up=inputs[3], w_down=inputs[4],
                     shared_gate=inputs[5], shared_up=inputs[6], shared_down=inputs[7], out=out_ptr, **ptrs,
                     **scratch)
-                # Only now the EP epoch advances; it goes back if this launch is not enqueued (_rewind).
+                # Only now the EP epoch advances.
                 peers = None if self.ep is None else self.ep.peers(T)
                 plan = L.forward_plan(dims, context_only=context_only,
                                       push_tasks=0 if peers is None else peers.push_tasks)
@@ -455,9 +461,6 @@ class CudaBackend(Fp8Calls):
                     self._calls.put(key, hit)
             prep, ptrs, ptrs_key = hit
             prep()
-        except BaseException:
-            self._rewind(epoch)
-            raise
         return out, ForwardState(dims, ptrs, ptrs_key, (args, sched, owner))
 
     @staticmethod
@@ -500,14 +503,13 @@ class CudaBackend(Fp8Calls):
         key = ("backward", bool(accumulate), grad_bf16, T, handle, base, sched._launch_key, state.bufs_key, inputs,
                grad_ptrs, scratch_key) if cacheable else None
         prep = self._calls.get(key) if cacheable else None
-        epoch = None if self.ep is None else self.ep.mark()   # restored if nothing is launched (_rewind)
-        try:
+        with self._launch_epoch():   # the EP epoch goes back if nothing is enqueued
             if prep is None:
                 bb = L.BackwardBuffers(
                     d_out=inputs[0], x=inputs[1], topk_weights=inputs[2], w_gate=inputs[3], w_up=inputs[4],
                     w_down=inputs[5], shared_gate=inputs[6], shared_up=inputs[7], shared_down=inputs[8], dx=dx.ptr,
                     d_topk_weights=dtw.ptr, **state.bufs, **dict(zip(GRAD_NAMES, grad_ptrs)), **scratch, **heap_rows)
-                # Only now the EP epoch advances; it goes back if this launch is not enqueued (_rewind).
+                # Only now the EP epoch advances.
                 peers = None if self.ep is None else self.ep.peers(T)
                 plan = L.backward_plan(dims, push_tasks=0 if peers is None else peers.push_tasks)
                 trace = self._trace_buffer("backward", plan, stream, capturing)
@@ -517,9 +519,6 @@ class CudaBackend(Fp8Calls):
                 if cacheable:
                     self._calls.put(key, prep)
             prep()
-        except BaseException:
-            self._rewind(epoch)
-            raise
         dx._owner = (dx._owner, args, dout)   # keep the inputs alive with the result
         return grads
 

@@ -124,9 +124,8 @@ class Fp8Calls:
                 wq[f"{prefix}{part}_s"] = 0 if g is None else getattr(g, f"{part}_scale").ptr
         fb = M8.Fp8ForwardBuffers(x=args.x.ptr, topk_weights=device_ptr(args.topk_weights), out=device_ptr(out),
                                   **wq, **{n: (v.ptr if sizes[n] else 0) for n, v in block.items()}, **scratch)
-        # Only now the EP epoch advances; it goes back if the launch is not enqueued (CudaBackend._rewind).
-        epoch = None if self.ep is None else self.ep.mark()   # restored if nothing is launched (_rewind)
-        try:
+        with self._launch_epoch():   # the EP epoch goes back if nothing is enqueued
+            # Only now the EP epoch advances.
             peers = None if self.ep is None else M8.fp8_peers(self.ep.peers(T), dims)
             plan = M8.forward_plan(dims, context_only=context_only,
                                    push_tasks=0 if peers is None else peers.push_tasks)
@@ -134,9 +133,6 @@ class Fp8Calls:
             M8.launch_forward_fp8(fb, sched._launch_bufs, dims, stream=stream, err_ptr=self.error.device_ptr,
                                   device_id=self.device_id, knobs=self.knobs, context_only=context_only,
                                   trace_ptr=trace, plan=plan, peers=peers)
-        except BaseException:
-            self._rewind(epoch)
-            raise
         return out, ForwardState(dims=dims, bufs=block, keep=(args, sched, routed, shared),
                                  weights=(routed, shared))
 
@@ -201,16 +197,14 @@ class Fp8Calls:
                tuple(ctx.values()), dout.ptr, args.topk_weights.ptr, tuple(wt.values()), grad_ptrs,
                scratch_key)
         prep = self._calls.get(key) if cacheable else None
-        epoch = None if self.ep is None else self.ep.mark()   # restored if nothing is launched (_rewind)
-        try:
+        with self._launch_epoch():   # the EP epoch goes back if nothing is enqueued
             if prep is None:
                 # With EP dx returns into the slot rows of the symmetric block (as in the bf16 EP backward).
                 heap = {} if self.ep is None else {"dx_slot": self.ep.slot_ptr()}
                 bb = MB.Fp8BackwardBuffers(d_out=dout.ptr, topk_weights=args.topk_weights.ptr, dx=dx.ptr,
                                            d_topk_weights=dtw.ptr, **ctx, **wt, **dict(zip(P.GRAD_NAMES, grad_ptrs)),
                                            **scratch, **heap)
-                # Only now the EP epoch advances; it goes back if the launch is not enqueued
-                # (CudaBackend._rewind).
+                # Only now the EP epoch advances.
                 peers = None if self.ep is None else M8.fp8_peers(self.ep.peers(T), dims)
                 plan = MB.backward_plan(dims, push_tasks=0 if peers is None else peers.push_tasks)
                 trace = self._trace_buffer("backward", plan, stream, capturing)
@@ -221,9 +215,6 @@ class Fp8Calls:
                 if cacheable:
                     self._calls.put(key, prep)
             prep()
-        except BaseException:
-            self._rewind(epoch)
-            raise
         # Copies made for this call are released now: like every result block, reused only by a
         # later call on this stream (after this launch in stream order) or freed on it.
         del copies

@@ -51,15 +51,19 @@ class RankScratch:
             # calls or other graphs on streams this rank never sees, so nothing may share it.
             ptrs = {name: self.arena.allocate(nbytes) for name, nbytes in sizes.items()}
             self._note_peak()
-            if self.poison:
-                self._poison(ptrs, sizes, stream)   # captured: every replay poisons again
-            return ptrs, tuple(ptrs.values())
+            got = ptrs, tuple(ptrs.values())
+        else:
+            got = self._shared(kind, sizes, stream)
+        if self.poison:
+            self._poison(got[0], sizes, stream)   # captured: every replay poisons again
+        return got
+
+    def _shared(self, kind: str, sizes: dict, stream) -> tuple[dict, tuple]:
+        """ptrs() for an eager call: the rank's buffers, grown where too small."""
         # The answer for these sizes while no buffer was replaced since (``sizes`` is held by the
         # entry, so comparing it by identity is sound).
         last = self._last.get(kind)
         if last is not None and last[0] is sizes and last[1] == self._gen:
-            if self.poison:
-                self._poison(last[2], sizes, stream)
             return last[2], last[3]
         out = {}
         buffers = self.buffers
@@ -86,8 +90,6 @@ class RankScratch:
             out[name] = have[0]
         values = tuple(out.values())
         self._last[kind] = (sizes, self._gen, out, values)
-        if self.poison:
-            self._poison(out, sizes, stream)
         return out, values
 
     def _poison(self, ptrs: dict, sizes: dict, stream) -> None:
